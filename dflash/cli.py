@@ -1,0 +1,131 @@
+"""The `dflash` command line: parses options, loads the config and calls a stage's `run`.
+
+Every command that takes a config reads TOML (`-c`; the embedded tiny default without it)
+and accepts any number of `--set section.key=value` overrides.
+"""
+
+import sys
+
+import click
+
+from dflash.config import ConfigError, load_config
+
+CONFIG_HELP = "TOML config file (default: the embedded tiny config, configs/tiny.toml)."
+SET_HELP = "Override one config value, e.g. --set train.lr=3e-4 (repeatable)."
+
+
+def config_options(command):
+    command = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)(command)
+    command = click.option("-c", "--config", "config_path", type=click.Path(dir_okay=False), help=CONFIG_HELP)(command)
+    return command
+
+
+def load_or_exit(config_path, overrides, extra=()):
+    try:
+        return load_config(config_path, [*overrides, *extra])
+    except ConfigError as err:
+        raise click.UsageError(str(err)) from None
+
+
+def relaunch_without_gpus(gpus: str) -> None:
+    """Re-run this very command under torchrun on the given GPUs, then exit with its code."""
+    from dflash.dist import launch_on_gpus
+
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--gpus":
+            skip = True
+        elif not arg.startswith("--gpus="):
+            args.append(arg)
+    sys.exit(launch_on_gpus(gpus, args))
+
+
+def under_torchrun() -> bool:
+    import os
+
+    return "LOCAL_RANK" in os.environ
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="dflash")
+def main():
+    """Train DFlash drafters offline.
+
+    \b
+    1. stage1-extract  run the frozen target over chat data, cache its layer outputs
+    2. stage2-train    train the drafter from that cache alone
+    3. inspect-cache   statistics and verification of a cache
+    4. export          write a checkpoint in the format inference engines load
+    """
+
+
+@main.command("stage1-extract")
+@config_options
+@click.option("--gpus", help="Comma-separated GPU ids, one process each via torchrun (e.g. 0,1,2,3,4).")
+@click.option("--overwrite", is_flag=True, help="Replace a store that was made with a different config.")
+def stage1_extract(config_path, overrides, gpus, overwrite):
+    """Run the target over the dataset and write its hidden states to the store.
+
+    Tokenizes the data (cached), plans length buckets and shards, then writes each shard
+    atomically. Rerunning resumes: only missing shards are computed. Under torchrun each
+    rank writes its own shards.
+    """
+    if gpus and not under_torchrun():
+        relaunch_without_gpus(gpus)
+    config = load_or_exit(config_path, overrides, ["store.overwrite=true"] if overwrite else [])
+    from stages import extract
+
+    extract.run(config)
+
+
+@main.command("stage2-train")
+@config_options
+@click.option("--gpus", help="Comma-separated GPU ids, one DDP process each via torchrun (e.g. 5,6,7).")
+@click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
+              help="Resume from the latest checkpoint in train.out_dir, or from PATH.")
+def stage2_train(config_path, overrides, gpus, resume):
+    """Train the DFlash drafter from a stage-one store (no target model needed)."""
+    if gpus and not under_torchrun():
+        relaunch_without_gpus(gpus)
+    config = load_or_exit(config_path, overrides)
+    from stages import train
+
+    train.run(config, resume=resume)
+
+
+@main.command("inspect-cache")
+@click.argument("store", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON only.")
+@click.option("--verify", is_flag=True, help="Read every chunk; check checksums, shapes, NaN/Inf, completion marks.")
+@click.option("--per-shard", is_flag=True, help="Also print one row per shard.")
+@click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of the length distribution by bucket.")
+def inspect_cache(store, as_json, verify, per_shard, plot):
+    """Show bucket (and shard) statistics of STORE and optionally verify it.
+
+    Exits with status 1 when --verify finds a bad shard.
+    """
+    from stages import inspect
+
+    result = inspect.run(store, as_json=as_json, verify=verify, per_shard=per_shard, plot=plot)
+    if verify and not result["ok"]:
+        sys.exit(1)
+
+
+@main.command("export")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def export(checkpoint, out_dir):
+    """Export a training CHECKPOINT directory to OUT_DIR in the inference format.
+
+    OUT_DIR gets config.json (Qwen3 config with dflash_config) and model.safetensors.
+    """
+    from stages import train
+
+    path = train.export_checkpoint(checkpoint, out_dir)
+    click.echo(f"exported {checkpoint} -> {path}")
+
+
+if __name__ == "__main__":
+    main()

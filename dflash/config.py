@@ -1,0 +1,247 @@
+"""Configuration: one frozen dataclass per section, loaded from TOML, overridden with `--set`.
+
+`load_config(path, overrides)` reads a TOML file (or the embedded tiny default when no path
+is given), applies `section.key=value` overrides, and validates everything once, raising
+`ConfigError` with the offending key. The dataclass defaults describe a real run on the
+reference machine (paths under /data/dflash, the 27B-sized drafter).
+"""
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+DEFAULT_ROOT = "/data/dflash"
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or invalid; the message names the key."""
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    path: str = f"{DEFAULT_ROOT}/target"  # checkpoint directory, or "embedded:tiny"
+    layer_ids: tuple[int, ...] = ()  # empty: evenly spaced default (ARCHITECTURE.md)
+    num_layer_ids: int = 5
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = f"{DEFAULT_ROOT}/data"  # file, directory, "embedded:code-chat" or hub name
+    split: str = "train"
+    max_length: int = 4096
+    overlong: str = "truncate"  # or "drop"
+    strict: bool = False  # a bad row raises instead of being counted
+    num_workers: int = 8
+    cache_dir: str = f"{DEFAULT_ROOT}/cache"
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    path: str = f"{DEFAULT_ROOT}/store"
+    codec: str = "fp8"  # or "bf16" (lossless)
+    bucket_edges: tuple[int, ...] = (64, 256, 512, 1024, 2048, 3296, 8192)
+    shard_tokens: int = 262_144
+    overwrite: bool = False
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    batch_tokens: int = 32_768  # padded tokens per target forward
+    rows_per_chunk: int = 64  # store rows per compressed chunk
+    device: str = "auto"  # "auto": cuda:<local rank> when available, else cpu
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    size: str = "qwen3.6-27b"  # a named size from dflash.drafter.DRAFTER_SIZES
+    init_from: str = ""  # an exported drafter directory to start from (fine-tuning)
+    block_size: int = 16
+    mask_token_id: int = 248_070
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    out_dir: str = f"{DEFAULT_ROOT}/runs/drafter"
+    epochs: int = 6
+    max_steps: int = 0  # 0: run all epochs
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    decay: str = "cosine"  # or "linear"
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    token_budget: int = 16_384  # real (unpadded) context tokens per micro-batch
+    accum_steps: int = 4  # micro-batches per rank per optimizer step
+    max_anchors: int = 512
+    gamma: float = 0.0  # 0: the default for the block size (7 for 16)
+    loss_chunk: int = 2048  # block rows per LM-head chunk
+    seed: int = 0
+    holdout_fraction: float = 0.01
+    eval_every: int = 500
+    eval_batches: int = 16
+    log_every: int = 10
+    save_every: int = 1000
+    keep_last: int = 3
+    num_workers: int = 4
+    attention: str = "auto"  # "flex" on CUDA, "dense" (SDPA) on CPU
+    compile: bool = True  # torch.compile the drafter layers on CUDA
+    activation_checkpointing: bool = False
+    parallel: str = "ddp"  # or "fsdp2"
+    skip_corrupt_shards: bool = False
+    log_grad_norm: bool = False
+    wandb: str = "offline"  # "online", "offline" or "disabled"
+    wandb_project: str = "dflash"
+
+
+@dataclass(frozen=True)
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def section_hash(self, *sections: str) -> str:
+        """sha256 of the named sections, stable across processes (for stores and caches)."""
+        chosen = {name: dataclasses.asdict(getattr(self, name)) for name in sections}
+        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()
+
+
+CHOICES = {
+    "data.overlong": ("truncate", "drop"),
+    "store.codec": ("bf16", "fp8"),
+    "target.dtype": ("auto", "bfloat16", "float16", "float32"),
+    "train.decay": ("cosine", "linear"),
+    "train.attention": ("auto", "flex", "dense"),
+    "train.parallel": ("ddp", "fsdp2"),
+    "train.wandb": ("online", "offline", "disabled"),
+}
+
+
+def default_config_text() -> str:
+    """The embedded tiny default (configs/tiny.toml, packaged as dflash.configs)."""
+    return resources.files("dflash.configs").joinpath("tiny.toml").read_text()
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Load TOML (the tiny default when path is None), apply overrides, validate."""
+    if path is None:
+        raw = tomllib.loads(default_config_text())
+    else:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{path}: invalid TOML: {err}") from None
+    for item in overrides:
+        section, key, value = parse_override(item)
+        raw.setdefault(section, {})[key] = value
+    return build_config(raw)
+
+
+def parse_override(item: str) -> tuple[str, str, object]:
+    """'train.lr=3e-4' -> ('train', 'lr', 0.0003); values are TOML, bare words are strings."""
+    name, sep, text = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not key:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. train.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return section, key, value
+
+
+def build_config(raw: dict) -> Config:
+    sections = {}
+    for section_field in dataclasses.fields(Config):
+        values = raw.pop(section_field.name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{section_field.name}] must be a table")
+        sections[section_field.name] = build_section(section_field.name, section_field.default_factory, values)
+    if raw:
+        raise ConfigError(f"unknown config section(s): {', '.join(sorted(raw))}")
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def build_section(name: str, cls, values: dict):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown config key(s): {', '.join(f'{name}.{k}' for k in unknown)}")
+    coerced = {key: coerce(f"{name}.{key}", hints[key], value) for key, value in values.items()}
+    return cls(**coerced)
+
+
+def coerce(key: str, hint, value):
+    """Check a TOML value against the field's type; ints widen to floats, lists to tuples."""
+    if typing.get_origin(hint) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a list, got {value!r}")
+        item_type = typing.get_args(hint)[0]
+        return tuple(coerce(key, item_type, item) for item in value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is bool and not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if isinstance(hint, type) and not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
+        raise ConfigError(f"{key} must be {hint.__name__}, got {value!r}")
+    return value
+
+
+def validate(config: Config) -> None:
+    for key, allowed in CHOICES.items():
+        value = lookup(config, key)
+        if value not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+    positive = ["data.max_length", "store.shard_tokens", "extract.batch_tokens", "extract.rows_per_chunk",
+                "train.epochs", "train.token_budget", "train.accum_steps", "train.max_anchors",
+                "train.loss_chunk", "train.log_every", "train.save_every", "train.keep_last",
+                "train.eval_every", "drafter.block_size", "target.num_layer_ids"]
+    for key in positive:
+        if lookup(config, key) <= 0:
+            raise ConfigError(f"{key} must be positive, got {lookup(config, key)}")
+    edges = config.store.bucket_edges
+    if len(edges) < 2 or any(a >= b for a, b in zip(edges, edges[1:])):
+        raise ConfigError(f"store.bucket_edges must be at least two increasing lengths, got {list(edges)}")
+    if config.data.max_length > edges[-1]:
+        raise ConfigError(f"data.max_length ({config.data.max_length}) must not exceed the last "
+                          f"store.bucket_edges value ({edges[-1]})")
+    if config.data.max_length > config.extract.batch_tokens:
+        raise ConfigError(f"extract.batch_tokens ({config.extract.batch_tokens}) must hold one "
+                          f"sequence of data.max_length ({config.data.max_length})")
+    if config.data.max_length > config.train.token_budget:
+        raise ConfigError(f"train.token_budget ({config.train.token_budget}) must hold one "
+                          f"sequence of data.max_length ({config.data.max_length})")
+    if not 0.0 <= config.train.holdout_fraction < 1.0:
+        raise ConfigError(f"train.holdout_fraction must be in [0, 1), got {config.train.holdout_fraction}")
+    if not 0.0 <= config.train.warmup_ratio < 1.0:
+        raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {config.train.warmup_ratio}")
+
+
+def lookup(config: Config, key: str):
+    section, _, name = key.partition(".")
+    return getattr(getattr(config, section), name)
+
+
+def replace(config: Config, **sections: dict) -> Config:
+    """A copy with some section fields changed: replace(cfg, train={"lr": 1e-3})."""
+    changed = {name: dataclasses.replace(getattr(config, name), **values) for name, values in sections.items()}
+    result = dataclasses.replace(config, **changed)
+    validate(result)
+    return result

@@ -1,0 +1,1 @@
+"""One module per pipeline stage, each exposing `run(config) -> result`."""

@@ -1,0 +1,72 @@
+"""Config loading, overrides and validation errors that name the key."""
+
+import pytest
+
+from dflash.config import ConfigError, load_config, parse_override
+
+
+def test_default_is_the_embedded_tiny_config():
+    config = load_config()
+    assert config.target.path == "embedded:tiny"
+    assert config.drafter.size == "tiny"
+    assert config.store.bucket_edges == (64, 192, 320, 512, 1024)
+
+
+def test_repo_configs_load():
+    for name in ("configs/tiny.toml", "configs/qwen3.6-27b.toml"):
+        load_config(name)
+    real = load_config("configs/qwen3.6-27b.toml")
+    assert real.drafter.size == "qwen3.6-27b" and real.data.max_length == 4096
+
+
+def test_overrides_parse_toml_values():
+    config = load_config(None, ["train.lr=3e-4", "store.codec=bf16", "store.bucket_edges=[64, 512, 1024]",
+                                "train.log_grad_norm=true", "train.epochs=2"])
+    assert config.train.lr == pytest.approx(3e-4)
+    assert config.store.codec == "bf16"
+    assert config.store.bucket_edges == (64, 512, 1024)
+    assert config.train.log_grad_norm is True and config.train.epochs == 2
+
+
+def test_int_widens_to_float():
+    assert load_config(None, ["train.lr=1"]).train.lr == 1.0
+
+
+def test_overrides_from_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nlr = 1e-4\n[store]\npath = "/x/store"\n')
+    config = load_config(path, ["train.epochs=3"])
+    assert (config.train.lr, config.train.epochs, config.store.path) == (1e-4, 3, "/x/store")
+    assert config.data.max_length == 4096  # dataclass default, not the tiny file
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.nope=1", "train.nope"),
+    ("train.lr=fast", "train.lr"),
+    ("store.codec=zip", "store.codec"),
+    ("train.epochs=0", "train.epochs"),
+    ("store.bucket_edges=[64, 32]", "store.bucket_edges"),
+    ("data.max_length=4096", "data.max_length"),
+    ("train.log_grad_norm=1", "train.log_grad_norm"),
+])
+def test_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_unknown_section_and_malformed_override(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[trian]\nlr = 1\n")
+    with pytest.raises(ConfigError, match="trian"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_override("lr=3")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_section_hash_is_stable_and_sensitive():
+    a, b = load_config(), load_config(None, ["store.codec=bf16"])
+    assert a.section_hash("store") == load_config().section_hash("store")
+    assert a.section_hash("store") != b.section_hash("store")
+    assert a.section_hash("train") == b.section_hash("train")
