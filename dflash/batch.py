@@ -1,0 +1,192 @@
+"""Stage-two data: a map-style dataset over the store and the collate that packs micro-batches.
+
+`StoreDataset[(epoch, i)]` reads sample i and draws its anchors for that epoch;
+`collate_packed` concatenates a micro-batch's samples into one packed row laid out as in
+docs/INTERNALS.md "Stage-two tensors". Context features stay encoded (bf16 bits as uint16,
+or fp8 bits as uint8 plus per-token-per-layer scales): they are decoded on the GPU, which
+halves (bf16) or quarters (fp8) the bytes that cross the host-device link compared to float32.
+
+Padding: the token axis T and the anchor axis A are padded up to a multiple of
+`pad_multiple` (a few fixed shapes bound flex-attention recompiles). Padded tokens and
+padded anchors carry doc id -1, which the mask rule (dflash/masks.py) never lets a real
+query see nor a padded query see any context; padded anchors are also `anchor_valid=False`
+so they carry no loss.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from dflash.anchors import anchor_rng, sample_anchors
+
+PADDING_DOC = -1  # same value as dflash.masks.PADDING_DOC
+
+
+def round_up_positive(n: int, multiple: int) -> int:
+    """Smallest positive multiple of `multiple` that is >= n."""
+    if multiple < 1:
+        raise ValueError(f"pad_multiple must be >= 1, got {multiple}")
+    return max(multiple, -(-n // multiple) * multiple)
+
+
+class StoreDataset(torch.utils.data.Dataset):
+    """Map-style dataset: `dataset[(epoch, i)]` is sample i of the store with its anchors.
+
+    Anchors come from `anchor_rng(seed, epoch, row_id)`: keyed by the sample's source row id,
+    not its store index, so a sample keeps its anchors when the store is re-planned (other
+    bucket edges or shard sizes reorder the index but not the row ids), and the draw does not
+    depend on the worker or the order of reads.
+    """
+
+    def __init__(self, reader, max_anchors: int, seed: int):
+        self.reader = reader
+        self.max_anchors = max_anchors
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, key: tuple[int, int]) -> dict:
+        epoch, index = key
+        sample = self.reader.read_sample(index)
+        num_tokens = len(sample["input_ids"])
+        if sample["hidden"].shape[0] != num_tokens or len(sample["loss_mask"]) != num_tokens:
+            raise ValueError(
+                f"sample {index} (row {sample['row_id']}): hidden has {sample['hidden'].shape[0]} rows, "
+                f"input_ids {num_tokens}, loss_mask {len(sample['loss_mask'])}"
+            )
+        rng = anchor_rng(self.seed, epoch, int(sample["row_id"]))
+        anchors = sample_anchors(sample["loss_mask"], self.max_anchors, rng)
+        return {
+            **sample,
+            "anchors": anchors,
+            "sample_index": int(index),
+            "epoch": int(epoch),
+            "bucket": int(self.reader.index["bucket"][index]),
+        }
+
+
+def _pack_tokens(items: list[dict], num_tokens: int) -> dict[str, np.ndarray]:
+    """Token-axis arrays of the packed row, padded to `num_tokens`."""
+    num_real = sum(len(item["input_ids"]) for item in items)
+    hidden_first = items[0]["hidden"]
+    hidden_TF = np.zeros((num_tokens, hidden_first.shape[1]), dtype=hidden_first.dtype)
+    hidden_TF[:num_real] = np.concatenate([item["hidden"] for item in items])
+    packed = {
+        "hidden": hidden_TF,
+        "input_ids": np.zeros(num_tokens, dtype=np.int64),
+        "loss_mask": np.zeros(num_tokens, dtype=bool),
+        "position_ids": np.zeros(num_tokens, dtype=np.int64),
+        "doc_ids": np.full(num_tokens, PADDING_DOC, dtype=np.int64),
+    }
+    packed["input_ids"][:num_real] = np.concatenate([item["input_ids"] for item in items])
+    packed["loss_mask"][:num_real] = np.concatenate([item["loss_mask"] for item in items])
+    packed["position_ids"][:num_real] = np.concatenate([np.arange(len(item["input_ids"])) for item in items])
+    packed["doc_ids"][:num_real] = np.repeat(np.arange(len(items)), [len(item["input_ids"]) for item in items])
+    if items[0]["scale"] is not None:
+        # pad rows decode to zero whatever the scale; 1.0 keeps them finite under any decode
+        scale_TN = np.ones((num_tokens, items[0]["scale"].shape[1]), dtype=np.float32)
+        scale_TN[:num_real] = np.concatenate([item["scale"] for item in items])
+        packed["scale"] = scale_TN
+    return packed
+
+
+def _pack_anchors(items: list[dict], num_tokens: int, num_anchors: int) -> dict[str, np.ndarray]:
+    """Anchor-axis arrays, sorted by flat index; padded anchors sit at the last token, doc -1."""
+    offsets = np.cumsum([0] + [len(item["input_ids"]) for item in items])
+    anchor_pos = [np.asarray(item["anchors"], dtype=np.int64) for item in items]
+    num_real = sum(len(a) for a in anchor_pos)
+    packed = {
+        "anchor_pos": np.zeros(num_anchors, dtype=np.int64),
+        "anchor_doc": np.full(num_anchors, PADDING_DOC, dtype=np.int64),
+        "anchor_index": np.full(num_anchors, num_tokens - 1, dtype=np.int64),
+        "anchor_valid": np.zeros(num_anchors, dtype=bool),
+    }
+    if num_real:
+        packed["anchor_pos"][:num_real] = np.concatenate(anchor_pos)
+        packed["anchor_doc"][:num_real] = np.repeat(np.arange(len(items)), [len(a) for a in anchor_pos])
+        packed["anchor_index"][:num_real] = np.concatenate([offsets[d] + a for d, a in enumerate(anchor_pos)])
+        packed["anchor_valid"][:num_real] = True
+    return packed
+
+
+def valid_labels_per_slot(tokens: dict, anchors: dict, lengths: np.ndarray, block_size: int) -> np.ndarray:
+    """(B,) count of valid labels at each block slot (the rule of dflash.loss.block_labels).
+
+    With the gamma weights this gives the micro-batch's loss normaliser on the host, so
+    normalising over accumulation steps and ranks needs no device sync.
+    """
+    valid = anchors["anchor_valid"]
+    pos_A, index_A = anchors["anchor_pos"][valid], anchors["anchor_index"][valid]
+    length_A = lengths[anchors["anchor_doc"][valid]]
+    slots = np.arange(block_size)
+    inside_AB = pos_A[:, None] + slots[None, :] < length_A[:, None]
+    target_AB = np.minimum(index_A[:, None] + slots[None, :], len(tokens["loss_mask"]) - 1)
+    valid_AB = inside_AB & tokens["loss_mask"][target_AB] & (slots[None, :] >= 1)
+    return valid_AB.sum(axis=0).astype(np.int64)
+
+
+def collate_packed(items: list[dict], block_size: int, pad_multiple: int) -> dict[str, torch.Tensor]:
+    """Pack `StoreDataset` items into one micro-batch of CPU tensors (see the module docstring).
+
+    Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
+    `input_ids`, `loss_mask`, `position_ids`, `doc_ids` `(T,)`; `anchor_pos`, `anchor_doc`,
+    `anchor_index`, `anchor_valid` `(A,)`; per sample `lengths`, `row_ids`, `sample_indices`
+    `(D,)`; scalars `bucket` (-1 if the samples' buckets differ), `epoch`, `num_tokens` (T),
+    `num_real_tokens`, `num_real_anchors`; `valid_labels_per_slot (B,)`.
+    """
+    if not items:
+        raise ValueError("collate_packed: empty micro-batch")
+    lengths = np.array([len(item["input_ids"]) for item in items], dtype=np.int64)
+    num_real_anchors = sum(len(item["anchors"]) for item in items)
+    num_tokens = round_up_positive(int(lengths.sum()), pad_multiple)
+    num_anchors = round_up_positive(num_real_anchors, pad_multiple)
+    tokens = _pack_tokens(items, num_tokens)
+    anchors = _pack_anchors(items, num_tokens, num_anchors)
+    buckets = {item["bucket"] for item in items}
+    arrays = {
+        **tokens,
+        **anchors,
+        "lengths": lengths,
+        "row_ids": np.array([item["row_id"] for item in items], dtype=np.int64),
+        "sample_indices": np.array([item["sample_index"] for item in items], dtype=np.int64),
+        "valid_labels_per_slot": valid_labels_per_slot(tokens, anchors, lengths, block_size),
+    }
+    batch = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}
+    scalars = {
+        "bucket": buckets.pop() if len(buckets) == 1 else -1,
+        "epoch": items[0]["epoch"],
+        "num_tokens": num_tokens,
+        "num_real_tokens": int(lengths.sum()),
+        "num_real_anchors": num_real_anchors,
+    }
+    batch.update({key: torch.tensor(value, dtype=torch.int64) for key, value in scalars.items()})
+    return batch
+
+
+def build_loader(
+    dataset: StoreDataset,
+    sampler: torch.utils.data.Sampler,
+    *,
+    block_size: int,
+    pad_multiple: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = 2,
+) -> torch.utils.data.DataLoader:
+    """A DataLoader yielding packed micro-batches in `sampler` order (a batch sampler such as
+    `dflash.sampler.MicroBatchSampler`); workers persist across epochs when num_workers > 0."""
+    workers_used = num_workers > 0
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=partial(collate_packed, block_size=block_size, pad_multiple=pad_multiple),
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        prefetch_factor=prefetch_factor if workers_used else None,
+        persistent_workers=workers_used,
+    )

@@ -1,0 +1,300 @@
+"""Training checkpoints: tensors in safetensors, everything else in JSON, never pickle.
+
+Layout of one checkpoint, `<out_dir>/checkpoints/step-{step:08d}/`:
+- `model.safetensors`: the fp32 master weights
+- `optimizer.safetensors`: per-parameter optimizer state as `state.{index}.{field}`, with
+  the param groups (lr, betas, ...) as JSON in the file's metadata
+- `rng.safetensors`: torch/CUDA generator states (uint8 tensors)
+- `state.json`: step, scheduler state, data cursor, numpy/python RNG states, run config;
+  written last, so its presence marks a complete checkpoint
+
+A checkpoint is written into a hidden temp dir beside its final place and renamed into
+place, so a crash never leaves a `step-*` dir that looks complete; older ones are pruned to
+`keep_last`. Under DDP every rank holds the full state and only the writer (rank 0) saves;
+the caller puts a barrier after `save_checkpoint` so that no rank races ahead and reads a
+checkpoint before it exists.
+
+FSDP2: model and optimizer state are sharded DTensors there. The step dir stays the same,
+but the tensor files are replaced by `torch.distributed.checkpoint.save` on every rank, fed
+by `torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)` (and
+`set_state_dict` after `dcp.load` on resume); rank 0 alone writes `state.json` and renames
+the temp dir after a barrier.
+"""
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+CHECKPOINTS_DIR = "checkpoints"
+STEP_PREFIX = "step-"
+TEMP_PREFIX = ".tmp-step-"
+STATE_NAME = "state.json"  # written last: the completion mark
+OPTIMIZER_META_KEY = "dflash_optimizer"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: dict  # torch.optim format, ready for optimizer.load_state_dict
+    scheduler_state: dict
+    data_cursor: dict
+    rng_states: dict  # as given to save_checkpoint; see capture_rng_states
+    config: dict
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def save_checkpoint(
+    out_dir: str | Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    scheduler_state: dict,
+    data_cursor: dict,
+    rng_states: dict,
+    config: dict,
+    keep_last: int,
+    is_writer: bool = True,
+) -> Path:
+    """Write checkpoint `step` of the run in `out_dir`; return its final path.
+
+    Ranks that are not the writer return the path without touching the disk.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    root = Path(out_dir) / CHECKPOINTS_DIR
+    final_dir = root / step_dir_name(step)
+    if not is_writer:
+        return final_dir
+    root.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step:08d}-", dir=root))
+    try:
+        write_checkpoint_files(work_dir, step, model_state, optimizer_state, scheduler_state,
+                               data_cursor, rng_states, config)
+        replace_dir(work_dir, final_dir)
+    except BaseException:
+        shutil.rmtree(work_dir, ignore_errors=True)
+        raise
+    prune_checkpoints(root, keep_last)
+    return final_dir
+
+
+def write_checkpoint_files(work_dir: Path, step, model_state, optimizer_state, scheduler_state,
+                           data_cursor, rng_states, config) -> None:
+    model_tensors = {key: value.detach().to("cpu").contiguous() for key, value in model_state.items()}
+    save_file(model_tensors, str(work_dir / "model.safetensors"), metadata={"format": "pt"})
+    optimizer_tensors, optimizer_meta = flatten_optimizer_state(optimizer_state)
+    save_file(optimizer_tensors, str(work_dir / "optimizer.safetensors"),
+              metadata={OPTIMIZER_META_KEY: to_json(optimizer_meta, "optimizer param_groups")})
+    rng_tensors, rng_plain = split_rng_states(rng_states)
+    save_file(rng_tensors, str(work_dir / "rng.safetensors"))
+    state = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "scheduler": scheduler_state,
+        "data_cursor": data_cursor,
+        "rng": rng_plain,
+        "config": config,
+    }
+    write_synced(work_dir / STATE_NAME, to_json(state, "checkpoint state"))
+    for path in work_dir.iterdir():
+        fsync_path(path)
+
+
+def replace_dir(work_dir: Path, final_dir: Path) -> None:
+    """Rename `work_dir` to `final_dir`; a checkpoint already there (a re-save) is replaced."""
+    if final_dir.exists():
+        # The old copy is moved aside first: a crash now leaves an ignored hidden dir, never
+        # a half-deleted step dir.
+        retired = final_dir.with_name(f"{TEMP_PREFIX}retired-{final_dir.name}")
+        shutil.rmtree(retired, ignore_errors=True)
+        os.rename(final_dir, retired)
+        os.rename(work_dir, final_dir)
+        shutil.rmtree(retired)
+    else:
+        os.rename(work_dir, final_dir)
+    fsync_path(final_dir.parent)
+
+
+def prune_checkpoints(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints, and stale temp dirs."""
+    for stale in root.glob(f"{TEMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete `step-*` dirs under `root`, oldest first."""
+    found = []
+    for path in root.glob(f"{STEP_PREFIX}*"):
+        digits = path.name[len(STEP_PREFIX):]
+        if path.is_dir() and digits.isdigit() and (path / STATE_NAME).is_file():
+            found.append((int(digits), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of the run in `out_dir`, or None when there is none."""
+    found = complete_checkpoints(Path(out_dir) / CHECKPOINTS_DIR)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read a checkpoint written by `save_checkpoint`; tensors come back on the CPU."""
+    path = Path(path)
+    state_path = path / STATE_NAME
+    if not state_path.is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint: {STATE_NAME} is missing")
+    state = json.loads(state_path.read_text())
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{state_path}: format_version {state.get('format_version')}, expected {FORMAT_VERSION}")
+    optimizer_tensors, metadata = read_safetensors(path / "optimizer.safetensors")
+    if OPTIMIZER_META_KEY not in metadata:
+        raise ValueError(f"{path / 'optimizer.safetensors'}: metadata lacks {OPTIMIZER_META_KEY!r}")
+    optimizer_meta = json.loads(metadata[OPTIMIZER_META_KEY])
+    rng_tensors, _ = read_safetensors(path / "rng.safetensors")
+    return Checkpoint(
+        path=path,
+        step=state["step"],
+        model_state=read_safetensors(path / "model.safetensors")[0],
+        optimizer_state=unflatten_optimizer_state(optimizer_tensors, optimizer_meta),
+        scheduler_state=state["scheduler"],
+        data_cursor=state["data_cursor"],
+        rng_states=join_rng_states(rng_tensors, state["rng"]),
+        config=state["config"],
+    )
+
+
+def flatten_optimizer_state(optimizer_state: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """`optimizer.state_dict()` -> (flat tensors `state.{index}.{field}`, JSON-able meta).
+
+    Non-tensor per-parameter values (a float `step` in some optimizers) go into the meta.
+    """
+    tensors, scalars = {}, {}
+    for index, fields in optimizer_state["state"].items():
+        for name, value in fields.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{index}.{name}"] = value.detach().to("cpu").contiguous()
+            else:
+                scalars[f"state.{index}.{name}"] = value
+    # JSON turns tuples (AdamW's betas) into lists; remember which were tuples to restore them.
+    tuple_keys = [sorted(key for key, value in group.items() if isinstance(value, tuple))
+                  for group in optimizer_state["param_groups"]]
+    meta = {"param_groups": optimizer_state["param_groups"], "tuple_keys": tuple_keys, "scalars": scalars}
+    return tensors, meta
+
+
+def unflatten_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
+    """Inverse of `flatten_optimizer_state`: a dict for `optimizer.load_state_dict`."""
+    state: dict[int, dict] = {}
+    for flat_key, value in [*tensors.items(), *meta["scalars"].items()]:
+        _, index, name = flat_key.split(".", 2)
+        state.setdefault(int(index), {})[name] = value
+    param_groups = [
+        {key: tuple(value) if key in tuple_keys else value for key, value in group.items()}
+        for group, tuple_keys in zip(meta["param_groups"], meta["tuple_keys"], strict=True)
+    ]
+    return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+
+
+def capture_rng_states() -> dict:
+    """The host RNG states to checkpoint: torch CPU (+ CUDA when present), numpy, python."""
+    states = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(legacy=False),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict) -> None:
+    """Inverse of `capture_rng_states`, accepting the form `load_checkpoint` returns."""
+    torch.set_rng_state(states["torch"])
+    numpy_state = dict(states["numpy"])
+    numpy_state["state"] = dict(numpy_state["state"], key=np.asarray(numpy_state["state"]["key"], dtype=np.uint32))
+    np.random.set_state(numpy_state)
+    version, internal, gauss_next = states["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def split_rng_states(rng_states: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors (and lists of tensors, one per device) -> safetensors; the rest -> JSON."""
+    tensors, plain = {}, {}
+    for name, value in rng_states.items():
+        if torch.is_tensor(value):
+            tensors[name] = value.to("cpu").contiguous()
+        elif isinstance(value, (list, tuple)) and value and all(torch.is_tensor(v) for v in value):
+            for device_index, device_state in enumerate(value):
+                tensors[f"{name}.{device_index}"] = device_state.to("cpu").contiguous()
+        else:
+            plain[name] = value
+    return tensors, plain
+
+
+def join_rng_states(tensors: dict[str, torch.Tensor], plain: dict) -> dict:
+    states = dict(plain)
+    per_device: dict[str, dict[int, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        name, dot, device_index = key.rpartition(".")
+        if dot and device_index.isdigit():
+            per_device.setdefault(name, {})[int(device_index)] = value
+        else:
+            states[key] = value
+    for name, by_index in per_device.items():
+        states[name] = [by_index[i] for i in sorted(by_index)]
+    return states
+
+
+def to_json(value, what: str) -> str:
+    """JSON text of plain data; numpy arrays and scalars become lists and numbers."""
+
+    def convert(obj):
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+        if isinstance(obj, np.generic):
+            return obj.item()
+        raise TypeError(f"{what}: {type(obj).__name__} value {obj!r:.80} is not plain data")
+
+    return json.dumps(value, default=convert, allow_nan=True)
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file missing: {path}")
+    with safe_open(str(path), framework="pt") as reader:
+        return {key: reader.get_tensor(key) for key in reader.keys()}, reader.metadata() or {}
+
+
+def write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory, so a rename is durable before the next step relies on it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

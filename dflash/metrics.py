@@ -1,0 +1,121 @@
+"""Training metrics: one JSON line per logging step, a compact console line, optional wandb.
+
+`MetricsLogger.log(step, metrics)` appends `{"step", "time", **metrics}` to
+`<run_dir>/metrics.jsonl` (non-finite values become null, so every line is strict JSON),
+prints `step 120 | loss 2.3140 | lr 6.00e-04 ...` through `tqdm.write` (which keeps an
+active progress bar intact and is a plain print otherwise) and forwards to wandb when
+enabled. wandb is imported only when used, runs offline unless told otherwise (the
+`WANDB_MODE` environment variable wins over the argument), and a wandb failure warns once
+and never stops training. Only the writer rank (rank 0) logs anything.
+
+`Throughput` turns per-step counts and timings into windowed rates.
+"""
+
+import json
+import math
+import os
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+
+from tqdm import tqdm
+
+METRICS_NAME = "metrics.jsonl"
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, use_wandb: bool = False, wandb_mode: str = "offline",
+                 project: str = "dflash", config: dict | None = None, is_writer: bool = True):
+        if wandb_mode not in WANDB_MODES:
+            raise ValueError(f"wandb_mode must be one of {WANDB_MODES}, got {wandb_mode!r}")
+        self.is_writer = is_writer
+        self.wandb_run = None
+        self.jsonl = None
+        if not is_writer:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(run_dir / METRICS_NAME, "a", buffering=1)  # line-buffered: tail -f works
+        mode = os.environ.get("WANDB_MODE") or wandb_mode
+        if use_wandb and mode != "disabled":
+            self.wandb_run = start_wandb(run_dir, mode, project, config or {})
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.is_writer:
+            return
+        values = {name: float(value) for name, value in metrics.items()}
+        record = {"step": step, "time": round(time.time(), 3)}
+        record.update({name: value if math.isfinite(value) else None for name, value in values.items()})
+        self.jsonl.write(json.dumps(record, allow_nan=False) + "\n")
+        tqdm.write(format_line(step, values))
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.log(values, step=step)
+            except Exception as err:  # wandb trouble must never stop a training run
+                warnings.warn(f"wandb.log failed, wandb logging is off for this run: {err}")
+                self.wandb_run = None
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            try:
+                self.wandb_run.finish()
+            except Exception as err:
+                warnings.warn(f"wandb.finish failed: {err}")
+            self.wandb_run = None
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.jsonl = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+def start_wandb(run_dir: Path, mode: str, project: str, config: dict):
+    """A wandb run, or None (with one warning) when wandb is missing or fails to start."""
+    try:
+        import wandb
+
+        # WANDB_DIR, when set, decides where wandb writes; otherwise beside the metrics.
+        wandb_dir = os.environ.get("WANDB_DIR") or str(run_dir)
+        return wandb.init(project=project, config=config, mode=mode, dir=wandb_dir)
+    except Exception as err:
+        warnings.warn(f"wandb could not start ({mode}); continuing without it: {err}")
+        return None
+
+
+def format_line(step: int, values: dict[str, float]) -> str:
+    parts = [f"step {step}"]
+    for name, value in values.items():
+        small = value != 0 and abs(value) < 1e-2
+        parts.append(f"{name} {value:.2e}" if small or abs(value) >= 1e5 else f"{name} {value:.4f}")
+    return " | ".join(parts)
+
+
+class Throughput:
+    """Rates over the last `window` steps.
+
+    `update` takes one optimizer step's counts and host timings (`step_time` the wall time
+    of the whole step, `wait_time` the part spent waiting for data); `rates` returns
+    tokens/s, anchor slots/s (anchors x block size) and the fraction of time spent waiting.
+    """
+
+    def __init__(self, window: int = 20):
+        self.steps = deque(maxlen=window)
+
+    def update(self, num_tokens: int, num_anchor_slots: int, step_time: float, wait_time: float) -> None:
+        self.steps.append((num_tokens, num_anchor_slots, step_time, wait_time))
+
+    def rates(self) -> dict[str, float]:
+        total_time = sum(step[2] for step in self.steps)
+        if total_time <= 0:
+            return {}
+        return {
+            "tokens_per_s": sum(step[0] for step in self.steps) / total_time,
+            "anchor_slots_per_s": sum(step[1] for step in self.steps) / total_time,
+            "data_wait_frac": sum(step[3] for step in self.steps) / total_time,
+        }
