@@ -1,0 +1,121 @@
+"""Shard planning: bucket assignment, cutting buckets into shards, shards onto ranks.
+
+The plan is computed once from the tokenized sample lengths, before any GPU work, and is
+independent of the number of ranks: `plan_shards` decides what each shard holds, and
+`assign_ranks` only decides who writes it. Rerunning with a different world size therefore
+reuses every shard already committed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One shard: its name, bucket, the kept-sample indices it holds (in order), its tokens."""
+
+    name: str
+    bucket: int
+    sample_indices: tuple[int, ...]
+    num_tokens: int
+
+
+def shard_name(bucket: int, index: int) -> str:
+    return f"b{bucket:02d}-{index:05d}"
+
+
+def assign_bucket(length: int, bucket_edges: list[int] | tuple[int, ...]) -> int:
+    """Bucket of a sequence length: edges [e0..ek] give buckets [e_i, e_{i+1}), the last one
+    closed ([e_{k-1}, e_k]) so that max_length == e_k fits.
+
+    Lengths below e0 fall into bucket 0; a length above the last edge is an error (the config
+    validation keeps max_length <= last edge).
+    """
+    if len(bucket_edges) < 2:
+        raise ValueError(f"bucket_edges needs at least two edges, got {list(bucket_edges)}")
+    if length > bucket_edges[-1]:
+        raise ValueError(
+            f"length {length} is above the last bucket edge {bucket_edges[-1]} "
+            f"(bucket_edges={list(bucket_edges)})"
+        )
+    return min(len(bucket_edges) - 2, max(0, bisect.bisect_right(bucket_edges, length) - 1))
+
+
+def plan_shards(
+    lengths: np.ndarray,
+    row_ids: np.ndarray,
+    bucket_edges: list[int] | tuple[int, ...],
+    shard_tokens: int,
+) -> list[ShardPlan]:
+    """Cut every bucket, in row-id order, into shards of at most `shard_tokens` tokens.
+
+    `lengths[i]` and `row_ids[i]` describe kept sample i; `ShardPlan.sample_indices` refer
+    to those positions. A sample longer than `shard_tokens` gets a shard of its own.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    row_ids = np.asarray(row_ids, dtype=np.int64)
+    if lengths.shape != row_ids.shape:
+        raise ValueError(f"lengths {lengths.shape} and row_ids {row_ids.shape} differ in shape")
+    if shard_tokens <= 0:
+        raise ValueError(f"shard_tokens must be positive, got {shard_tokens}")
+    buckets = np.array([assign_bucket(int(n), bucket_edges) for n in lengths], dtype=np.int64)
+    # stable sort on row id keeps the plan a pure function of the data
+    order = np.argsort(row_ids, kind="stable")
+    plans: list[ShardPlan] = []
+    for bucket in range(len(bucket_edges) - 1):
+        members = order[buckets[order] == bucket]
+        plans.extend(_cut_bucket(bucket, members, lengths, shard_tokens))
+    return plans
+
+
+def _cut_bucket(
+    bucket: int, members: np.ndarray, lengths: np.ndarray, shard_tokens: int
+) -> list[ShardPlan]:
+    plans: list[ShardPlan] = []
+    current: list[int] = []
+    current_tokens = 0
+    for index in members.tolist():
+        length = int(lengths[index])
+        if current and current_tokens + length > shard_tokens:
+            plans.append(ShardPlan(shard_name(bucket, len(plans)), bucket, tuple(current), current_tokens))
+            current, current_tokens = [], 0
+        current.append(index)
+        current_tokens += length
+    if current:
+        plans.append(ShardPlan(shard_name(bucket, len(plans)), bucket, tuple(current), current_tokens))
+    return plans
+
+
+def assign_ranks(shards: list[ShardPlan], world_size: int) -> list[list[ShardPlan]]:
+    """Token-balanced shard-to-rank assignment (longest-processing-time greedy).
+
+    Shards go, largest first (ties by name), to the rank with the fewest tokens so far (ties
+    to the lowest rank). Each rank's list is returned in plan (name) order.
+    """
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    by_size = sorted(shards, key=lambda s: (-s.num_tokens, s.name))
+    loads = [(0, rank) for rank in range(world_size)]  # heap of (tokens, rank)
+    per_rank: list[list[ShardPlan]] = [[] for _ in range(world_size)]
+    for shard in by_size:
+        tokens, rank = heapq.heappop(loads)
+        per_rank[rank].append(shard)
+        heapq.heappush(loads, (tokens + shard.num_tokens, rank))
+    return [sorted(assigned, key=lambda s: s.name) for assigned in per_rank]
+
+
+def rank_token_counts(assignment: list[list[ShardPlan]]) -> list[int]:
+    """Tokens each rank writes under an assignment."""
+    return [sum(s.num_tokens for s in shards) for shards in assignment]
+
+
+def rank_imbalance(assignment: list[list[ShardPlan]]) -> float:
+    """max / mean of the per-rank token counts (1.0 is perfect balance)."""
+    counts = rank_token_counts(assignment)
+    mean = sum(counts) / len(counts)
+    return max(counts) / mean if mean > 0 else 1.0

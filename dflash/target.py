@@ -1,0 +1,287 @@
+"""The frozen target: load a causal LM checkpoint and capture chosen decoder-layer outputs.
+
+Layer id `i` means the output of decoder layer `i` (`hidden_states[i + 1]` of a transformers
+forward with `output_hidden_states=True`). `load_target` keeps only the decoder layers up to
+the last needed id, and `TargetModel.capture` calls the base model (the module that owns the
+decoder layers) rather than the causal-LM wrapper, so neither the dropped layers nor the LM
+head ever run. Calling the base model costs one final norm over `(B, T, H)`, negligible next
+to the layers, and needs no exception-based control flow through transformers' forward.
+
+Batches are right-padded, one sequence per row: packing sequences into one row leaks between
+them in the Qwen3.5 hybrid family (ENVIRONMENT.md). With right padding, every real token
+only sees real tokens before it, so its states equal an unpadded single-row forward.
+"""
+
+import hashlib
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+# Where causal-LM wrappers keep their decoder layers, relative to the loaded model.
+DECODER_LAYER_PATHS = (
+    "model.layers",
+    "model.language_model.layers",
+    "model.decoder.layers",
+    "transformer.h",
+    "transformer.layers",
+    "gpt_neox.layers",
+)
+
+# Checkpoint key prefixes of vision-language wrappers, mapped to the text-only model's keys.
+TEXT_PREFIX_REMAP = (("model.language_model.", "model."),)
+
+
+def default_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """Evenly spaced ids from 1 to L-3: `round(1 + k*(L-4)/(n-1))` (64 layers, 5 -> [1,16,31,46,61])."""
+    if n < 2:
+        raise ValueError(f"target.layer_ids: default ids need n >= 2 layers, got n={n}; set target.layer_ids")
+    layer_ids = [round(1 + k * (num_layers - 4) / (n - 1)) for k in range(n)]
+    validate_layer_ids(layer_ids, num_layers)
+    return layer_ids
+
+
+def validate_layer_ids(layer_ids: list[int], num_layers: int) -> None:
+    """Raise ValueError naming `target.layer_ids` unless ids are strictly increasing in [0, L)."""
+    if not layer_ids:
+        raise ValueError("target.layer_ids: empty; at least one decoder layer id is needed")
+    for layer_id in layer_ids:
+        if not 0 <= layer_id < num_layers:
+            raise ValueError(
+                f"target.layer_ids: id {layer_id} out of range for a target with {num_layers} "
+                f"decoder layers (valid 0..{num_layers - 1}); got {list(layer_ids)}"
+            )
+    if any(b <= a for a, b in zip(layer_ids, layer_ids[1:])):
+        # The store concatenates layers in id order; duplicates or reordering would be silent bugs.
+        raise ValueError(f"target.layer_ids: ids must be strictly increasing, got {list(layer_ids)}")
+
+
+def pad_batch(seqs: list[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token sequences into `(input_ids_BT int64, attention_mask_BT int64)` on the CPU."""
+    if not seqs:
+        raise ValueError("pad_batch: empty batch")
+    max_len = max(len(seq) for seq in seqs)
+    input_ids_BT = torch.full((len(seqs), max_len), pad_id, dtype=torch.long)
+    attention_mask_BT = torch.zeros((len(seqs), max_len), dtype=torch.long)
+    for row, seq in enumerate(seqs):
+        if len(seq) == 0:
+            raise ValueError(f"pad_batch: sequence {row} is empty")
+        input_ids_BT[row, : len(seq)] = torch.as_tensor(np.asarray(seq), dtype=torch.long)
+        attention_mask_BT[row, : len(seq)] = 1
+    return input_ids_BT, attention_mask_BT
+
+
+def read_config_hash(path: str) -> tuple[str, dict]:
+    """sha256 of the checkpoint's config.json (canonical JSON, so whitespace does not matter)."""
+    config_dict = json.loads((Path(path) / "config.json").read_text())
+    canonical = json.dumps(config_dict, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest(), config_dict
+
+
+def describe_target_config(config, path: str) -> dict:
+    """The store's `target` attributes from a checkpoint's config, without loading weights.
+
+    `{path, config_hash, model_type, num_hidden_layers, hidden_size, vocab_size}`; sizes come
+    from the text config (vision-language checkpoints nest it), `model_type` and the hash
+    from the checkpoint's own config.json, as `TargetModel` reports them.
+    """
+    config_hash, config_dict = read_config_hash(path)
+    text_config = config.get_text_config()
+    return {
+        "path": str(path),
+        "config_hash": config_hash,
+        "model_type": config_dict.get("model_type", config.model_type),
+        "num_hidden_layers": int(text_config.num_hidden_layers),
+        "hidden_size": int(text_config.hidden_size),
+        "vocab_size": int(text_config.vocab_size),
+    }
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
+    """Return `(owner, attribute, layers)`: the base model that owns the decoder layer list."""
+    for dotted in DECODER_LAYER_PATHS:
+        *owner_path, attribute = dotted.split(".")
+        owner = model
+        for name in owner_path:
+            owner = getattr(owner, name, None)
+            if owner is None:
+                break
+        layers = getattr(owner, attribute, None) if owner is not None else None
+        if isinstance(layers, nn.ModuleList):
+            return owner, attribute, layers
+    raise ValueError(
+        f"target: cannot find the decoder layers of {type(model).__name__}; "
+        f"looked for {', '.join(DECODER_LAYER_PATHS)}"
+    )
+
+
+def checkpoint_files(path: str) -> list[Path]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"target: no *.safetensors files in {path}")
+    return files
+
+
+def text_model_key(name: str) -> str:
+    for prefix, replacement in TEXT_PREFIX_REMAP:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
+def load_remapped_text_weights(model: nn.Module, path: str) -> None:
+    """Fill `model` from a vision-language checkpoint, mapping `model.language_model.*` -> `model.*`.
+
+    Only used when transformers did not map the keys itself (older releases); vision and
+    multi-token-prediction weights are not part of the text model and are skipped.
+    """
+    own_state = model.state_dict()
+    filled = set()
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                own_name = text_model_key(name)
+                if own_name not in own_state:
+                    continue
+                tensor = handle.get_tensor(name)
+                if tensor.shape != own_state[own_name].shape:
+                    raise ValueError(f"target: {name} in {file} has shape {tuple(tensor.shape)}, "
+                                     f"model expects {tuple(own_state[own_name].shape)}")
+                with torch.no_grad():
+                    own_state[own_name].copy_(tensor)
+                filled.add(own_name)
+    # A tied head shares the embedding's storage and appears under both names.
+    embedding_ptr = model.get_input_embeddings().weight.data_ptr()
+    tied = {name for name, tensor in own_state.items() if tensor.data_ptr() == embedding_ptr}
+    missing = sorted(set(own_state) - filled - (tied if tied & filled else set()))
+    if missing:
+        raise ValueError(f"target: checkpoint {path} lacks weights for {missing[:5]} ({len(missing)} in all)")
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Load a causal LM in eval mode without gradients, with its checkpoint weights.
+
+    With accelerate installed the weights go straight to `device`; without it transformers
+    refuses a device map, so they load on the CPU and the caller moves the kept part.
+    """
+    device_kwargs = {"device_map": {"": device}} if importlib.util.find_spec("accelerate") else {}
+    model, loading_info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation="sdpa", output_loading_info=True, **device_kwargs
+    )
+    if loading_info["missing_keys"]:
+        # e.g. a Qwen3_5ForConditionalGeneration checkpoint on a transformers release that
+        # does not strip `language_model.` itself: the weights would be random otherwise.
+        load_remapped_text_weights(model, path)
+    return model.eval().requires_grad_(False)
+
+
+class TargetModel:
+    """A frozen causal LM cut after its last needed decoder layer, capturing those layers' outputs."""
+
+    def __init__(self, model: nn.Module, layer_ids: list[int], config_hash: str, model_type: str):
+        base_model, layers_attribute, layers = find_decoder_layers(model)
+        self.num_layers = len(layers)
+        validate_layer_ids(layer_ids, self.num_layers)
+        self.layer_ids = list(layer_ids)
+        self.config_hash = config_hash
+        self.model_type = model_type
+        if model.get_output_embeddings() is None:
+            raise ValueError(f"target: {type(model).__name__} has no LM head (output embeddings)")
+        self.vocab_size, self.hidden_size = model.get_input_embeddings().weight.shape
+        # Layers after the last needed id never run and, once dropped, hold no memory.
+        kept_layers = nn.ModuleList(layers[: self.layer_ids[-1] + 1])
+        setattr(base_model, layers_attribute, kept_layers)
+        self.model = model
+        self.base_model = base_model
+        self._capture_BTnH: torch.Tensor | None = None
+        self._filled_slots: set[int] = set()
+        for slot, layer_id in enumerate(self.layer_ids):
+            kept_layers[layer_id].register_forward_hook(self._make_hook(slot))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embedding_weight().device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embedding_weight().dtype
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The input embedding `(V, H)`, frozen, on the model's device (cutting layers keeps it)."""
+        return self.model.get_input_embeddings().weight
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head `(V, H)`; the embedding tensor itself when the checkpoint ties them."""
+        return self.model.get_output_embeddings().weight
+
+    def _make_hook(self, slot: int):
+        def write_layer_output(module, args, output):
+            if self._capture_BTnH is None:
+                return  # a forward outside `capture`; nothing to record
+            hidden_BTH = output[0] if isinstance(output, tuple) else output
+            self._capture_BTnH[:, :, slot].copy_(hidden_BTH)
+            self._filled_slots.add(slot)
+
+        return write_layer_output
+
+    @torch.inference_mode()
+    def capture(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        """Outputs of the `layer_ids` layers for a right-padded batch: `(B, T, n, H)` in the model dtype.
+
+        Rows at padded positions hold whatever the model computed there; callers keep only
+        the first `attention_mask_BT[b].sum()` rows of each sequence.
+        """
+        if input_ids_BT.ndim != 2 or input_ids_BT.shape != attention_mask_BT.shape:
+            raise ValueError(f"capture: input_ids {tuple(input_ids_BT.shape)} and attention_mask "
+                             f"{tuple(attention_mask_BT.shape)} must be the same (B, T) shape")
+        # sync: once per batch, negligible next to the target forward. A left-padded or holed
+        # mask would silently shift every state the store receives.
+        if bool((attention_mask_BT[:, 1:] > attention_mask_BT[:, :-1]).any()):
+            raise ValueError("capture: attention_mask is not right-padded (a 0 is followed by a 1)")
+        batch_size, seq_len = input_ids_BT.shape
+        self._capture_BTnH = torch.empty(
+            batch_size, seq_len, len(self.layer_ids), self.hidden_size, dtype=self.dtype, device=self.device
+        )
+        self._filled_slots = set()
+        try:
+            self.base_model(
+                input_ids=input_ids_BT.to(self.device, non_blocking=True),
+                attention_mask=attention_mask_BT.to(self.device, non_blocking=True),
+                use_cache=False,
+            )
+            captured_BTnH = self._capture_BTnH
+        finally:
+            self._capture_BTnH = None
+        if len(self._filled_slots) != len(self.layer_ids):
+            missed = [self.layer_ids[s] for s in range(len(self.layer_ids)) if s not in self._filled_slots]
+            raise RuntimeError(f"capture: decoder layers {missed} did not run in {type(self.base_model).__name__}")
+        return captured_BTnH
+
+
+def load_target(
+    path: str,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.bfloat16,
+    layer_ids: list[int] | None = None,
+) -> TargetModel:
+    """Load a causal LM checkpoint directory as a frozen `TargetModel` on `device`.
+
+    `layer_ids=None` picks `default_layer_ids(num_layers)`. Qwen3.5/3.6 vision-language
+    checkpoints load as their text model. flash-linear-attention is used by transformers
+    itself when it is importable.
+    """
+    device = torch.device(device)
+    config_hash, config_dict = read_config_hash(path)
+    model = load_causal_lm(path, dtype, device)
+    if layer_ids is None:
+        _, _, layers = find_decoder_layers(model)
+        layer_ids = default_layer_ids(len(layers))
+    target = TargetModel(model, layer_ids, config_hash, config_dict.get("model_type", model.config.model_type))
+    # Move only after the cut, so dropped layers never reach the device.
+    target.model.to(device)
+    return target
