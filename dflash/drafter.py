@@ -1,0 +1,267 @@
+"""The DFlash drafter: a small stack of Qwen3 decoder layers conditioned on target features.
+
+Design (z-lab DFlash): the target's context feature (outputs of `target_layer_ids`
+concatenated, `(T, n*H)`) is projected once, `hidden_norm(fc(feature))`, to one vector per
+context token. The block tokens (slot 0 = anchor token, slots 1.. = mask token, embedded with
+the target's frozen embedding) are the only queries; in every layer keys and values are
+`[proj(context) ; proj(block)]`, with k_norm on all keys and plain RoPE on queries (block
+positions `anchor + j`) and keys (context positions, then block positions). Which key each
+query may see is decided by the per-layer-type masks from `dflash.masks`.
+
+Parameter names equal the inference export keys (`layers.{i}.self_attn.q_proj.weight`, ...,
+`norm.weight`, `fc.weight`, `hidden_norm.weight`); embedding and LM head are not part of
+the module. No I/O, no distributed code: wrappers are applied from outside.
+"""
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.masks import LAYER_TYPES, attend
+
+INIT_STD = 0.02  # Qwen3 `initializer_range`
+
+
+@dataclass(frozen=True)
+class DrafterArgs:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    sliding_window: int
+    rope_theta: float
+    target_layer_ids: tuple[int, ...]
+    block_size: int = 16
+    mask_token_id: int = 248070
+    vocab_size: int = 248320
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(
+                f"drafter: layer_types has {len(self.layer_types)} entries, num_layers is {self.num_layers}"
+            )
+        for index, layer_type in enumerate(self.layer_types):
+            if layer_type not in LAYER_TYPES:
+                raise ValueError(f"drafter: layer_types[{index}] = {layer_type!r}, expected one of {LAYER_TYPES}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"drafter: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"drafter: head_dim {self.head_dim} must be even for RoPE")
+        if "sliding_attention" in self.layer_types and self.sliding_window < self.block_size:
+            raise ValueError(
+                f"drafter: sliding_window {self.sliding_window} is smaller than block_size {self.block_size}"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"drafter: mask_token_id {self.mask_token_id} outside vocab_size {self.vocab_size}")
+
+    @property
+    def context_feature_size(self) -> int:
+        return len(self.target_layer_ids) * self.hidden_size
+
+
+DRAFTER_SIZES = {
+    # Tests and the embedded default; hidden 64 equals the tiny target's hidden size.
+    "tiny": DrafterArgs(
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=64,
+        rope_theta=1e7,
+        target_layer_ids=(1, 3, 5),
+    ),
+    # The recipe of the public Qwen3.5/3.6-27B drafters (about 1.73B parameters).
+    "qwen3.6-27b": DrafterArgs(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_layers=5,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        layer_types=("sliding_attention",) * 4 + ("full_attention",),
+        sliding_window=2048,
+        rope_theta=1e7,
+        target_layer_ids=(1, 16, 31, 46, 61),
+    ),
+}
+
+
+def drafter_args(size: str, **overrides) -> DrafterArgs:
+    """The named size with `overrides` applied (lists become tuples); errors name the bad key."""
+    if size not in DRAFTER_SIZES:
+        raise ValueError(f"drafter: unknown size {size!r}, known: {sorted(DRAFTER_SIZES)}")
+    known = {f.name for f in fields(DrafterArgs)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"drafter: unknown override key(s) {unknown}, known: {sorted(known)}")
+    for key in ("layer_types", "target_layer_ids"):
+        if key in overrides:
+            overrides[key] = tuple(overrides[key])
+    return replace(DRAFTER_SIZES[size], **overrides)
+
+
+def count_parameters(args: DrafterArgs) -> int:
+    """Trainable parameters of `DFlashDrafter(args)`, computed without building it."""
+    hidden, q_width = args.hidden_size, args.num_attention_heads * args.head_dim
+    kv_width = args.num_key_value_heads * args.head_dim
+    attention = hidden * q_width * 2 + hidden * kv_width * 2 + 2 * args.head_dim
+    mlp = 3 * hidden * args.intermediate_size
+    per_layer = attention + mlp + 2 * hidden
+    return args.num_layers * per_layer + hidden + args.context_feature_size * hidden + hidden
+
+
+class RMSNorm(nn.Module):
+    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_float = x.float()
+        x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x_float.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """Plain RoPE tables `(L, head_dim)` for integer positions (computed in float32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x_LND: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor) -> torch.Tensor:
+    """Rotate `(L, heads, head_dim)` by the half-split (rotate_half) convention of Qwen3."""
+    first, second = x_LND.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return x_LND * cos_LD[:, None, :] + rotated * sin_LD[:, None, :]
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
+        hidden = args.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def forward(self, block_QH, context_TH, rope_q, rope_k, mask) -> torch.Tensor:
+        num_queries = block_QH.shape[0]
+        q_QND = self.q_norm(self.q_proj(block_QH).view(num_queries, self.num_heads, self.head_dim))
+        k_KND = torch.cat([self.k_proj(context_TH), self.k_proj(block_QH)])
+        k_KND = self.k_norm(k_KND.view(-1, self.num_kv_heads, self.head_dim))
+        v_KND = torch.cat([self.v_proj(context_TH), self.v_proj(block_QH)]).view(-1, self.num_kv_heads, self.head_dim)
+        q_QND = apply_rope(q_QND, *rope_q)
+        k_KND = apply_rope(k_KND, *rope_k)
+        # (1, heads, length, head_dim): the layout both flex_attention and SDPA take.
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_QND, k_KND, v_KND))
+        out_1NQD = attend(q, k, v, mask)
+        return self.o_proj(out_1NQD[0].transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim))
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, args: DrafterArgs, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = DrafterAttention(args)
+        self.mlp = DrafterMLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, block_QH, context_TH, rope_q, rope_k, mask) -> torch.Tensor:
+        block_QH = block_QH + self.self_attn(self.input_layernorm(block_QH), context_TH, rope_q, rope_k, mask)
+        return block_QH + self.mlp(self.post_attention_layernorm(block_QH))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, args: DrafterArgs):
+        super().__init__()
+        self.args = args
+        self.layers = nn.ModuleList(DrafterLayer(args, layer_type) for layer_type in args.layer_types)
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.fc = nn.Linear(args.context_feature_size, args.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Qwen3 init: linear weights normal(0, 0.02), norm weights ones (also after `to_empty`)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.normal_(mean=0.0, std=INIT_STD)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def forward(
+        self,
+        context_feature_TF: torch.Tensor,
+        block_embeds_QH: torch.Tensor,
+        context_positions_T: torch.Tensor,
+        block_positions_Q: torch.Tensor,
+        masks: dict,
+    ) -> torch.Tensor:
+        """Block hidden states `(Q, H)` after the final norm (feed them to the target's LM head).
+
+        `masks` maps each layer type to its mask from `dflash.masks.build_masks`, for keys laid
+        out as `[context (T) ; block (Q)]`.
+        """
+        args = self.args
+        dtype = block_embeds_QH.dtype
+        context_TH = self.hidden_norm(self.fc(context_feature_TF.to(self.fc.weight.dtype)))
+        rope_q = rope_cos_sin(block_positions_Q, args.head_dim, args.rope_theta, dtype)
+        key_positions = torch.cat([context_positions_T, block_positions_Q])
+        rope_k = rope_cos_sin(key_positions, args.head_dim, args.rope_theta, dtype)
+        hidden_QH = block_embeds_QH
+        for layer in self.layers:
+            hidden_QH = layer(hidden_QH, context_TH, rope_q, rope_k, masks[layer.layer_type])
+        return self.norm(hidden_QH)
+
+
+def block_positions(anchor_pos_A: torch.Tensor, block_size: int) -> torch.Tensor:
+    """RoPE positions of the block queries, `(A*B,)`: slot j of anchor a sits at `anchor_pos[a] + j`."""
+    slots = torch.arange(block_size, device=anchor_pos_A.device, dtype=anchor_pos_A.dtype)
+    return (anchor_pos_A[:, None] + slots[None, :]).reshape(-1)
+
+
+def block_embeddings(
+    embed_weight_VH: torch.Tensor,
+    input_ids_T: torch.Tensor,
+    anchor_index_A: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+) -> torch.Tensor:
+    """Noise embeddings `(A*B, H)`: slot 0 = embed(anchor token), slots 1.. = embed(mask token)."""
+    num_anchors = anchor_index_A.shape[0]
+    tokens_AB = torch.full((num_anchors, block_size), mask_token_id, dtype=torch.long, device=input_ids_T.device)
+    tokens_AB[:, 0] = input_ids_T[anchor_index_A].long()
+    return F.embedding(tokens_AB.reshape(-1), embed_weight_VH)

@@ -1,0 +1,156 @@
+"""The DFlash training loss: chunked LM head + gamma-weighted cross-entropy, and block metrics.
+
+Slot k of a block (k = 1..B-1) predicts the token at `anchor + k` with weight
+`exp(-(k-1)/gamma)`; slot 0 (the anchor token itself) has weight 0. The loss is
+`sum(w * ce) / sum(w)` over supervised slots inside their sequence.
+
+Full-vocabulary logits for all block rows do not fit (512 anchors x 16 slots x 248K vocab
+is 2G elements), so `dflash_loss` runs the LM head and the cross entropy `chunk_size` rows
+at a time in a custom autograd function that recomputes each chunk's logits in the
+backward: peak memory is O(chunk_size * V). Everything stays on the device (no syncs).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_LABEL = -100  # label of slots that are not supervised; never equals an argmax
+
+
+def default_gamma(block_size: int) -> float:
+    """Decay of the slot weights used by the public DFlash recipes (7 for B=16, 5 for B=10, 4 for B=8)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, 7.0)
+
+
+def gamma_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """Per-slot weights `(B,)` float32: 0 at slot 0, `exp(-(k-1)/gamma)` at slot k >= 1."""
+    slots = torch.arange(block_size, dtype=torch.float32, device=device)
+    weights = torch.exp(-(slots - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def block_labels(
+    input_ids_T: torch.Tensor,
+    loss_mask_T: torch.Tensor,
+    doc_ids_T: torch.Tensor,
+    anchor_index_A: torch.Tensor,
+    anchor_valid_A: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels `(A, B)` int64 and their validity `(A, B)` bool for a packed micro-batch.
+
+    Slot k of the anchor at flat index i is labelled with the token at flat index i + k; it
+    is valid iff k >= 1, i + k is inside the packed row and in the same sequence (doc id),
+    the token is supervised, and the anchor is not padding. Invalid labels are IGNORE_LABEL.
+    """
+    num_tokens = input_ids_T.shape[0]
+    slots = torch.arange(block_size, device=anchor_index_A.device)
+    target_AB = anchor_index_A[:, None] + slots[None, :]
+    inside = target_AB < num_tokens
+    target_AB = target_AB.clamp(max=num_tokens - 1)
+    same_doc = doc_ids_T[target_AB] == doc_ids_T[anchor_index_A][:, None]
+    valid_AB = inside & same_doc & loss_mask_T[target_AB].bool() & (slots[None, :] >= 1) & anchor_valid_A[:, None].bool()
+    labels_AB = torch.where(valid_AB, input_ids_T[target_AB].long(), IGNORE_LABEL)
+    return labels_AB, valid_AB
+
+
+class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
+    """`sum_q row_weight[q] * ce(hidden[q] @ lm_head.T, label[q])`, `chunk_size` rows at a time.
+
+    Also returns the per-row cross entropy and argmax (no gradient). The backward recomputes
+    each chunk's logits: d ce / d logits = softmax - onehot.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_QH, lm_head_VH, labels_Q, row_weight_Q, chunk_size):
+        ce_Q = torch.empty(hidden_QH.shape[0], dtype=torch.float32, device=hidden_QH.device)
+        argmax_Q = torch.empty(hidden_QH.shape[0], dtype=torch.long, device=hidden_QH.device)
+        safe_labels_Q = labels_Q.clamp(min=0)
+        for start in range(0, hidden_QH.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            logits = (hidden_QH[rows] @ lm_head_VH.T).float()
+            ce_Q[rows] = F.cross_entropy(logits, safe_labels_Q[rows], reduction="none")
+            argmax_Q[rows] = logits.argmax(dim=-1)
+        ctx.save_for_backward(hidden_QH, lm_head_VH, safe_labels_Q, row_weight_Q)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(ce_Q, argmax_Q)
+        return (ce_Q * row_weight_Q).sum(), ce_Q, argmax_Q
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_ce_unused, grad_argmax_unused):
+        hidden_QH, lm_head_VH, labels_Q, row_weight_Q = ctx.saved_tensors
+        want_hidden, want_head = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.zeros_like(hidden_QH) if want_hidden else None
+        grad_head = torch.zeros_like(lm_head_VH, dtype=torch.float32) if want_head else None
+        for start in range(0, hidden_QH.shape[0], ctx.chunk_size):
+            rows = slice(start, start + ctx.chunk_size)
+            grad_logits = torch.softmax((hidden_QH[rows] @ lm_head_VH.T).float(), dim=-1)
+            grad_logits[torch.arange(grad_logits.shape[0], device=grad_logits.device), labels_Q[rows]] -= 1.0
+            grad_logits *= (row_weight_Q[rows] * grad_loss)[:, None]
+            grad_logits = grad_logits.to(hidden_QH.dtype)
+            if want_hidden:
+                grad_hidden[rows] = grad_logits @ lm_head_VH
+            if want_head:
+                grad_head += grad_logits.T.float() @ hidden_QH[rows].float()
+        if want_head:
+            grad_head = grad_head.to(lm_head_VH.dtype)
+        return grad_hidden, grad_head, None, None, None
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor  # scalar, sum(w * ce) / sum(w); differentiable
+    loss_sum: torch.Tensor  # scalar, sum(w * ce); differentiable (for normalising over micro-batches)
+    weight_sum: torch.Tensor  # scalar, sum(w) over valid slots
+    ce: torch.Tensor  # (A, B) float32 per-slot cross entropy, detached (0 where invalid)
+    correct: torch.Tensor  # (A, B) bool, top-1 prediction equals a valid label
+
+
+def dflash_loss(
+    hidden_QH: torch.Tensor,
+    lm_head_VH: torch.Tensor,
+    labels_AB: torch.Tensor,
+    valid_AB: torch.Tensor,
+    weights_B: torch.Tensor,
+    chunk_size: int = 1024,
+) -> LossOutput:
+    """Gamma-weighted block cross entropy with the LM head applied `chunk_size` rows at a time."""
+    num_anchors, block_size = labels_AB.shape
+    if hidden_QH.shape[0] != num_anchors * block_size:
+        raise ValueError(f"loss: hidden has {hidden_QH.shape[0]} rows, labels need {num_anchors} x {block_size}")
+    row_weight_AB = weights_B.to(device=hidden_QH.device, dtype=torch.float32)[None, :] * valid_AB
+    loss_sum, ce_Q, argmax_Q = _ChunkedLMHeadCrossEntropy.apply(
+        hidden_QH, lm_head_VH, labels_AB.reshape(-1), row_weight_AB.reshape(-1), chunk_size
+    )
+    weight_sum = row_weight_AB.sum()
+    # An all-padding micro-batch gives loss 0 (and zero gradients), not NaN.
+    loss = loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
+    ce_AB = torch.where(valid_AB, ce_Q.view(num_anchors, block_size), 0.0)
+    correct_AB = (argmax_Q.view(num_anchors, block_size) == labels_AB) & valid_AB
+    return LossOutput(loss=loss, loss_sum=loss_sum, weight_sum=weight_sum, ce=ce_AB, correct=correct_AB)
+
+
+def block_metrics(correct_AB: torch.Tensor, valid_AB: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-slot top-1 accuracy and the expected acceptance length tau, as device tensors.
+
+    tau = 1 + mean over real blocks of the number of consecutive correct slots from slot 1
+    (stopping at the first wrong or invalid slot): the tokens one draft step would yield.
+    The raw counts are returned too, so that metrics can be summed over micro-batches.
+    """
+    hits_AK = (correct_AB & valid_AB)[:, 1:].float()
+    slot_correct = hits_AK.sum(dim=0)
+    slot_valid = valid_AB[:, 1:].float().sum(dim=0)
+    accepted_A = torch.cumprod(hits_AK, dim=1).sum(dim=1)
+    real_block_A = valid_AB.any(dim=1).float()
+    num_blocks = real_block_A.sum()
+    accepted_sum = (accepted_A * real_block_A).sum()
+    return {
+        "slot_accuracy": slot_correct / slot_valid.clamp(min=1.0),
+        "tau": 1.0 + accepted_sum / num_blocks.clamp(min=1.0),
+        "slot_correct": slot_correct,
+        "slot_valid": slot_valid,
+        "accepted_sum": accepted_sum,
+        "num_blocks": num_blocks,
+    }

@@ -1,0 +1,91 @@
+"""The drafter module: export parameter names, shapes, parameter count, init, args."""
+
+import pytest
+import torch
+
+from dflash.drafter import (
+    DRAFTER_SIZES,
+    DFlashDrafter,
+    block_embeddings,
+    block_positions,
+    count_parameters,
+    drafter_args,
+)
+from dflash.embedded import tiny_target_config
+from dflash.masks import build_masks
+
+
+def expected_export_keys(num_layers: int) -> set[str]:
+    keys = {"norm.weight", "fc.weight", "hidden_norm.weight"}
+    for i in range(num_layers):
+        keys |= {f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"}
+        keys |= {f"layers.{i}.self_attn.{n}_norm.weight" for n in "qk"}
+        keys |= {f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        keys |= {f"layers.{i}.input_layernorm.weight", f"layers.{i}.post_attention_layernorm.weight"}
+    return keys
+
+
+def test_parameter_names_are_the_export_keys():
+    model = DFlashDrafter(drafter_args("tiny"))
+    names = [name for name, _ in model.named_parameters()]
+    assert set(names) == expected_export_keys(2) and len(names) == len(set(names))
+    assert set(model.state_dict()) == set(names), "no buffers may leak into the checkpoint"
+
+
+def test_parameter_count_without_building():
+    tiny = drafter_args("tiny")
+    assert count_parameters(tiny) == sum(p.numel() for p in DFlashDrafter(tiny).parameters())
+    big = count_parameters(DRAFTER_SIZES["qwen3.6-27b"])
+    assert 1.70e9 < big < 1.76e9, big
+
+
+def test_tiny_matches_tiny_target_and_27b_recipe():
+    tiny, big = DRAFTER_SIZES["tiny"], DRAFTER_SIZES["qwen3.6-27b"]
+    assert tiny.hidden_size == tiny_target_config().hidden_size
+    assert max(tiny.target_layer_ids) < tiny_target_config().num_hidden_layers
+    assert big.layer_types == ("sliding_attention",) * 4 + ("full_attention",)
+    assert (big.target_layer_ids, big.block_size, big.mask_token_id) == ((1, 16, 31, 46, 61), 16, 248070)
+
+
+def test_qwen3_init():
+    torch.manual_seed(0)
+    model = DFlashDrafter(drafter_args("qwen3.6-27b", num_layers=1, layer_types=["full_attention"],
+                                       hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=64))
+    std = model.layers[0].mlp.up_proj.weight.std().item()
+    assert 0.019 < std < 0.021
+    assert torch.all(model.layers[0].self_attn.q_norm.weight == 1) and torch.all(model.hidden_norm.weight == 1)
+
+
+def test_forward_shapes_and_gradients():
+    args = drafter_args("tiny", vocab_size=300, mask_token_id=299)
+    model = DFlashDrafter(args)
+    num_context, anchor_pos = 20, torch.tensor([3, 9, 15])
+    meta = {"doc_ids": torch.zeros(num_context, dtype=torch.long), "position_ids": torch.arange(num_context),
+            "anchor_doc": torch.zeros(3, dtype=torch.long), "anchor_pos": anchor_pos}
+    masks = build_masks(meta, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
+    embed = torch.randn(args.vocab_size, args.hidden_size)
+    input_ids = torch.randint(0, 299, (num_context,))
+    block = block_embeddings(embed, input_ids, anchor_pos, args.block_size, args.mask_token_id)
+    assert block.shape == (3 * 16, 64)
+    assert torch.equal(block[16], embed[input_ids[9]]) and torch.equal(block[17], embed[299])
+    positions = block_positions(anchor_pos, args.block_size)
+    assert positions[:17].tolist() == list(range(3, 19)) + [9]
+    feature = torch.randn(num_context, 3 * 64)
+    hidden = model(feature, block, meta["position_ids"], positions, masks)
+    assert hidden.shape == (48, 64) and torch.isfinite(hidden).all()
+    hidden.square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_bad_args_are_named():
+    with pytest.raises(ValueError, match="unknown size"):
+        drafter_args("huge")
+    with pytest.raises(ValueError, match="num_heads|unknown override"):
+        drafter_args("tiny", num_heads=3)
+    with pytest.raises(ValueError, match="layer_types has 1 entries"):
+        drafter_args("tiny", layer_types=["full_attention"])
+    with pytest.raises(ValueError, match="layer_types\\[1\\]"):
+        drafter_args("tiny", layer_types=["full_attention", "linear_attention"])
+    with pytest.raises(ValueError, match="smaller than block_size"):
+        drafter_args("tiny", sliding_window=8)

@@ -1,0 +1,108 @@
+"""Loss: weights, labels, chunked LM head + CE against the plain full-logits loss, metrics."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.loss import IGNORE_LABEL, block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights
+
+
+def test_gamma_weights_and_defaults():
+    weights = gamma_weights(16, 7.0)
+    assert weights.shape == (16,) and weights[0] == 0 and weights[1] == 1
+    assert math.isclose(weights[15].item(), math.exp(-14 / 7), rel_tol=1e-6)
+    assert [default_gamma(b) for b in (16, 10, 8, 12)] == [7.0, 5.0, 4.0, 7.0]
+
+
+def test_block_labels_match_a_loop():
+    input_ids = torch.tensor([10, 11, 12, 13, 14, 20, 21, 22, 0, 0])
+    loss_mask = torch.tensor([0, 1, 1, 0, 1, 0, 1, 1, 0, 0])
+    doc_ids = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, -1, -1])
+    anchor_index = torch.tensor([0, 2, 5, 6, 0])
+    anchor_valid = torch.tensor([True, True, True, True, False])
+    block_size = 4
+    labels, valid = block_labels(input_ids, loss_mask, doc_ids, anchor_index, anchor_valid, block_size)
+    for a, start in enumerate(anchor_index.tolist()):
+        for k in range(block_size):
+            i = start + k
+            ok = bool(anchor_valid[a]) and k >= 1 and i < 10 and doc_ids[i] == doc_ids[start] and bool(loss_mask[i])
+            assert valid[a, k].item() == ok, (a, k)
+            assert labels[a, k].item() == (input_ids[i].item() if ok else IGNORE_LABEL), (a, k)
+    assert labels[0].tolist() == [IGNORE_LABEL, 11, 12, IGNORE_LABEL]
+    assert labels[3].tolist() == [IGNORE_LABEL, 22, IGNORE_LABEL, IGNORE_LABEL]  # does not cross into padding
+
+
+def plain_loss(hidden, lm_head, labels, valid, weights):
+    logits = (hidden @ lm_head.T).float()
+    ce = F.cross_entropy(logits, labels.reshape(-1).clamp(min=0), reduction="none").view(labels.shape)
+    w = weights[None, :] * valid
+    return (w * ce).sum() / w.sum(), logits.argmax(-1).view(labels.shape)
+
+
+def random_problem(seed, num_anchors=6, block_size=8, hidden_size=16, vocab=50):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_anchors * block_size, hidden_size, generator=generator, dtype=torch.float64)
+    lm_head = torch.randn(vocab, hidden_size, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (num_anchors, block_size), generator=generator)
+    valid = torch.rand(num_anchors, block_size, generator=generator) < 0.7
+    valid[:, 0] = False
+    labels = torch.where(valid, labels, IGNORE_LABEL)
+    return hidden, lm_head, labels, valid, gamma_weights(block_size, default_gamma(block_size))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 16, 1000])
+def test_chunked_loss_equals_full_loss(chunk_size):
+    hidden, lm_head, labels, valid, weights = random_problem(chunk_size)
+    hidden_ref = hidden.clone().requires_grad_(True)
+    lm_head_ref = lm_head.clone().requires_grad_(True)
+    expected, argmax = plain_loss(hidden_ref, lm_head_ref, labels, valid, weights.double())
+    expected.backward()
+    hidden.requires_grad_(True)
+    lm_head.requires_grad_(True)
+    out = dflash_loss(hidden, lm_head, labels, valid, weights, chunk_size=chunk_size)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(hidden.grad, hidden_ref.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(lm_head.grad, lm_head_ref.grad, rtol=1e-5, atol=1e-7)
+    assert torch.equal(out.correct, (argmax == labels) & valid)
+    assert out.weight_sum.item() == pytest.approx((weights[None, :] * valid).sum().item())
+
+
+def test_frozen_lm_head_gets_no_gradient_and_bf16_runs():
+    hidden, lm_head, labels, valid, weights = random_problem(3)
+    hidden = hidden.to(torch.bfloat16).requires_grad_(True)
+    out = dflash_loss(hidden, lm_head.to(torch.bfloat16), labels, valid, weights, chunk_size=5)
+    out.loss.backward()
+    assert hidden.grad.dtype == torch.bfloat16 and torch.isfinite(hidden.grad.float()).all()
+    expected, _ = plain_loss(hidden.detach().double(), lm_head.to(torch.bfloat16).double(), labels, valid, weights.double())
+    assert out.loss.item() == pytest.approx(expected.item(), rel=2e-2)
+
+
+def test_all_invalid_gives_zero_loss_not_nan():
+    hidden, lm_head, labels, _, weights = random_problem(4)
+    valid = torch.zeros_like(labels, dtype=torch.bool)
+    hidden.requires_grad_(True)
+    out = dflash_loss(hidden, lm_head, torch.full_like(labels, IGNORE_LABEL), valid, weights, chunk_size=8)
+    out.loss.backward()
+    assert out.loss.item() == 0.0 and torch.count_nonzero(hidden.grad) == 0
+
+
+def test_block_metrics_by_hand():
+    valid = torch.tensor([
+        [0, 1, 1, 1],
+        [0, 1, 1, 0],
+        [0, 1, 1, 1],
+        [0, 0, 0, 0],  # a padding anchor: not counted
+    ], dtype=torch.bool)
+    correct = torch.tensor([
+        [0, 1, 1, 0],  # 2 accepted
+        [0, 1, 1, 1],  # slot 3 is invalid: 2 accepted
+        [0, 0, 1, 1],  # first slot wrong: 0 accepted
+        [0, 1, 1, 1],
+    ], dtype=torch.bool) & valid
+    metrics = block_metrics(correct, valid)
+    assert metrics["tau"].item() == pytest.approx(1 + 4 / 3)
+    torch.testing.assert_close(metrics["slot_accuracy"], torch.tensor([2 / 3, 1.0, 0.5]))
+    assert metrics["num_blocks"].item() == 3 and metrics["accepted_sum"].item() == 4
