@@ -1,0 +1,58 @@
+"""Smoke test of the benchmark tools: each runs with --quick on the CPU, prints its table and
+writes its JSON. The three run in parallel (they are independent processes). No timing asserts."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+TOOLS = {
+    "bench_stage1": (["--quick"], "## stage one", ("bare", "capture_only", "full")),
+    "bench_stage2": (["--quick", "--loader", "--profile", "{tmp}/trace"], "## stage two training step",
+                     ("modes", "loader", "profile")),
+    "bench_codecs": (["--quick", "--sources", "random-target"], "## codecs", ("sources",)),
+}
+
+
+@pytest.fixture(scope="module")
+def tool_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tools")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), WANDB_MODE="offline")
+    processes = {}
+    for tool, (flags, _, _) in TOOLS.items():
+        out = tmp / f"{tool}.json"
+        command = [sys.executable, str(REPO / "tools" / f"{tool}.py"), *[f.format(tmp=tmp) for f in flags],
+                   "--out", str(out)]
+        processes[tool] = (subprocess.Popen(command, cwd=tmp, env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, text=True), out)
+    return {tool: (process.communicate(timeout=600)[0], process.returncode, out)
+            for tool, (process, out) in processes.items()}
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_tool_runs_quick_and_writes_results(tool_runs, tool):
+    output, returncode, out = tool_runs[tool]
+    _, table_title, keys = TOOLS[tool]
+    assert returncode == 0, output[-4000:]
+    assert table_title in output
+    assert "| --- |" in output
+    results = json.loads(out.read_text())
+    assert results["quick"] is True
+    assert results["meta"]["command"].endswith(" ".join(["--out", str(out)]))
+    for key in keys:
+        assert key in results, f"{tool}: no {key!r} in {sorted(results)}"
+
+
+def test_stage2_flop_formula_matches_issue_5():
+    """The peers' step (8,192 tokens, 512 anchors) is 129.3 TFLOP at the qwen3.6-27b size."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_stage2 import step_flops
+
+    from dflash.drafter import drafter_args
+
+    assert step_flops(drafter_args("qwen3.6-27b"), 8192, 512) / 1e12 == pytest.approx(129.3, abs=0.1)

@@ -1,0 +1,372 @@
+"""Benchmark stage one: bare target forward vs the full capture + encode + store-write path.
+
+Builds a Qwen3.5-27B-shaped target from a config with random bf16 weights directly on the
+GPU (no download), draws a realistic length mix, and runs the same right-padded,
+length-bucketed batches through
+  1. the bare transformers forward, `model(input_ids, attention_mask, logits_to_keep=1)`
+     with nothing kept (the reference),
+  2. `capture only`: `TargetModel.capture` (layers after the last captured id dropped) +
+     `codecs.encode` on the GPU + copy to host, nothing written,
+  3. the full stage-one path, per codec: `stages.extract.write_shards` (the writer thread,
+     `store.ShardWriter`, zstd, zarr) into a local temporary store.
+It prints tokens/s, the ratio to the bare forward, MFU (2 x params of the layers run x
+tokens over 790 TFLOP/s), stored bytes/token per codec and the write rate, and writes the
+numbers as JSON to `--out`.
+
+    python tools/bench_stage1.py --out bench/stage1.json            # H200
+    python tools/bench_stage1.py --quick --out /tmp/stage1.json     # tiny target on CPU
+
+Shared helpers of the other tools (`print_table`, `write_results`, `log_uniform_lengths`)
+live here; run the tools as scripts so `tools/` is on sys.path.
+"""
+
+import argparse
+import contextlib
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# Run as a script: make the repository root importable (dflash, stages) without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+if not torch.cuda.is_available():
+    # CPU runs: keep transformers on its pure-torch Gated DeltaNet (fla's Triton kernels need a GPU).
+    sys.modules.setdefault("fla", None)
+
+PEAK_BF16_FLOPS = 790e12  # H200 dense bf16, the ceiling issue 5 measures MFU against
+REAL_LAYER_COUNT = 5
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    """A Markdown table on stdout (pastes straight into BENCHMARKS.md)."""
+    print(f"\n## {title}")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join(" --- " for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(format_cell(cell) for cell in row) + " |")
+
+
+def format_cell(value) -> str:
+    if isinstance(value, float):
+        if value == 0 or 1e-3 <= abs(value) < 1e6:
+            return f"{value:,.4g}" if abs(value) < 10 else f"{value:,.1f}"
+        return f"{value:.3e}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def run_metadata(argv: list[str]) -> dict:
+    """Command, date, machine and commit, stored beside every result (BENCHMARKS.md needs them)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"command": " ".join([Path(sys.executable).name, *argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "device": device, "torch": torch.__version__, "python": platform.python_version(), "commit": commit}
+
+
+def write_results(path: str, results: dict) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"\nresults written to {out}")
+
+
+def log_uniform_lengths(count: int, low: int, high: int, seed: int) -> np.ndarray:
+    """Sequence lengths log-uniform in [low, high): as many 64-128 as 2048-4096 samples.
+
+    The default bucket mix of the benchmarks; chat data has many short and a long tail of
+    long conversations, and every bucket gets a fair share of the work.
+    """
+    rng = np.random.default_rng(seed)
+    lengths = np.exp(rng.uniform(np.log(low), np.log(high), size=count))
+    return np.clip(lengths.astype(np.int64), low, high - 1)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------- target
+
+
+def qwen35_27b_config():
+    """The text config of Qwen3.5/3.6-27B (64 layers, [linear x3, full] x16, hidden 5120)."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=48,
+        max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    )
+
+
+def build_random_target(config, device: torch.device, dtype: torch.dtype):
+    """A random-init causal LM built in place on `device` (27B in bf16 builds in seconds on a GPU)."""
+    from transformers import Qwen3_5ForCausalLM
+
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def layer_parameters(model, num_layers: int | None = None) -> int:
+    """Parameters of the first `num_layers` decoder layers (all when None); embeddings are lookups."""
+    layers = model.model.layers if num_layers is None else model.model.layers[:num_layers]
+    return sum(p.numel() for p in layers.parameters())
+
+
+def mfu(params: int, tokens: int, seconds: float) -> float:
+    return 2 * params * tokens / max(seconds, 1e-12) / PEAK_BF16_FLOPS
+
+
+# --------------------------------------------------------------------------- data
+
+
+def make_samples(lengths: np.ndarray, vocab_size: int, seed: int) -> list:
+    """Random-token samples; loss masks follow chat shape (prompt unsupervised, answer supervised)."""
+    from dflash.data import Sample
+
+    rng = np.random.default_rng(seed)
+    samples = []
+    for row_id, length in enumerate(lengths.tolist()):
+        loss_mask = np.zeros(length, dtype=np.uint8)
+        loss_mask[int(0.3 * length):] = 1
+        input_ids = rng.integers(0, vocab_size, size=length, dtype=np.int64).astype(np.int32)
+        samples.append(Sample(row_id=row_id, input_ids=input_ids, loss_mask=loss_mask))
+    return samples
+
+
+def bucketed_batches(samples: list, bucket_edges, batch_tokens: int) -> list[list]:
+    """Samples grouped by bucket (plan order) then cut into right-padded batches, as stage one does."""
+    from dflash.plan import assign_bucket
+    from stages.extract import padded_batches
+
+    by_bucket: dict[int, list] = {}
+    for sample in samples:
+        by_bucket.setdefault(assign_bucket(len(sample), bucket_edges), []).append(sample)
+    batches = []
+    for bucket in sorted(by_bucket):
+        batches.extend(batch for _, batch in padded_batches(by_bucket[bucket], batch_tokens))
+    return batches
+
+
+# --------------------------------------------------------------------------- passes
+
+
+def time_bare_forward(model, batches, device) -> float:
+    """Seconds for `model(..., logits_to_keep=1)` over every batch; outputs are dropped."""
+    from dflash.target import pad_batch
+
+    synchronize(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for batch in batches:
+            input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0)
+            model(input_ids=input_ids.to(device, non_blocking=True),
+                  attention_mask=attention_mask.to(device, non_blocking=True), logits_to_keep=1, use_cache=False)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_capture_only(target, batches, codec: str, device) -> float:
+    """Seconds for capture + encode on the device + copy to host (stages.extract.capture_batch)."""
+    from stages.extract import capture_batch
+
+    synchronize(device)
+    start = time.perf_counter()
+    for batch in batches:
+        capture_batch(target, batch, codec, device)
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def timed_writer_jobs(busy: dict):
+    """Measure the writer thread's busy time by wrapping stages.extract.write_batch for the run."""
+    import stages.extract as extract
+
+    original = extract.write_batch
+
+    def write_batch(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            busy["seconds"] += time.perf_counter() - start
+
+    extract.write_batch = write_batch
+    try:
+        yield busy
+    finally:
+        extract.write_batch = original
+
+
+def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, device, store_dir: Path) -> dict:
+    """The stage-one writer path into a fresh local store; returns seconds, bytes and writer load."""
+    from dflash import plan, store
+    from dflash.config import Config, replace
+    from dflash.dist import DistState
+    from stages.extract import ExtractResult, write_shards
+
+    config = replace(Config(), store={"codec": codec, "path": str(store_dir), "bucket_edges": tuple(bucket_edges)},
+                     extract={"batch_tokens": batch_tokens}, data={"max_length": min(batch_tokens, 4096)})
+    lengths = np.array([len(s) for s in samples], dtype=np.int64)
+    row_ids = np.array([s.row_id for s in samples], dtype=np.int64)
+    shards = plan.plan_shards(lengths, row_ids, list(bucket_edges), config.store.shard_tokens)
+    attrs = synthetic_store_attrs(target, codec, bucket_edges, shards)
+    group = store.create_or_open_store(str(store_dir), attrs, overwrite=True)
+    dist = DistState(rank=0, world_size=1, local_rank=0, device=device)
+    result = ExtractResult(store_path=str(store_dir))
+    busy = {"seconds": 0.0}
+    synchronize(device)
+    start = time.perf_counter()
+    with timed_writer_jobs(busy):
+        write_shards(config, dist, target, group, samples, shards, result)
+    seconds = time.perf_counter() - start
+    stats = store.store_stats(str(store_dir))
+    return {"seconds": seconds, "stored_bytes": stats["total"]["stored_bytes"], "tokens": stats["total"]["tokens"],
+            "bytes_per_token": stats["total"]["bytes_per_token"], "writer_busy_seconds": busy["seconds"]}
+
+
+def synthetic_store_attrs(target, codec: str, bucket_edges, shards) -> dict:
+    return {
+        "schema_version": 1, "package_version": "bench",
+        "target": {"path": "random-init", "config_hash": "", "model_type": target.model_type,
+                   "num_hidden_layers": target.num_layers, "hidden_size": target.hidden_size,
+                   "vocab_size": target.vocab_size},
+        "target_layer_ids": list(target.layer_ids), "hidden_size": target.hidden_size, "codec": codec,
+        "tokenizer": {}, "max_length": int(bucket_edges[-1]), "bucket_edges": list(bucket_edges),
+        "config": {}, "config_hash": "bench",
+        "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
+                    "num_tokens": s.num_tokens} for s in shards],
+    }
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny target on the CPU, a few thousand tokens")
+    parser.add_argument("--out", required=True, help="JSON results file")
+    parser.add_argument("--tokens", type=int, default=262_144, help="real tokens per pass")
+    parser.add_argument("--batch-tokens", type=int, default=32_768, help="padded tokens per forward")
+    parser.add_argument("--codecs", default="fp8,bf16")
+    parser.add_argument("--store-dir", default="", help="where the temporary stores go (default: a temp dir)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.batch_tokens = min(args.tokens, 600), min(args.batch_tokens, 512)
+    return args
+
+
+def build_target(args, device: torch.device):
+    from dflash.embedded import tiny_target_config
+
+    config = tiny_target_config() if args.quick else qwen35_27b_config()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return config, build_random_target(config, device, dtype)
+
+
+def pick_samples(args, vocab_size: int) -> list:
+    high = 160 if args.quick else 4096
+    lengths = log_uniform_lengths(4 * args.tokens // 64, 64, high, args.seed)
+    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), args.tokens)) + 1]
+    return make_samples(lengths, vocab_size, args.seed)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    from dflash.config import StoreConfig
+    from dflash.target import TargetModel, default_layer_ids
+
+    bucket_edges = StoreConfig().bucket_edges
+    config, model = build_target(args, device)
+    samples = pick_samples(args, config.vocab_size)
+    batches = bucketed_batches(samples, bucket_edges, args.batch_tokens)
+    real_tokens = sum(len(s) for s in samples)
+    padded_tokens = sum(len(b) * max(len(s) for s in b) for b in batches)
+    layer_ids = default_layer_ids(config.num_hidden_layers, REAL_LAYER_COUNT)
+    all_params, cut_params = layer_parameters(model), layer_parameters(model, layer_ids[-1] + 1)
+    print(f"target: {config.num_hidden_layers} layers, hidden {config.hidden_size}, {all_params / 1e9:.2f}B layer "
+          f"parameters ({cut_params / 1e9:.2f}B up to layer {layer_ids[-1]}); {len(samples)} samples, "
+          f"{real_tokens:,} tokens in {len(batches)} batches (padding efficiency {real_tokens / padded_tokens:.3f})")
+
+    warmup = [] if args.quick else batches[:1] + batches[-1:]  # kernels, autotune, allocator
+    time_bare_forward(model, warmup, device)
+    bare_seconds = time_bare_forward(model, batches, device)
+    target = TargetModel(model, layer_ids, config_hash="random-init", model_type=config.model_type)
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    time_capture_only(target, warmup, codecs[0], device)
+    capture_seconds = time_capture_only(target, batches, codecs[0], device)
+    store_root = Path(args.store_dir or tempfile.mkdtemp(prefix="bench-stage1-"))
+    full = {}
+    try:
+        for codec in codecs:
+            full[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens, device,
+                                        store_root / f"store-{codec}")
+            shutil.rmtree(store_root / f"store-{codec}", ignore_errors=True)
+    finally:
+        if not args.store_dir:
+            shutil.rmtree(store_root, ignore_errors=True)
+    report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params,
+           bare_seconds, capture_seconds, codecs[0], full)
+    return 0
+
+
+def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params,
+           bare_seconds, capture_seconds, capture_codec, full) -> None:
+    raw_bytes = REAL_LAYER_COUNT * config.hidden_size * 2
+    bare_rate = real_tokens / bare_seconds
+    rows = [["bare forward (logits_to_keep=1)", bare_rate, 1.0, mfu(all_params, real_tokens, bare_seconds), "", "", ""]]
+    rate = real_tokens / capture_seconds
+    rows.append([f"capture + encode {capture_codec} + copy to host", rate, rate / bare_rate,
+                 mfu(cut_params, real_tokens, capture_seconds), "", "", ""])
+    for codec, numbers in full.items():
+        rate = numbers["tokens"] / numbers["seconds"]
+        rows.append([f"full stage one, {codec} (zarr write)", rate, rate / bare_rate,
+                     mfu(cut_params, numbers["tokens"], numbers["seconds"]), numbers["bytes_per_token"],
+                     raw_bytes / numbers["bytes_per_token"], numbers["stored_bytes"] / numbers["seconds"] / 1e6])
+        numbers.update(tokens_per_s=rate, ratio_to_bare=rate / bare_rate,
+                       mfu=mfu(cut_params, numbers["tokens"], numbers["seconds"]),
+                       write_mb_per_s=numbers["stored_bytes"] / numbers["seconds"] / 1e6,
+                       writer_busy_fraction=numbers["writer_busy_seconds"] / numbers["seconds"])
+    print_table("stage one", ["path", "tokens/s", "x bare", "MFU", "bytes/token", "x smaller than bf16", "write MB/s"],
+                rows)
+    print_table("writer thread", ["codec", "busy s", "wall s", "busy fraction"],
+                [[c, n["writer_busy_seconds"], n["seconds"], n["writer_busy_fraction"]] for c, n in full.items()])
+    write_results(args.out, {
+        "meta": run_metadata(["tools/bench_stage1.py", *argv]), "quick": args.quick,
+        "target": {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
+                   "layer_ids": layer_ids, "layer_params": all_params, "layer_params_run": cut_params},
+        "tokens": real_tokens, "padded_tokens": padded_tokens, "raw_bf16_bytes_per_token": raw_bytes,
+        "bare": {"seconds": bare_seconds, "tokens_per_s": bare_rate, "mfu": mfu(all_params, real_tokens, bare_seconds)},
+        "capture_only": {"codec": capture_codec, "seconds": capture_seconds, "tokens_per_s": real_tokens / capture_seconds,
+                         "ratio_to_bare": real_tokens / capture_seconds / bare_rate,
+                         "mfu": mfu(cut_params, real_tokens, capture_seconds)},
+        "full": full,
+    })
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

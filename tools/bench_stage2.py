@@ -1,0 +1,440 @@
+"""Benchmark stage two: the real training step at the `qwen3.6-27b` drafter size on synthetic data.
+
+Builds the drafter with stages/train.py's own pieces (`build_model`: fp32 master weights,
+`build_optimizer`: fused AdamW, `apply_parallelism`: compiled layers), a frozen random
+248,320 x 5120 bf16 embedding and LM head, and synthetic packed micro-batches of the real
+shape made by `dflash.batch.collate_packed`: sequences from a log-uniform length mix over
+64..4096, random fp8-encoded context features (5 x 5120 per token), loss masks ~70%
+supervised, up to 512 anchors per sequence, block 16. Every step is `stages.train.train_step`.
+
+Modes:
+  peer     exactly 8,192 source tokens (one 8,192-token sequence) and 512 anchors x 16 per
+           optimizer step, one micro-batch: the peers' step (speculators 310 ms, SpecForge 374 ms).
+  default  micro-batches packed by `dflash.sampler.build_epoch_schedule` under the config's
+           train.token_budget, train.accum_steps micro-batches per optimizer step.
+After a warm-up over every distinct step (compile, autotune), N steps are timed with CUDA
+events. Reported: ms/step, source tokens/s, anchor-slots/s, MFU by the issue-5 formula,
+peak memory; `--profile DIR` adds a torch.profiler trace and counts host-device syncs;
+`--loader` writes a small synthetic store with dflash.store and measures the DataLoader's
+own throughput against what the trainer consumes.
+
+    python tools/bench_stage2.py --out bench/stage2.json --loader --profile bench/trace   # H200
+    python tools/bench_stage2.py --quick --loader --out /tmp/stage2.json                  # CPU
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_stage1 import log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
+
+PEAK_BF16_FLOPS = 790e12
+SYNC_EVENT_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "Memcpy DtoH")
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def bench_config(args):
+    from dflash.config import Config, replace
+
+    size = "tiny" if args.quick else "qwen3.6-27b"
+    train = {"compile": not args.no_compile}
+    if args.quick:
+        train.update(token_budget=256, accum_steps=2, max_anchors=8, loss_chunk=256, num_workers=1)
+    if args.token_budget:
+        train["token_budget"] = args.token_budget
+    if args.accum_steps:
+        train["accum_steps"] = args.accum_steps
+    data = {"max_length": min(4096, train.get("token_budget", Config().train.token_budget))}
+    return replace(Config(), drafter={"size": size}, train=train, data=data)
+
+
+def build_trainer(config, device: torch.device):
+    """Model, optimizer, wrapped model and TrainContext exactly as stages.train builds them."""
+    from dflash.dist import DistState
+    from dflash.drafter import drafter_args
+    from dflash.loss import default_gamma, gamma_weights
+    from dflash.masks import default_backend
+    from stages.train import TrainContext, apply_parallelism, build_model, build_optimizer
+
+    dist = DistState(rank=0, world_size=1, local_rank=0, device=device)
+    args = drafter_args(config.drafter.size, block_size=config.drafter.block_size,
+                        mask_token_id=config.drafter.mask_token_id)
+    model = build_model(config, args, dist)
+    optimizer = build_optimizer(model, config)
+    wrapped = apply_parallelism(model, config, dist)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    generator = torch.Generator(device=device).manual_seed(0)
+    embed_VH = (torch.randn(args.vocab_size, args.hidden_size, device=device, dtype=dtype, generator=generator)
+                * 0.02)
+    lm_head_VH = (torch.randn(args.vocab_size, args.hidden_size, device=device, dtype=dtype, generator=generator)
+                  * 0.02)
+    ctx = TrainContext(args=args, codec="fp8", embed_VH=embed_VH, lm_head_VH=lm_head_VH,
+                       weights_B=gamma_weights(args.block_size, default_gamma(args.block_size), device=device),
+                       backend=default_backend(device), loss_chunk=config.train.loss_chunk, device=device)
+    return model, optimizer, wrapped, ctx
+
+
+# --------------------------------------------------------------------------- synthetic data
+
+
+class FeaturePool:
+    """A pool of random fp8-encoded context-feature rows; samples take consecutive rows from it."""
+
+    def __init__(self, num_rows: int, num_layers: int, hidden_size: int, device: torch.device, seed: int):
+        from dflash import codecs
+
+        generator = torch.Generator(device=device).manual_seed(seed)
+        hidden, scale = [], []
+        for start in range(0, num_rows, 1024):
+            rows = min(1024, num_rows - start)
+            features = torch.randn(rows, num_layers, hidden_size, device=device, generator=generator)
+            encoded = codecs.encode(features, "fp8")
+            hidden.append(encoded["hidden"].cpu())
+            scale.append(encoded["scale"].cpu())
+        self.hidden = torch.cat(hidden).numpy()
+        self.scale = torch.cat(scale).numpy()
+
+    def rows(self, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        start = start % (len(self.hidden) - length + 1)
+        return self.hidden[start:start + length], self.scale[start:start + length]
+
+
+def synthetic_item(pool: FeaturePool, length: int, row_id: int, bucket: int, max_anchors: int,
+                   vocab_size: int, rng: np.random.Generator, num_anchors: int | None = None) -> dict:
+    """One `StoreDataset`-shaped item: prompt ~30% unsupervised, answer supervised, sorted anchors."""
+    from dflash.anchors import eligible_anchors, sample_anchors
+
+    loss_mask = np.zeros(length, dtype=bool)
+    loss_mask[int(rng.uniform(0.2, 0.4) * length):] = True
+    if num_anchors is None:
+        anchors = sample_anchors(loss_mask, max_anchors, rng)
+    else:
+        anchors = np.sort(rng.choice(eligible_anchors(loss_mask), size=num_anchors, replace=False))
+    hidden, scale = pool.rows(int(rng.integers(0, 1 << 30)), length)
+    return {"hidden": hidden, "scale": scale, "input_ids": rng.integers(0, vocab_size, length, dtype=np.int64),
+            "loss_mask": loss_mask, "row_id": row_id, "anchors": anchors, "sample_index": row_id,
+            "epoch": 0, "bucket": bucket}
+
+
+def peer_steps(pool, args_drafter, num_distinct: int, seed: int) -> list[list[dict]]:
+    """Steps of one micro-batch: one 8,192-token sequence with exactly 512 anchors."""
+    from dflash.batch import collate_packed
+
+    rng = np.random.default_rng(seed)
+    steps = []
+    for step in range(num_distinct):
+        item = synthetic_item(pool, 8192, step, 0, 512, args_drafter.vocab_size, rng, num_anchors=512)
+        steps.append([collate_packed([item], block_size=args_drafter.block_size, pad_multiple=128)])
+    return steps
+
+
+def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_multiple: int) -> list[list[dict]]:
+    """Steps as the sampler builds them: bucketed packing under token_budget, accum_steps each."""
+    from dflash.batch import collate_packed
+    from dflash.plan import assign_bucket
+    from dflash.sampler import build_epoch_schedule
+
+    edges = config.store.bucket_edges
+    high = min(4096, config.data.max_length)
+    lengths = log_uniform_lengths(num_distinct * config.train.accum_steps * config.train.token_budget // 200 + 64,
+                                  min(64, high // 2), high, seed)
+    buckets = np.array([assign_bucket(int(n), edges) for n in lengths])
+    schedule = build_epoch_schedule(lengths, buckets, config.train.token_budget, 1, config.train.accum_steps, seed, 0)
+    rng = np.random.default_rng(seed)
+    steps = []
+    for step in range(min(num_distinct, schedule.num_steps)):
+        micro_batches = []
+        for samples in schedule.step(step)[0]:
+            items = [synthetic_item(pool, int(lengths[i]), int(i), int(buckets[i]), config.train.max_anchors,
+                                    args_drafter.vocab_size, rng) for i in samples]
+            micro_batches.append(collate_packed(items, block_size=args_drafter.block_size, pad_multiple=pad_multiple))
+        steps.append(micro_batches)
+    return steps
+
+
+def pin(steps: list[list[dict]]) -> list[list[dict]]:
+    if not torch.cuda.is_available():
+        return steps
+    return [[{k: v.pin_memory() if torch.is_tensor(v) else v for k, v in b.items()} for b in step] for step in steps]
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def step_flops(args_drafter, source_tokens: int, anchors: int) -> float:
+    """Issue 5's per-step FLOP count: dense drafter + fc + context K/V projections + LM head."""
+    from dflash.drafter import count_parameters
+
+    fc_params = args_drafter.context_feature_size * args_drafter.hidden_size
+    non_fc = count_parameters(args_drafter) - fc_params
+    slots = anchors * args_drafter.block_size
+    kv_width = args_drafter.num_key_value_heads * args_drafter.head_dim
+    return (6 * non_fc * slots + 6 * fc_params * source_tokens
+            + args_drafter.num_layers * 12 * args_drafter.hidden_size * kv_width * source_tokens
+            + 4 * args_drafter.hidden_size * args_drafter.vocab_size * slots)
+
+
+def run_step(wrapped, ctx, optimizer, step: list[dict], config):
+    from stages.train import to_device, train_step
+
+    micro_batches = [to_device(batch, ctx.device) for batch in step]
+    return train_step(wrapped, ctx, micro_batches, optimizer, config.train.lr, config.train.clip)
+
+
+def time_steps(wrapped, ctx, optimizer, steps, config, num_steps: int) -> list[float]:
+    """Milliseconds of each of `num_steps` steps (cycling through `steps`), CUDA events on a GPU."""
+    device = ctx.device
+    if device.type != "cuda":
+        times = []
+        for index in range(num_steps):
+            start = time.perf_counter()
+            run_step(wrapped, ctx, optimizer, steps[index % len(steps)], config)
+            times.append((time.perf_counter() - start) * 1e3)
+        return times
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps + 1)]
+    events[0].record()
+    for index in range(num_steps):
+        run_step(wrapped, ctx, optimizer, steps[index % len(steps)], config)
+        events[index + 1].record()
+    torch.cuda.synchronize(device)  # sync: end of the timed loop
+    return [events[i].elapsed_time(events[i + 1]) for i in range(num_steps)]
+
+
+def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -> dict:
+    for step in steps:  # warm-up: every distinct shape compiles and autotunes once
+        run_step(wrapped, ctx, optimizer, step, config)
+    synchronize(ctx.device)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    times_ms = time_steps(wrapped, ctx, optimizer, steps, config, num_steps)
+    used = [steps[i % len(steps)] for i in range(num_steps)]
+    tokens = sum(int(b["num_real_tokens"]) for step in used for b in step)
+    anchors = sum(int(b["num_real_anchors"]) for step in used for b in step)
+    seconds = sum(times_ms) / 1e3
+    flops = sum(step_flops(ctx.args, int(b["num_real_tokens"]), int(b["num_real_anchors"]))
+                for step in used for b in step)
+    cuda = ctx.device.type == "cuda"
+    return {
+        "mode": name, "steps": num_steps, "distinct_steps": len(steps),
+        "micro_batches_per_step": len(steps[0]),
+        "ms_per_step_mean": float(np.mean(times_ms)), "ms_per_step_median": float(np.median(times_ms)),
+        "source_tokens_per_step": tokens / num_steps, "anchors_per_step": anchors / num_steps,
+        "tokens_per_s": tokens / seconds, "anchor_slots_per_s": anchors * ctx.args.block_size / seconds,
+        "tflop_per_step": flops / num_steps / 1e12, "mfu": flops / seconds / PEAK_BF16_FLOPS,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30 if cuda else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(ctx.device) / 2**30 if cuda else None,
+        "distinct_shapes": len({(int(b["num_tokens"]), len(b["anchor_pos"])) for s in steps for b in s}),
+    }
+
+
+def profile_steps(wrapped, ctx, optimizer, steps, config, out_dir: Path, num_steps: int) -> dict:
+    """A torch.profiler trace of `num_steps` steps and the sync events per step; then the Python
+    lines that synchronise, from `torch.cuda.set_sync_debug_mode` warnings."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for index in range(num_steps):
+            run_step(wrapped, ctx, optimizer, steps[index % len(steps)], config)
+        synchronize(ctx.device)
+    trace = out_dir / "stage2_trace.json"
+    prof.export_chrome_trace(str(trace))
+    counts = Counter()
+    for event in prof.events():
+        for name in SYNC_EVENT_NAMES:
+            if name in event.name:
+                counts[name] += 1
+    return {"trace": str(trace), "profiled_steps": num_steps,
+            "sync_events_per_step": {name: counts[name] / num_steps for name in SYNC_EVENT_NAMES},
+            "sync_sites": sync_sites(wrapped, ctx, optimizer, steps, config)}
+
+
+def sync_sites(wrapped, ctx, optimizer, steps, config) -> dict:
+    """`file:line` of every synchronising call in one step (CUDA only), with counts."""
+    if ctx.device.type != "cuda":
+        return {}
+    sites = Counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_step(wrapped, ctx, optimizer, steps[0], config)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchroniz" in str(warning.message):
+            sites[f"{warning.filename}:{warning.lineno}"] += 1
+    return dict(sites.most_common())
+
+
+# --------------------------------------------------------------------------- loader
+
+
+def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, num_tokens: int, seed: int) -> None:
+    """A store of the real row shape (fp8, n x H per token) holding about `num_tokens` tokens."""
+    from dflash import plan, store
+
+    edges = config.store.bucket_edges
+    high = min(4096, config.data.max_length)
+    lengths = log_uniform_lengths(max(8, 4 * num_tokens // 64), min(64, high // 2), high, seed)
+    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), num_tokens)) + 1]
+    row_ids = np.arange(len(lengths), dtype=np.int64)
+    shards = plan.plan_shards(lengths, row_ids, list(edges), config.store.shard_tokens)
+    attrs = {"schema_version": 1, "codec": "fp8", "hidden_size": args_drafter.hidden_size,
+             "target_layer_ids": list(args_drafter.target_layer_ids), "bucket_edges": list(edges),
+             "max_length": high, "target": {"vocab_size": args_drafter.vocab_size}, "config_hash": "bench",
+             "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
+                         "num_tokens": s.num_tokens} for s in shards]}
+    group = store.create_or_open_store(str(path), attrs, overwrite=True)
+    rng = np.random.default_rng(seed)
+    rows_per_chunk = config.extract.rows_per_chunk
+    for shard in shards:
+        writer = store.ShardWriter(group, shard, lengths, row_ids, codec="fp8",
+                                   num_layers=len(args_drafter.target_layer_ids), hidden_size=args_drafter.hidden_size,
+                                   rows_per_chunk=rows_per_chunk,
+                                   rows_per_zarr_shard=rows_per_chunk * config.extract.chunks_per_file)
+        for i in shard.sample_indices:
+            length = int(lengths[i])
+            hidden, scale = pool.rows(int(rng.integers(0, 1 << 30)), length)
+            loss_mask = np.zeros(length, dtype=np.uint8)
+            loss_mask[int(0.3 * length):] = 1
+            writer.write_sample(i, hidden, scale, rng.integers(0, args_drafter.vocab_size, length).astype(np.int32),
+                                loss_mask)
+        writer.commit()
+
+
+def measure_loader(config, ctx, pool: FeaturePool, num_tokens: int, store_dir: Path, seed: int) -> dict:
+    """Tokens/s of the trainer's own DataLoader (stages.train.epoch_loader) over a synthetic store."""
+    from dflash.batch import StoreDataset
+    from dflash.dist import DistState
+    from dflash.sampler import DataCursor
+    from dflash.store import StoreReader
+    from stages.train import epoch_loader, pad_multiple, schedule_for
+
+    write_synthetic_store(store_dir, pool, config, ctx.args, num_tokens, seed)
+    reader = StoreReader(str(store_dir))
+    dist = DistState(rank=0, world_size=1, local_rank=0, device=ctx.device)
+    dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
+    options = {"block_size": ctx.args.block_size, "pad_multiple": pad_multiple(ctx)}
+    schedule = schedule_for(config, reader, np.arange(len(reader)), dist, 0)
+    loader = epoch_loader(config, dataset, options, schedule, dist, DataCursor())
+    iterator = iter(loader)
+    first = next(iterator)  # worker start-up is not throughput
+    start, tokens, batches = time.perf_counter(), 0, 0
+    for batch in iterator:
+        tokens += int(batch["num_real_tokens"])
+        batches += 1
+    seconds = time.perf_counter() - start
+    del first
+    return {"store_tokens": int(reader.sample_length.sum()), "num_workers": config.train.num_workers,
+            "micro_batches": batches, "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny drafter on the CPU, two steps per mode")
+    parser.add_argument("--out", required=True, help="JSON results file")
+    parser.add_argument("--modes", default="peer,default", help="comma list of peer, default")
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per mode")
+    parser.add_argument("--distinct-steps", type=int, default=4, help="distinct synthetic steps cycled through")
+    parser.add_argument("--token-budget", type=int, default=0, help="override train.token_budget")
+    parser.add_argument("--accum-steps", type=int, default=0, help="override train.accum_steps")
+    parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the drafter layers")
+    parser.add_argument("--profile", default="", help="directory for a profiler trace of a few default steps")
+    parser.add_argument("--loader", action="store_true", help="also measure the DataLoader over a synthetic store")
+    parser.add_argument("--loader-tokens", type=int, default=131_072, help="tokens in the synthetic store")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.distinct_steps, args.loader_tokens = 1, 1, min(args.loader_tokens, 1_000)
+        args.modes = ",".join(m for m in args.modes.split(",") if m != "peer") or "default"
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    torch.manual_seed(args.seed)
+    config = bench_config(args)
+    model, optimizer, wrapped, ctx = build_trainer(config, device)
+    from dflash.drafter import count_parameters
+    from stages.train import pad_multiple
+
+    print(f"drafter {config.drafter.size}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
+          f"token_budget {config.train.token_budget}, accum_steps {config.train.accum_steps}, "
+          f"compile {config.train.compile}, attention {ctx.backend}, device {device}")
+    pool = FeaturePool(16_384 if not args.quick else 2_048, len(ctx.args.target_layer_ids), ctx.args.hidden_size,
+                       device, args.seed)
+    results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
+               "drafter": config.drafter.size, "trainable_params": count_parameters(ctx.args), "modes": {}}
+    default_data = None
+    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+        if mode == "peer":
+            steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, args.seed))
+        elif mode == "default":
+            steps = default_data = pin(default_steps(pool, config, ctx.args, args.distinct_steps, args.seed,
+                                                     pad_multiple(ctx)))
+        else:
+            raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
+        results["modes"][mode] = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
+        del steps
+    if args.profile:
+        steps = default_data or pin(default_steps(pool, config, ctx.args, 1, args.seed, pad_multiple(ctx)))
+        results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
+                                           1 if args.quick else 3)
+    if args.loader:
+        with tempfile.TemporaryDirectory(prefix="bench-stage2-store-") as store_dir:
+            results["loader"] = measure_loader(config, ctx, pool, args.loader_tokens, Path(store_dir) / "store",
+                                               args.seed)
+    report(args, results)
+    return 0
+
+
+def report(args, results: dict) -> None:
+    rows = []
+    for mode, numbers in results["modes"].items():
+        rows.append([mode, numbers["micro_batches_per_step"], numbers["source_tokens_per_step"],
+                     numbers["anchors_per_step"], numbers["ms_per_step_median"], numbers["tokens_per_s"],
+                     numbers["anchor_slots_per_s"], numbers["tflop_per_step"], numbers["mfu"],
+                     numbers["peak_allocated_gib"] if numbers["peak_allocated_gib"] is not None else "n/a"])
+    print_table("stage two training step", ["mode", "micro-batches/step", "source tokens/step", "anchors/step",
+                                            "ms/step (median)", "tokens/s", "anchor-slots/s", "TFLOP/step", "MFU",
+                                            "peak GiB"], rows)
+    if "profile" in results:
+        profile = results["profile"]
+        print_table("host-device syncs per step (profiler)", ["event", "per step"],
+                    [[name, count] for name, count in profile["sync_events_per_step"].items()])
+        if profile["sync_sites"]:
+            print_table("synchronising lines (set_sync_debug_mode, one step)", ["site", "count"],
+                        [[site, count] for site, count in profile["sync_sites"].items()])
+        print(f"trace: {profile['trace']}")
+    if "loader" in results:
+        loader = results["loader"]
+        consumed = results["modes"].get("default", next(iter(results["modes"].values()), {})).get("tokens_per_s", 0.0)
+        loader["trainer_tokens_per_s"] = consumed
+        loader["headroom"] = loader["tokens_per_s"] / consumed if consumed else None
+        print_table("loader (stages.train.epoch_loader over a synthetic fp8 store)",
+                    ["workers", "micro-batches", "tokens/s", "trainer consumes tokens/s", "headroom"],
+                    [[loader["num_workers"], loader["micro_batches"], loader["tokens_per_s"], consumed,
+                      loader["headroom"] if loader["headroom"] is not None else "n/a"]])
+    write_results(args.out, results)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
