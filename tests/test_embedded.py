@@ -1,0 +1,83 @@
+"""The embedded default: offline code-chat rows and the tiny Qwen3.5 target checkpoint."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from dflash import data
+from dflash.embedded import (
+    CHECKPOINT_FILES,
+    STDLIB_MODULES,
+    build_tiny_target,
+    code_chat_rows,
+    tiny_target_config,
+)
+from dflash.tokenizer import CHATML_TEMPLATE, tokenizer_identity
+
+
+def test_code_chat_rows_are_real_and_deterministic():
+    rows = code_chat_rows()
+    assert rows == code_chat_rows()
+    assert len(rows) >= 164 + 55 and len(rows) <= 164 + len(STDLIB_MODULES)
+    assert "def has_close_elements" in rows[0]["messages"][0]["content"]
+    assert rows[0]["messages"][1]["content"].startswith("```python\nfrom typing import List")
+    modules = [row["messages"][0]["content"] for row in rows[164:]]
+    assert "Write the Python standard library module `json/decoder.py`." in modules
+    decoder = next(r for r in rows[164:] if "`json/decoder.py`" in r["messages"][0]["content"])
+    assert "class JSONDecoder" in decoder["messages"][1]["content"]
+
+
+def test_code_chat_rows_tokenize_with_a_spread_of_lengths(qwen_tokenizer):
+    result = data.tokenize_rows(
+        data.EMBEDDED_CODE_CHAT, qwen_tokenizer, max_length=100_000, overlong="truncate",
+        min_supervised=16, strict=True, num_workers=1, cache_dir=None,
+    )
+    lengths = np.array([len(sample) for sample in result.samples])
+    assert result.bad_rows == {} and len(lengths) == len(code_chat_rows())
+    assert lengths.min() < 200 and lengths.max() > 8000 and np.median(lengths) > 300
+    assert all(sample.loss_mask.sum() >= 16 for sample in result.samples)
+
+
+def test_tiny_target_checkpoint(tiny_target_dir, qwen_tokenizer):
+    assert all((tiny_target_dir / name).is_file() for name in CHECKPOINT_FILES)
+    config = AutoConfig.from_pretrained(tiny_target_dir)
+    expected = tiny_target_config()
+    assert (config.model_type, config.hidden_size, config.num_hidden_layers, config.vocab_size) == (
+        expected.model_type, expected.hidden_size, expected.num_hidden_layers, expected.vocab_size,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    assert tokenizer.chat_template == CHATML_TEMPLATE
+    assert tokenizer_identity(tokenizer)["hash"] == tokenizer_identity(qwen_tokenizer)["hash"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir)
+    input_ids = torch.tensor([qwen_tokenizer.encode("def f(x):\n    return x")])
+    with torch.no_grad():
+        logits = model(input_ids).logits
+    assert logits.shape == (1, input_ids.shape[1], expected.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_tiny_target_is_idempotent_and_deterministic(tiny_target_dir, tokenizer_cache_dir, tmp_path):
+    weights = tiny_target_dir / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert build_tiny_target(tiny_target_dir) == tiny_target_dir
+    assert weights.stat().st_mtime_ns == before
+    leftovers = [p.name for p in tiny_target_dir.parent.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+    (tmp_path / "empty").mkdir()  # an existing empty directory is filled
+    other = build_tiny_target(tmp_path / "empty", tokenizer_cache_dir)
+    first, second = load_file(weights), load_file(other / "model.safetensors")
+    assert first.keys() == second.keys()
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_tiny_target_refuses_a_foreign_directory(tmp_path):
+    foreign = tmp_path / "target"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("not a checkpoint")
+    with pytest.raises(FileExistsError, match="not empty"):
+        build_tiny_target(foreign)
+    assert os.listdir(foreign) == ["notes.txt"]
