@@ -4,18 +4,15 @@ When CUDA is absent, make `fla` unimportable before transformers is imported, so
 transformers uses its pure-torch Gated DeltaNet path (ENVIRONMENT.md).
 """
 
+import os
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     sys.modules["fla"] = None  # importing fla now raises ImportError
-
-
-import os  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -38,3 +35,13 @@ def tiny_target_dir(tmp_path_factory, tokenizer_cache_dir):
     from dflash.embedded import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target") / "target", tokenizer_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def embedded_cache_dir(tmp_path_factory, tokenizer_cache_dir) -> Path:
+    """A `data.cache_dir` whose embedded tiny target (`target-tiny`) is built once per session."""
+    from dflash.embedded import build_tiny_target
+
+    cache_dir = tmp_path_factory.mktemp("embedded-cache")
+    build_tiny_target(cache_dir / "target-tiny", tokenizer_cache_dir)
+    return cache_dir

@@ -1,0 +1,288 @@
+"""Stage one: run the frozen target over the dataset and write the context-feature store.
+
+`run(config)` wires the library together: tokenize (cached) -> plan buckets and shards ->
+create or check the store -> per rank, run the target over each missing shard in
+right-padded batches and commit the shard atomically. GPU work (capture, fp8 quantisation)
+overlaps compression and writing, which one owned writer thread does from a bounded queue.
+"""
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import dflash
+from dflash import codecs, data, plan, store
+from dflash.config import Config
+from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
+from dflash.embedded import build_tiny_target
+from dflash.target import load_target, pad_batch
+
+SCHEMA_VERSION = 1
+EMBEDDED_TARGET = "embedded:tiny"
+
+
+@dataclass
+class ExtractResult:
+    store_path: str
+    num_samples: int = 0
+    num_tokens: int = 0
+    stored_bytes: int = 0
+    seconds: float = 0.0
+    shards_written: int = 0
+    shards_skipped: int = 0
+    bad_rows: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def run(config: Config) -> ExtractResult:
+    dist = init_distributed(config.extract.device)
+    try:
+        return extract(config, dist)
+    finally:
+        shutdown(dist)
+
+
+def extract(config: Config, dist: DistState) -> ExtractResult:
+    target_path = resolve_target_path(config, dist)
+    tokenizer = load_tokenizer(target_path)
+    tokenized = tokenize_in_order(config, tokenizer, dist)
+    shards = plan.plan_shards(
+        np.array([len(s.input_ids) for s in tokenized.samples], dtype=np.int64),
+        np.array([s.row_id for s in tokenized.samples], dtype=np.int64),
+        list(config.store.bucket_edges), config.store.shard_tokens)
+    attrs = root_attrs(config, target_path, tokenizer, shards)
+    group = open_store_in_order(config, attrs, dist)
+    done = store.completed_shards(group)
+    mine = [s for s in plan.assign_ranks(shards, dist.world_size)[dist.rank] if s.name not in done]
+    result = ExtractResult(store_path=config.store.path, bad_rows=dict(tokenized.bad_rows),
+                           shards_skipped=len(shards) - len([s for s in shards if s.name not in done]))
+    if dist.is_main:
+        report_data(tokenized, len(shards), len(done))
+    needs_weights = dist.is_main and not store.frozen_weights_complete(group)
+    if not mine and not needs_weights:
+        if dist.is_main and len(done) == len(shards):
+            print(f"store {config.store.path} is complete ({len(shards)} shards); nothing to do")
+        dist.barrier()
+        return result
+    target = load_target(str(target_path), dist.device, dtype=target_dtype(config, dist.device),
+                         layer_ids=attrs["target_layer_ids"])
+    if needs_weights:
+        store.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
+    start = time.perf_counter()
+    write_shards(config, dist, target, group, tokenized.samples, mine, result)
+    result.seconds = time.perf_counter() - start
+    dist.barrier()
+    summarize(config, dist, result)
+    return result
+
+
+def resolve_target_path(config: Config, dist: DistState) -> Path:
+    """The checkpoint directory; the embedded tiny target is built once, by rank 0."""
+    if config.target.path != EMBEDDED_TARGET:
+        path = Path(config.target.path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"target.path: checkpoint directory not found: {path}")
+        return path
+    path = Path(config.data.cache_dir) / "target-tiny"
+    if dist.is_main:
+        build_tiny_target(path)
+    dist.barrier()
+    return path
+
+
+def load_tokenizer(target_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target_path))
+
+
+def tokenize_in_order(config: Config, tokenizer, dist: DistState) -> data.TokenizedData:
+    """Rank 0 tokenizes (and fills the cache) first; the other ranks then read the cache."""
+    def tokenize():
+        return data.tokenize_rows(
+            config.data.source, tokenizer, split=config.data.split,
+            max_length=config.data.max_length, overlong=config.data.overlong,
+            min_supervised=config.drafter.block_size, strict=config.data.strict,
+            num_workers=config.data.num_workers, cache_dir=config.data.cache_dir)
+
+    result = tokenize() if dist.is_main else None
+    dist.barrier()
+    return result if dist.is_main else tokenize()
+
+
+def open_store_in_order(config: Config, attrs: dict, dist: DistState):
+    """Rank 0 creates or checks the store; the others open it after the barrier."""
+    group = store.create_or_open_store(config.store.path, attrs, config.store.overwrite) if dist.is_main else None
+    dist.barrier()
+    return group if dist.is_main else store.create_or_open_store(config.store.path, attrs, overwrite=False)
+
+
+def root_attrs(config: Config, target_path: Path, tokenizer, shards) -> dict:
+    from transformers import AutoConfig
+
+    from dflash.target import default_layer_ids, describe_target_config
+    from dflash.tokenizer import tokenizer_identity
+
+    target_config = AutoConfig.from_pretrained(str(target_path))
+    target_info = describe_target_config(target_config, str(target_path))
+    layer_ids = list(config.target.layer_ids) or default_layer_ids(
+        target_info["num_hidden_layers"], config.target.num_layer_ids)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "package_version": dflash.__version__,
+        "target": target_info,
+        "target_layer_ids": layer_ids,
+        "hidden_size": target_info["hidden_size"],
+        "codec": config.store.codec,
+        "tokenizer": tokenizer_identity(tokenizer),
+        "max_length": config.data.max_length,
+        "bucket_edges": list(config.store.bucket_edges),
+        "config": config.to_dict(),
+        "config_hash": config.section_hash("target", "data", "store"),
+        "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
+                    "num_tokens": s.num_tokens} for s in shards],
+    }
+
+
+def target_dtype(config: Config, device: torch.device) -> torch.dtype:
+    if config.target.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, config.target.dtype)
+
+
+def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int) -> None:
+    kept = len(tokenized.samples)
+    print(f"data: {tokenized.num_rows} rows, {kept} kept, {tokenized.num_rows - kept} skipped")
+    for reason, count in sorted(tokenized.bad_rows.items()):
+        examples = ", ".join(str(r) for r in tokenized.examples.get(reason, [])[:5])
+        print(f"  skipped {count} row(s): {reason} (e.g. rows {examples})")
+    print(f"plan: {num_shards} shards, {num_done} already complete")
+
+
+def write_shards(config, dist, target, group, samples, shards, result: ExtractResult) -> None:
+    """Capture every shard on the device; a writer thread compresses and commits."""
+    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+    row_ids = np.array([s.row_id for s in samples], dtype=np.int64)
+    total_tokens = sum(s.num_tokens for s in shards)
+    bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, disable=not dist.is_main,
+               desc=f"extract (rank 0 of {dist.world_size})", dynamic_ncols=True)
+    writer = ShardWriterThread(max_pending=4)
+    try:
+        for shard in shards:
+            shard_samples = [samples[i] for i in shard.sample_indices]
+            shard_writer = store.ShardWriter(
+                group, shard, lengths, row_ids, codec=config.store.codec, num_layers=len(target.layer_ids),
+                hidden_size=target.hidden_size, rows_per_chunk=config.extract.rows_per_chunk,
+                rows_per_zarr_shard=config.extract.rows_per_chunk * config.extract.chunks_per_file)
+            for first, batch in padded_batches(shard_samples, config.extract.batch_tokens):
+                encoded = capture_batch(target, batch, config.store.codec, dist.device)
+                indices = shard.sample_indices[first:first + len(batch)]
+                writer.submit(write_batch, shard_writer, indices, batch, encoded)
+                bar.update(sum(len(s.input_ids) for s in batch))
+            writer.submit(commit_shard, shard_writer, result)
+        writer.close()
+    finally:
+        writer.close()
+        bar.close()
+
+
+def padded_batches(samples, batch_tokens: int):
+    """Consecutive samples (plan order) whose padded size n * max_len fits batch_tokens."""
+    start = 0
+    while start < len(samples):
+        end, longest = start, 0
+        while end < len(samples):
+            longest_next = max(longest, len(samples[end].input_ids))
+            if end > start and longest_next * (end - start + 1) > batch_tokens:
+                break
+            longest, end = longest_next, end + 1
+        yield start, samples[start:end]
+        start = end
+
+
+def capture_batch(target, batch, codec: str, device: torch.device) -> list[dict]:
+    """Forward one right-padded batch; encode each sample's rows on the device, copy to host."""
+    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0)  # masked out
+    hidden_BTnH = target.capture(input_ids.to(device), attention_mask.to(device))
+    encoded = []
+    for row, sample in enumerate(batch):
+        parts = codecs.encode(hidden_BTnH[row, : len(sample.input_ids)], codec)
+        encoded.append({name: t.to("cpu", non_blocking=True) for name, t in parts.items()})
+    if hidden_BTnH.device.type == "cuda":
+        torch.cuda.current_stream().synchronize()  # sync: the host copies above must land first
+    return encoded
+
+
+def write_batch(shard_writer, indices, batch, encoded: list[dict]) -> None:
+    """Hand each sample (by its kept-sample index, in plan order) to the shard writer."""
+    for index, sample, parts in zip(indices, batch, encoded):
+        scale = parts.get("scale")
+        shard_writer.write_sample(index, parts["hidden"].numpy(),
+                                  None if scale is None else scale.numpy(),
+                                  sample.input_ids, sample.loss_mask)
+
+
+def commit_shard(shard_writer, result: ExtractResult) -> None:
+    stats = shard_writer.commit()
+    result.shards_written += 1
+    result.num_samples += stats["num_samples"]
+    result.num_tokens += stats["num_tokens"]
+    result.stored_bytes += sum(array["stored_bytes"] for array in stats["arrays"].values())
+
+
+class ShardWriterThread:
+    """One owned writer thread with a bounded queue; its first error is re-raised here."""
+
+    def __init__(self, max_pending: int):
+        self.jobs: queue.Queue = queue.Queue(maxsize=max_pending)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self.work, name="dflash-shard-writer", daemon=True)
+        self.thread.start()
+
+    def work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if self.error is None:
+                try:
+                    job[0](*job[1:])
+                except BaseException as err:  # re-raised on the producer side
+                    self.error = err
+
+    def submit(self, fn, *args) -> None:
+        self.raise_if_failed()
+        self.jobs.put((fn, *args))
+
+    def close(self) -> None:
+        if self.thread.is_alive():
+            self.jobs.put(None)
+            self.thread.join()
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+
+def summarize(config: Config, dist: DistState, result: ExtractResult) -> None:
+    totals = all_reduce_sum(dist, [result.num_samples, result.num_tokens, result.stored_bytes,
+                                   result.shards_written])
+    seconds = all_reduce_sum(dist, [result.seconds])[0] / dist.world_size
+    if not dist.is_main:
+        return
+    samples, tokens, stored, written = (int(v) for v in totals)
+    attrs = store.read_root_attrs(config.store.path)
+    raw_bytes = tokens * len(attrs["target_layer_ids"]) * attrs["hidden_size"] * 2
+    ratio = raw_bytes / stored if stored else 0.0
+    print(f"stage one done: {written} shards, {samples} samples, {tokens:,} tokens, "
+          f"{stored / 1e6:,.1f} MB stored ({stored / max(tokens, 1):,.0f} B/token, "
+          f"{ratio:.2f}x smaller than bf16), {seconds:.1f} s, "
+          f"{tokens / max(seconds, 1e-9):,.0f} tokens/s over {dist.world_size} rank(s)")

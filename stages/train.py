@@ -1,0 +1,473 @@
+"""Stage two: train the DFlash drafter from a stage-one store.
+
+`run(config, resume)` wires the library together: open the store (refusing one that does
+not match the drafter), build the drafter, its optimizer and the per-epoch schedule of
+mixed-length micro-batches, then loop `train_step` with metrics, held-out evaluation and
+checkpoints. Only logging steps move numbers to the host, in one transfer.
+"""
+
+import functools
+import math
+import signal
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as torch_dist
+from tqdm import tqdm
+
+from dflash import codecs
+from dflash.batch import StoreDataset, build_loader, collate_packed
+from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, restore_rng_states,
+                               save_checkpoint)
+from dflash.config import Config, ConfigError
+from dflash.dist import DistState, init_distributed, shutdown
+from dflash.drafter import DFlashDrafter, DrafterArgs, block_embeddings, block_positions, drafter_args
+from dflash.export import export_drafter, load_exported
+from dflash.loss import block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights
+from dflash.masks import build_masks, default_backend, pad_to_bucket
+from dflash.metrics import MetricsLogger
+from dflash.sampler import DataCursor, build_epoch_schedule, split_holdout
+from dflash.store import StoreReader
+
+
+class StoreMismatch(ValueError):
+    """The store's attributes disagree with the drafter config; the message names the keys."""
+
+
+@dataclass
+class TrainContext:
+    """What every step needs besides the model: frozen head, loss weights, backend."""
+
+    args: DrafterArgs
+    codec: str
+    embed_VH: torch.Tensor
+    lm_head_VH: torch.Tensor
+    weights_B: torch.Tensor
+    backend: str
+    loss_chunk: int
+    device: torch.device
+
+    @property
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)  # every optimizer step's loss
+    last_metrics: dict = field(default_factory=dict)
+    eval_metrics: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+
+
+def run(config: Config, resume: str | None = None) -> TrainResult:
+    dist = init_distributed("auto")
+    try:
+        return train(config, dist, resume)
+    finally:
+        shutdown(dist)
+
+
+def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
+    torch.manual_seed(config.train.seed)
+    reader = StoreReader(config.store.path, on_corrupt="skip" if config.train.skip_corrupt_shards else "raise")
+    args = build_drafter_args(config, reader.attrs)
+    train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
+    steps_per_epoch = [schedule_for(config, reader, train_indices, dist, epoch).num_steps
+                       for epoch in range(config.train.epochs)]
+    total_steps = sum(steps_per_epoch) if config.train.max_steps <= 0 else min(config.train.max_steps, sum(steps_per_epoch))
+    model = build_model(config, args, dist)
+    optimizer = build_optimizer(model, config)
+    ctx = build_context(config, args, reader, dist)
+    cursor, step = DataCursor(), 0
+    checkpoint_path = resolve_resume(config, resume)
+    if checkpoint_path is not None:
+        cursor, step = restore(checkpoint_path, model, optimizer, dist)
+    wrapped = apply_parallelism(model, config, dist)
+    logger = MetricsLogger(config.train.out_dir, use_wandb=config.train.wandb != "disabled",
+                           wandb_mode=config.train.wandb, project=config.train.wandb_project,
+                           config=config.to_dict(), is_writer=dist.is_main)
+    if dist.is_main:
+        print_plan(config, args, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step)
+    result = TrainResult(run_dir=config.train.out_dir)
+    stop = StopFlag()
+    try:
+        loop(config, dist, wrapped, model, optimizer, ctx, reader, train_indices, eval_indices,
+             steps_per_epoch, total_steps, cursor, step, logger, result, stop)
+    finally:
+        stop.restore()
+        logger.close()
+    return result
+
+
+def build_drafter_args(config: Config, attrs: dict) -> DrafterArgs:
+    """The named drafter size, checked against the store (layer ids, hidden, vocab, block)."""
+    if config.drafter.init_from:
+        args, _ = load_exported(config.drafter.init_from)
+    else:
+        args = drafter_args(config.drafter.size, block_size=config.drafter.block_size,
+                            mask_token_id=config.drafter.mask_token_id)
+    store_vocab = attrs["target"]["vocab_size"]
+    expected = {
+        "target_layer_ids": (list(args.target_layer_ids), list(attrs["target_layer_ids"])),
+        "hidden_size": (args.hidden_size, attrs["hidden_size"]),
+        "vocab_size": (args.vocab_size, store_vocab),
+    }
+    differing = {key: pair for key, pair in expected.items() if pair[0] != pair[1]}
+    if differing:
+        lines = [f"  {key}: drafter {mine!r} vs store {theirs!r}" for key, (mine, theirs) in differing.items()]
+        raise StoreMismatch(f"store {config.store.path} does not match drafter size {config.drafter.size!r}:\n"
+                            + "\n".join(lines))
+    if not 0 <= args.mask_token_id < store_vocab:
+        raise StoreMismatch(f"drafter.mask_token_id {args.mask_token_id} is outside the store vocabulary ({store_vocab})")
+    return args
+
+
+def schedule_for(config: Config, reader, train_indices, dist: DistState, epoch: int):
+    return build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
+                                dist.world_size, config.train.accum_steps, config.train.seed, epoch,
+                                sample_indices=train_indices)
+
+
+def build_model(config: Config, args: DrafterArgs, dist: DistState) -> DFlashDrafter:
+    """fp32 master weights on the device; a published drafter can be the starting point."""
+    model = DFlashDrafter(args)
+    if config.drafter.init_from:
+        _, state = load_exported(config.drafter.init_from)
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model.to(dist.device)
+
+
+def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
+    fused = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(model.parameters(), lr=config.train.lr, betas=config.train.betas,
+                             weight_decay=config.train.weight_decay, fused=fused)
+
+
+def learning_rate(config: Config, step: int, total_steps: int) -> float:
+    """Linear warm-up over warmup_ratio of the run, then cosine or linear decay."""
+    warmup = max(1, round(config.train.warmup_ratio * total_steps))
+    if step < warmup:
+        return config.train.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if config.train.decay == "cosine" else 1 - progress
+    floor = config.train.min_lr_ratio
+    return config.train.lr * (floor + (1 - floor) * shape)
+
+
+def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) -> TrainContext:
+    embed, lm_head = reader.read_frozen_weights()
+    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    backend = default_backend(dist.device) if config.train.attention == "auto" else config.train.attention
+    gamma = config.train.gamma or default_gamma(args.block_size)
+    return TrainContext(args=args, codec=reader.attrs["codec"], embed_VH=embed.to(dist.device, dtype),
+                        lm_head_VH=lm_head.to(dist.device, dtype),
+                        weights_B=gamma_weights(args.block_size, gamma, device=dist.device),
+                        backend=backend, loss_chunk=config.train.loss_chunk, device=dist.device)
+
+
+def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> torch.nn.Module:
+    """Activation checkpointing, compile and DDP/FSDP2 are applied here, never in the model."""
+    if config.train.activation_checkpointing:
+        for layer in model.layers:
+            layer.forward = functools.partial(checkpointed_forward, layer.forward)
+    if config.train.compile and dist.device.type == "cuda":
+        # Shapes vary per micro-batch (T and A padded to multiples of 128): the first
+        # recompile switches to dynamic shapes, and the cache holds the rest.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        for layer in model.layers:
+            layer.compile()
+    if not dist.is_distributed:
+        return model
+    if config.train.parallel == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        return fully_shard(model)
+    device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def checkpointed_forward(forward, *inputs):
+    return torch.utils.checkpoint.checkpoint(forward, *inputs, use_reentrant=False)
+
+
+def forward_loss(model, ctx: TrainContext, batch: dict):
+    """One packed micro-batch: decode features on the device, run the drafter, chunked loss."""
+    args = ctx.args
+    feature_TF = codecs.decode(batch["hidden"], batch.get("scale"), ctx.codec, len(args.target_layer_ids),
+                               dtype=ctx.embed_VH.dtype)
+    embeds_QH = block_embeddings(ctx.embed_VH, batch["input_ids"], batch["anchor_index"], args.block_size,
+                                 args.mask_token_id)
+    masks = build_masks(batch, args.layer_types, args.sliding_window, block_size=args.block_size,
+                        backend=ctx.backend, device=ctx.device)
+    with ctx.autocast:
+        hidden_QH = model(feature_TF, embeds_QH, batch["position_ids"],
+                          block_positions(batch["anchor_pos"], args.block_size), masks)
+    labels_AB, valid_AB = block_labels(batch["input_ids"], batch["loss_mask"], batch["doc_ids"],
+                                       batch["anchor_index"], batch["anchor_valid"], args.block_size)
+    out = dflash_loss(hidden_QH, ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B, ctx.loss_chunk)
+    return out, valid_AB
+
+
+# Token- and anchor-axis tensors go to the device; per-sample bookkeeping (lengths, bucket,
+# counts) stays on the host so metrics never force a device sync.
+DEVICE_KEYS = ("hidden", "scale", "input_ids", "loss_mask", "position_ids", "doc_ids",
+               "anchor_pos", "anchor_doc", "anchor_index", "anchor_valid")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if k in DEVICE_KEYS else v for k, v in batch.items()}
+
+
+def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer, lr: float, clip: float):
+    """Forward, backward over the accumulated micro-batches, clip, step. Returns device stats."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    stats = StepStats(ctx.args.block_size, ctx.device)
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        sync_context = wrapped.no_sync() if hasattr(wrapped, "no_sync") and not last else nullcontext()
+        with sync_context:
+            out, valid_AB = forward_loss(wrapped, ctx, batch)
+            (out.loss / len(micro_batches)).backward()
+        stats.add(out, valid_AB, batch)
+    grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    stats.grad_norm = grad_norm.detach()
+    return stats
+
+
+class StepStats:
+    """Metric sums kept on the device between logging steps (no host sync per step)."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.values = torch.zeros(6 + 2 * (block_size - 1), dtype=torch.float64, device=device)
+        self.block_size = block_size
+        self.micro_batches = 0
+        self.grad_norm = None
+        self.host = {"real_tokens": 0, "padded_tokens": 0, "max_len": 0, "num_seqs": 0, "len_sum": 0}
+        self.buckets: dict[int, int] = {}
+
+    def add(self, out, valid_AB, batch) -> None:
+        metrics = block_metrics(out.correct, valid_AB)
+        loss = out.loss.detach().double()
+        self.values[:6] += torch.stack([loss, out.loss_sum.detach().double(), out.weight_sum.double(),
+                                        metrics["accepted_sum"].double(), metrics["num_blocks"].double(),
+                                        torch.ones((), dtype=torch.float64, device=loss.device)])
+        self.values[6:6 + self.block_size - 1] += metrics["slot_correct"].double()
+        self.values[6 + self.block_size - 1:] += metrics["slot_valid"].double()
+        self.micro_batches += 1
+        lengths = batch["lengths"]
+        self.host["real_tokens"] += int(batch["num_real_tokens"])
+        self.host["padded_tokens"] += int(batch["num_tokens"])
+        self.host["max_len"] = max(self.host["max_len"], int(max(lengths)))
+        self.host["num_seqs"] += len(lengths)
+        self.host["len_sum"] += int(sum(lengths))
+        self.buckets[int(batch["bucket"])] = self.buckets.get(int(batch["bucket"]), 0) + 1
+
+    def merge(self, other: "StepStats") -> None:
+        self.values += other.values
+        self.micro_batches += other.micro_batches
+        for key in ("real_tokens", "padded_tokens", "num_seqs", "len_sum"):
+            self.host[key] += other.host[key]
+        self.host["max_len"] = max(self.host["max_len"], other.host["max_len"])
+        for bucket, count in other.buckets.items():
+            self.buckets[bucket] = self.buckets.get(bucket, 0) + count
+        if other.grad_norm is not None:
+            self.grad_norm = other.grad_norm
+
+    def summarize(self, dist: DistState, with_grad_norm: bool) -> dict:
+        """sync: logging step only; one transfer (after one all-reduce under DDP)."""
+        values = self.values
+        if with_grad_norm and self.grad_norm is not None:
+            values = torch.cat([values, self.grad_norm.double().reshape(1)])
+        if dist.is_distributed:
+            values = values.clone()
+            torch_dist.all_reduce(values)
+        host = values.tolist()
+        k = self.block_size - 1
+        loss_mean, _, _, accepted, blocks, count = host[:6]
+        slot_correct, slot_valid = host[6:6 + k], host[6 + k:6 + 2 * k]
+        metrics = {"loss": loss_mean / max(count, 1), "tau": 1 + accepted / max(blocks, 1),
+                   "acc": sum(slot_correct) / max(sum(slot_valid), 1)}
+        for slot in range(k):
+            metrics[f"acc_slot{slot + 1}"] = slot_correct[slot] / max(slot_valid[slot], 1)
+        if with_grad_norm and self.grad_norm is not None:
+            metrics["grad_norm"] = host[-1] / dist.world_size
+        return metrics
+
+
+class StopFlag:
+    """SIGTERM asks for a final checkpoint at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def loop(config, dist, wrapped, model, optimizer, ctx, reader, train_indices, eval_indices,
+         steps_per_epoch, total_steps, cursor, step, logger, result, stop) -> None:
+    dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
+    collate = functools.partial(collate_packed, block_size=ctx.args.block_size, pad_multiple=pad_multiple(ctx))
+    loader_options = {"block_size": ctx.args.block_size, "pad_multiple": pad_multiple(ctx)}
+    bar = tqdm(total=total_steps, initial=step, unit="step", disable=not dist.is_main, dynamic_ncols=True,
+               desc="train")
+    window = StepStats(ctx.args.block_size, ctx.device)
+    timer = {"start": time.perf_counter(), "wait": 0.0}
+    loss_history = torch.zeros(total_steps, dtype=torch.float64, device=ctx.device)
+    first_step = step
+    while step < total_steps and not stop.requested:
+        schedule = schedule_for(config, reader, train_indices, dist, cursor.epoch)
+        if schedule.num_steps == 0:
+            raise ConfigError(f"epoch {cursor.epoch} has no optimizer step: too few samples for "
+                              f"train.accum_steps x world size micro-batches")
+        loader = epoch_loader(config, dataset, loader_options, schedule, dist, cursor)
+        iterator = iter(loader)
+        for step_in_epoch in range(cursor.step, schedule.num_steps):
+            if step >= total_steps or stop.requested:
+                break
+            wait_start = time.perf_counter()
+            micro_batches = [to_device(next(iterator), ctx.device) for _ in range(config.train.accum_steps)]
+            timer["wait"] += time.perf_counter() - wait_start
+            lr = learning_rate(config, step, total_steps)
+            stats = train_step(wrapped, ctx, micro_batches, optimizer, lr, config.train.clip)
+            window.merge(stats)
+            step += 1
+            cursor = DataCursor(epoch=cursor.epoch, step=step_in_epoch + 1)
+            if cursor.step == schedule.num_steps:
+                cursor = DataCursor(epoch=cursor.epoch + 1, step=0)
+            loss_history[step - 1] = stats.values[0] / stats.micro_batches
+            bar.update(1)
+            if step % config.train.log_every == 0 or step == total_steps:
+                log_window(config, dist, window, lr, timer, logger, step, bar, result)
+                window = StepStats(ctx.args.block_size, ctx.device)
+            if eval_indices.size and (step % config.train.eval_every == 0 or step == total_steps):
+                result.eval_metrics = evaluate(config, dist, wrapped, ctx, dataset, collate, reader, eval_indices)
+                logger.log(step, {f"eval/{k}": v for k, v in result.eval_metrics.items()})
+            if step % config.train.save_every == 0 and step < total_steps:
+                save(config, dist, model, optimizer, cursor, step)
+    bar.close()
+    result.checkpoint = str(save(config, dist, model, optimizer, cursor, step))
+    result.steps = step
+    result.losses = loss_history[first_step:step].tolist()  # sync: end of run
+    if stop.requested and dist.is_main:
+        print(f"SIGTERM: saved checkpoint {result.checkpoint} at step {step}; resume with --resume")
+
+
+def pad_multiple(ctx: TrainContext) -> int:
+    """Flex attention compiles per shape: pad to 128 on CUDA; CPU needs no padding beyond 16."""
+    return 128 if ctx.backend == "flex" else 16
+
+
+def epoch_loader(config, dataset, loader_options: dict, schedule, dist: DistState, cursor: DataCursor):
+    """Micro-batches of this rank from the cursor on; skipped steps are never read."""
+    batches = [[(schedule.epoch, int(i)) for i in samples]
+               for _, _, samples in schedule.rank_batches(dist.rank, cursor.step)]
+    return build_loader(dataset, batches, **loader_options, num_workers=config.train.num_workers,
+                        pin_memory=dist.device.type == "cuda")
+
+
+def log_window(config, dist, window: StepStats, lr, timer, logger, step, bar, result) -> None:
+    metrics = window.summarize(dist, config.train.log_grad_norm)
+    elapsed = time.perf_counter() - timer["start"]
+    host = window.host
+    metrics.update({
+        "lr": lr,
+        "tokens_per_s": host["real_tokens"] * dist.world_size / max(elapsed, 1e-9),
+        "data_wait": timer["wait"] / max(elapsed, 1e-9),
+        "avg_seq_len": host["len_sum"] / max(host["num_seqs"], 1),
+        "max_seq_len": host["max_len"],
+        "padding_efficiency": host["real_tokens"] / max(host["padded_tokens"], 1),
+    })
+    for bucket, count in sorted(window.buckets.items()):
+        metrics[f"bucket{bucket}_micro_batches"] = count
+    logger.log(step, metrics)
+    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau']:.2f}")
+    result.last_metrics = metrics
+    timer.update(start=time.perf_counter(), wait=0.0)
+
+
+@torch.no_grad()
+def evaluate(config, dist, wrapped, ctx, dataset, collate, reader, eval_indices) -> dict:
+    """Held-out loss, accuracy and tau over the first eval_batches micro-batches (epoch 0 anchors)."""
+    schedule = build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
+                                    1, 1, config.train.seed, 0, sample_indices=eval_indices)
+    stats = StepStats(ctx.args.block_size, ctx.device)
+    wrapped.eval()
+    for micro_batch in schedule.micro_batches[dist.rank::dist.world_size][:config.train.eval_batches]:
+        batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
+        out, valid_AB = forward_loss(wrapped, ctx, batch)
+        stats.add(out, valid_AB, batch)
+    wrapped.train()
+    return stats.summarize(dist, with_grad_norm=False)
+
+
+def save(config, dist, model, optimizer, cursor: DataCursor, step: int) -> Path:
+    model_state = {k: v for k, v in full_state_dict(model).items()}
+    return save_checkpoint(config.train.out_dir, step, model_state, optimizer.state_dict(), {"step": step},
+                           cursor.to_dict(), capture_rng_states(), config.to_dict(), config.train.keep_last,
+                           is_writer=dist.is_main)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def resolve_resume(config: Config, resume: str | None) -> Path | None:
+    if resume is None:
+        return None
+    if resume == "latest":
+        path = latest_checkpoint(config.train.out_dir)
+        if path is None:
+            raise ConfigError(f"--resume: no complete checkpoint in train.out_dir ({config.train.out_dir})")
+        return path
+    return Path(resume)
+
+
+def restore(path: Path, model, optimizer, dist: DistState) -> tuple[DataCursor, int]:
+    checkpoint = load_checkpoint(path)
+    model.load_state_dict(checkpoint.model_state)
+    optimizer.load_state_dict(checkpoint.optimizer_state)
+    restore_rng_states(checkpoint.rng_states)
+    if dist.is_main:
+        print(f"resumed from {path} at step {checkpoint.step}")
+    return DataCursor.from_dict(checkpoint.data_cursor), checkpoint.step
+
+
+def print_plan(config, args, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step) -> None:
+    from dflash.drafter import count_parameters
+
+    print(f"store {config.store.path}: {len(reader)} samples ({train_indices.size} train, "
+          f"{eval_indices.size} held out), codec {reader.attrs['codec']}")
+    print(f"drafter {config.drafter.size}: {count_parameters(args) / 1e6:,.1f}M trainable parameters, "
+          f"block {args.block_size}, layers {list(args.layer_types)}")
+    print(f"schedule: {config.train.epochs} epochs x ~{int(np.mean(steps_per_epoch))} steps, "
+          f"{total_steps} steps in all, starting at step {step}")
+
+
+def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
+    """`dflash export`: a training checkpoint directory -> the inference format."""
+    loaded = load_checkpoint(checkpoint)
+    config = loaded.config
+    args = drafter_args(config["drafter"]["size"], block_size=config["drafter"]["block_size"],
+                        mask_token_id=config["drafter"]["mask_token_id"])
+    if config["drafter"].get("init_from"):
+        args, _ = load_exported(config["drafter"]["init_from"])
+    return export_drafter(loaded.model_state, args, out_dir)
