@@ -108,7 +108,10 @@ def inspect_cache(store, as_json, verify, per_shard, plot):
     """
     from stages import inspect
 
-    result = inspect.run(store, as_json=as_json, verify=verify, per_shard=per_shard, plot=plot)
+    try:
+        result = inspect.run(store, as_json=as_json, verify=verify, per_shard=per_shard, plot=plot)
+    except FileNotFoundError as err:
+        raise click.ClickException(f"no store at {store}: {err}") from None
     if verify and not result["ok"]:
         sys.exit(1)
 

@@ -131,8 +131,12 @@ CHOICES = {
 
 
 def default_config_text() -> str:
-    """The embedded tiny default (configs/tiny.toml, packaged as dflash.configs)."""
-    return resources.files("dflash.configs").joinpath("tiny.toml").read_text()
+    """The embedded tiny default: configs/tiny.toml, installed as dflash.configs, or read from
+    the source tree when dflash runs uninstalled (PYTHONPATH=repo)."""
+    try:
+        return resources.files("dflash.configs").joinpath("tiny.toml").read_text()
+    except ModuleNotFoundError:
+        return (Path(__file__).resolve().parents[1] / "configs" / "tiny.toml").read_text()
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:

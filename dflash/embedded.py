@@ -20,8 +20,14 @@ QWEN35_VOCAB_SIZE = 248320
 
 
 def tiny_target_config() -> Qwen3_5TextConfig:
-    """A tiny Qwen3.5 text config: 8 layers, [linear x3, full] x2, hidden 64."""
+    """A tiny Qwen3.5 text config: 8 layers, [linear x3, full] x2, hidden 64.
+
+    Weights are drawn with std 1/sqrt(hidden) instead of the family's 0.02, so that the
+    random LM head gives logits with a real spread (a trained head's logits span tens of
+    nats); with 0.02 every token is nearly equally likely and no drafter can learn fast.
+    """
     return Qwen3_5TextConfig(
+        initializer_range=0.125,
         vocab_size=QWEN35_VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,

@@ -88,9 +88,15 @@ def start_wandb(run_dir: Path, mode: str, project: str, config: dict):
         return None
 
 
+# Per-slot accuracies and per-bucket counts go to the JSONL file and W&B, not the console.
+CONSOLE_SKIP = ("acc_slot", "_micro_batches")
+
+
 def format_line(step: int, values: dict[str, float]) -> str:
     parts = [f"step {step}"]
     for name, value in values.items():
+        if any(marker in name for marker in CONSOLE_SKIP):
+            continue
         small = value != 0 and abs(value) < 1e-2
         parts.append(f"{name} {value:.2e}" if small or abs(value) >= 1e5 else f"{name} {value:.4f}")
     return " | ".join(parts)

@@ -61,11 +61,15 @@ def validate_layer_ids(layer_ids: list[int], num_layers: int) -> None:
         raise ValueError(f"target.layer_ids: ids must be strictly increasing, got {list(layer_ids)}")
 
 
-def pad_batch(seqs: list[np.ndarray], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad token sequences into `(input_ids_BT int64, attention_mask_BT int64)` on the CPU."""
+def pad_batch(seqs: list[np.ndarray], pad_id: int, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token sequences into `(input_ids_BT int64, attention_mask_BT int64)` on the CPU.
+
+    The padded length is rounded up to `multiple`: kernels that compile or autotune per
+    sequence length (fla's Triton kernels) then see a bounded set of shapes.
+    """
     if not seqs:
         raise ValueError("pad_batch: empty batch")
-    max_len = max(len(seq) for seq in seqs)
+    max_len = -(-max(len(seq) for seq in seqs) // multiple) * multiple
     input_ids_BT = torch.full((len(seqs), max_len), pad_id, dtype=torch.long)
     attention_mask_BT = torch.zeros((len(seqs), max_len), dtype=torch.long)
     for row, seq in enumerate(seqs):

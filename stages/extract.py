@@ -211,7 +211,9 @@ def padded_batches(samples, batch_tokens: int):
 
 def capture_batch(target, batch, codec: str, device: torch.device) -> list[dict]:
     """Forward one right-padded batch; encode each sample's rows on the device, copy to host."""
-    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0)  # masked out
+    # Pad ids are masked out; lengths round up to 128 on CUDA to bound kernel autotuning.
+    multiple = 128 if device.type == "cuda" else 1
+    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0, multiple=multiple)
     hidden_BTnH = target.capture(input_ids.to(device), attention_mask.to(device))
     encoded = []
     for row, sample in enumerate(batch):

@@ -215,7 +215,9 @@ def forward_loss(model, ctx: TrainContext, batch: dict):
                           block_positions(batch["anchor_pos"], args.block_size), masks)
     labels_AB, valid_AB = block_labels(batch["input_ids"], batch["loss_mask"], batch["doc_ids"],
                                        batch["anchor_index"], batch["anchor_valid"], args.block_size)
-    out = dflash_loss(hidden_QH, ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B, ctx.loss_chunk)
+    # The final norm returns float32 under autocast; the frozen head is bf16 on CUDA.
+    out = dflash_loss(hidden_QH.to(ctx.lm_head_VH.dtype), ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B,
+                      ctx.loss_chunk)
     return out, valid_AB
 
 
@@ -407,8 +409,9 @@ def log_window(config, dist, window: StepStats, lr, timer, logger, step, bar, re
 @torch.no_grad()
 def evaluate(config, dist, wrapped, ctx, dataset, collate, reader, eval_indices) -> dict:
     """Held-out loss, accuracy and tau over the first eval_batches micro-batches (epoch 0 anchors)."""
+    # world 1, accum 2: only the packing and order matter here (eval never steps).
     schedule = build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
-                                    1, 1, config.train.seed, 0, sample_indices=eval_indices)
+                                    1, 2, config.train.seed, 0, sample_indices=eval_indices)
     stats = StepStats(ctx.args.block_size, ctx.device)
     wrapped.eval()
     for micro_batch in schedule.micro_batches[dist.rank::dist.world_size][:config.train.eval_batches]:

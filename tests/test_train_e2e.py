@@ -1,0 +1,170 @@
+"""Stage two end to end on CPU: train from a real stage-one store, kill and resume, DDP, export.
+
+The store comes from the embedded tiny Qwen3.5 target over real offline rows (stage one run
+in-process once per module). Runs are short (a few optimizer steps) but go through the
+real CLI, schedule, loader, loss, optimizer and checkpoint code.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash.checkpoint import latest_checkpoint, load_checkpoint
+from dflash.config import load_config
+from dflash.export import load_exported
+from stages import extract, train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory, embedded_cache_dir):
+    root = tmp_path_factory.mktemp("train")
+    from dflash.embedded import code_chat_rows
+
+    rows = code_chat_rows()
+    data_path = root / "rows.jsonl"
+    data_path.write_text("".join(json.dumps(row) + "\n" for row in rows[:30] + rows[-10:]))
+    path = root / "config.toml"
+    path.write_text(f"""
+[target]
+path = "embedded:tiny"
+num_layer_ids = 3
+[data]
+source = "{data_path}"
+max_length = 512
+num_workers = 1
+cache_dir = "{embedded_cache_dir}"
+[store]
+path = "{root / 'store'}"
+bucket_edges = [64, 192, 320, 512]
+shard_tokens = 4096
+[extract]
+batch_tokens = 2048
+[drafter]
+size = "tiny"
+[train]
+out_dir = "{root / 'run'}"
+epochs = 1
+max_steps = 8
+lr = 3e-3
+token_budget = 512
+accum_steps = 2
+max_anchors = 8
+loss_chunk = 512
+holdout_fraction = 0.1
+eval_every = 4
+eval_batches = 2
+log_every = 1
+save_every = 2
+num_workers = 0
+wandb = "disabled"
+""")
+    extract.run(load_config(path))
+    return path
+
+
+def run_dir_override(path: Path) -> str:
+    return f'train.out_dir="{path}"'
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line["loss"] for line in lines if "loss" in line}
+
+
+def single_thread_env():
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def test_training_runs_logs_evaluates_and_checkpoints(config_path, tmp_path):
+    config = load_config(config_path, [run_dir_override(tmp_path / "run")])
+    result = train.run(config)
+    assert result.steps == 8 and len(result.losses) == 8
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    assert set(logged_losses(tmp_path / "run")) == set(range(1, 9))
+    assert {"loss", "tau", "acc_slot1", "lr", "tokens_per_s", "data_wait", "padding_efficiency"} <= set(result.last_metrics)
+    assert result.eval_metrics["tau"] >= 1.0
+    checkpoint = load_checkpoint(latest_checkpoint(tmp_path / "run"))
+    assert checkpoint.step == 8
+    assert len(list((tmp_path / "run" / "checkpoints").iterdir())) <= config.train.keep_last
+
+
+def test_killed_run_resumes_with_identical_losses(config_path, tmp_path):
+    uninterrupted = train.run(load_config(config_path, [run_dir_override(tmp_path / "straight")]))
+
+    run_dir = tmp_path / "killed"
+    command = [sys.executable, "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+               "--set", run_dir_override(run_dir), "--set", "train.save_every=2"]
+    process = subprocess.Popen(command, env=single_thread_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None and latest_checkpoint(run_dir) is None:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    killed_at = load_checkpoint(latest_checkpoint(run_dir)).step
+    assert 0 < killed_at < 8, "the kill must land mid-run"
+
+    resumed = train.run(load_config(config_path, [run_dir_override(run_dir)]), resume="latest")
+    assert resumed.steps == 8
+    assert resumed.losses == uninterrupted.losses[killed_at:]  # exact on CPU
+    final = load_file(str(latest_checkpoint(run_dir) / "model.safetensors"))
+    straight = load_file(str(latest_checkpoint(tmp_path / "straight") / "model.safetensors"))
+    for key in straight:
+        assert torch.equal(final[key], straight[key]), key
+
+
+def test_ddp_two_processes_match_one_process(config_path, tmp_path):
+    single = tmp_path / "single"
+    train.run(load_config(config_path, [run_dir_override(single), "train.max_steps=3", "train.accum_steps=2"]))
+    ddp = tmp_path / "ddp"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "-m", "dflash.cli", "stage2-train", "-c", str(config_path), "--set", run_dir_override(ddp),
+               "--set", "train.max_steps=3", "--set", "train.accum_steps=1"]
+    result = subprocess.run(command, env=single_thread_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single_losses, ddp_losses = logged_losses(single), logged_losses(ddp)
+    assert single_losses.keys() == ddp_losses.keys() == {1, 2, 3}
+    for step in single_losses:
+        assert ddp_losses[step] == pytest.approx(single_losses[step], rel=1e-4), step
+    single_weights = load_file(str(latest_checkpoint(single) / "model.safetensors"))
+    ddp_weights = load_file(str(latest_checkpoint(ddp) / "model.safetensors"))
+    for key in single_weights:
+        torch.testing.assert_close(ddp_weights[key], single_weights[key], rtol=1e-4, atol=1e-5)
+
+
+def test_export_cli_and_fine_tune_from_export(config_path, tmp_path):
+    run_dir = tmp_path / "run"
+    train.run(load_config(config_path, [run_dir_override(run_dir), "train.max_steps=2"]))
+    checkpoint = latest_checkpoint(run_dir)
+    export_dir = tmp_path / "export"
+    result = subprocess.run([sys.executable, "-m", "dflash.cli", "export", str(checkpoint), str(export_dir)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    config_json = json.loads((export_dir / "config.json").read_text())
+    assert config_json["dflash_config"]["target_layer_ids"] == [1, 3, 5]
+    args, state = load_exported(export_dir)
+    trained = load_checkpoint(checkpoint).model_state
+    for key, value in state.items():
+        assert torch.equal(value, trained[key].to(value.dtype)), key
+
+    tuned = train.run(load_config(config_path, [run_dir_override(tmp_path / "tuned"), "train.max_steps=1",
+                                                f'drafter.init_from="{export_dir}"']))
+    assert tuned.steps == 1
+
+
+def test_store_that_does_not_match_the_drafter_is_refused(config_path):
+    config = load_config(config_path)
+    attrs = {"target": {"vocab_size": 248320}, "target_layer_ids": [1, 5], "hidden_size": 128}
+    with pytest.raises(train.StoreMismatch) as error:
+        train.build_drafter_args(config, attrs)
+    assert "target_layer_ids" in str(error.value) and "hidden_size" in str(error.value)
