@@ -94,7 +94,6 @@ class TrainConfig:
     attention: str = "auto"  # "flex" on CUDA, "dense" (SDPA) on CPU
     compile: bool = True  # torch.compile the drafter layers on CUDA
     activation_checkpointing: bool = False
-    parallel: str = "ddp"  # or "fsdp2"
     skip_corrupt_shards: bool = False
     log_grad_norm: bool = False
     wandb: str = "offline"  # "online", "offline" or "disabled"
@@ -125,7 +124,6 @@ CHOICES = {
     "target.dtype": ("auto", "bfloat16", "float16", "float32"),
     "train.decay": ("cosine", "linear"),
     "train.attention": ("auto", "flex", "dense"),
-    "train.parallel": ("ddp", "fsdp2"),
     "train.wandb": ("online", "offline", "disabled"),
 }
 

@@ -8,7 +8,6 @@ enabled. wandb is imported only when used, runs offline unless told otherwise (t
 `WANDB_MODE` environment variable wins over the argument), and a wandb failure warns once
 and never stops training. Only the writer rank (rank 0) logs anything.
 
-`Throughput` turns per-step counts and timings into windowed rates.
 """
 
 import json
@@ -16,7 +15,6 @@ import math
 import os
 import time
 import warnings
-from collections import deque
 from pathlib import Path
 
 from tqdm import tqdm
@@ -100,28 +98,3 @@ def format_line(step: int, values: dict[str, float]) -> str:
         small = value != 0 and abs(value) < 1e-2
         parts.append(f"{name} {value:.2e}" if small or abs(value) >= 1e5 else f"{name} {value:.4f}")
     return " | ".join(parts)
-
-
-class Throughput:
-    """Rates over the last `window` steps.
-
-    `update` takes one optimizer step's counts and host timings (`step_time` the wall time
-    of the whole step, `wait_time` the part spent waiting for data); `rates` returns
-    tokens/s, anchor slots/s (anchors x block size) and the fraction of time spent waiting.
-    """
-
-    def __init__(self, window: int = 20):
-        self.steps = deque(maxlen=window)
-
-    def update(self, num_tokens: int, num_anchor_slots: int, step_time: float, wait_time: float) -> None:
-        self.steps.append((num_tokens, num_anchor_slots, step_time, wait_time))
-
-    def rates(self) -> dict[str, float]:
-        total_time = sum(step[2] for step in self.steps)
-        if total_time <= 0:
-            return {}
-        return {
-            "tokens_per_s": sum(step[0] for step in self.steps) / total_time,
-            "anchor_slots_per_s": sum(step[1] for step in self.steps) / total_time,
-            "data_wait_frac": sum(step[3] for step in self.steps) / total_time,
-        }

@@ -8,6 +8,7 @@ checkpoints. Only logging steps move numbers to the host, in one transfer.
 
 import functools
 import math
+import os
 import signal
 import time
 from contextlib import nullcontext
@@ -28,7 +29,7 @@ from dflash.dist import DistState, init_distributed, shutdown
 from dflash.drafter import DFlashDrafter, DrafterArgs, block_embeddings, block_positions, drafter_args
 from dflash.export import export_drafter, load_exported
 from dflash.loss import block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights
-from dflash.masks import build_masks, default_backend, pad_to_bucket
+from dflash.masks import build_masks, default_backend
 from dflash.metrics import MetricsLogger
 from dflash.sampler import DataCursor, build_epoch_schedule, split_holdout
 from dflash.store import StoreReader
@@ -69,6 +70,8 @@ class TrainResult:
 
 
 def run(config: Config, resume: str | None = None) -> TrainResult:
+    # Varying micro-batch shapes fragment the default CUDA allocator; set before CUDA starts.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     dist = init_distributed("auto")
     try:
         return train(config, dist, resume)
@@ -175,7 +178,7 @@ def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) ->
 
 
 def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> torch.nn.Module:
-    """Activation checkpointing, compile and DDP/FSDP2 are applied here, never in the model."""
+    """Activation checkpointing, compile and DDP are applied here, never in the model."""
     if config.train.activation_checkpointing:
         for layer in model.layers:
             layer.forward = functools.partial(checkpointed_forward, layer.forward)
@@ -187,12 +190,6 @@ def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> 
             layer.compile()
     if not dist.is_distributed:
         return model
-    if config.train.parallel == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.layers:
-            fully_shard(layer)
-        return fully_shard(model)
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
@@ -459,6 +456,11 @@ def print_plan(config, args, reader, train_indices, eval_indices, steps_per_epoc
 
     print(f"store {config.store.path}: {len(reader)} samples ({train_indices.size} train, "
           f"{eval_indices.size} held out), codec {reader.attrs['codec']}")
+    for name, reason in reader.skipped_shards.items():
+        print(f"  skipped corrupt shard {name}: {reason}")
+    if reader.skipped_shards or reader.incomplete_shards:
+        print(f"  {len(reader.skipped_shards)} corrupt shard(s) skipped, "
+              f"{len(reader.incomplete_shards)} incomplete shard(s) not read")
     print(f"drafter {config.drafter.size}: {count_parameters(args) / 1e6:,.1f}M trainable parameters, "
           f"block {args.block_size}, layers {list(args.layer_types)}")
     print(f"schedule: {config.train.epochs} epochs x ~{int(np.mean(steps_per_epoch))} steps, "

@@ -45,3 +45,32 @@ def embedded_cache_dir(tmp_path_factory, tokenizer_cache_dir) -> Path:
     cache_dir = tmp_path_factory.mktemp("embedded-cache")
     build_tiny_target(cache_dir / "target-tiny", tokenizer_cache_dir)
     return cache_dir
+
+
+@pytest.fixture(scope="session")
+def pipeline_config(embedded_cache_dir):
+    """Write `rows.jsonl` (some embedded code-chat rows) and a tiny-target `config.toml` in a
+    folder; `extra_toml` adds the sections a test needs. Returns the config path."""
+    import json
+
+    from dflash.embedded import code_chat_rows
+
+    def write(root: Path, first_rows: int, last_rows: int, extra_toml: str) -> Path:
+        rows = code_chat_rows()
+        picked = rows[:first_rows] + rows[-last_rows:]  # HumanEval problems and stdlib modules
+        data_path = root / "rows.jsonl"
+        data_path.write_text("".join(json.dumps(row) + "\n" for row in picked))
+        config_path = root / "config.toml"
+        config_path.write_text(f"""
+[target]
+path = "embedded:tiny"
+num_layer_ids = 3
+[data]
+source = "{data_path}"
+max_length = 512
+num_workers = 1
+cache_dir = "{embedded_cache_dir}"
+{extra_toml}""")
+        return config_path
+
+    return write

@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,25 +24,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory, embedded_cache_dir):
+def workspace(tmp_path_factory, pipeline_config):
     """A config over 64 embedded rows with small shards, sharing the session's target cache."""
     root = tmp_path_factory.mktemp("extract")
-    from dflash.embedded import code_chat_rows
-
-    rows = code_chat_rows()
-    picked = rows[:40] + rows[-24:]  # HumanEval problems and standard-library modules
-    data_path = root / "rows.jsonl"
-    data_path.write_text("".join(json.dumps(row) + "\n" for row in picked))
-    config_path = root / "config.toml"
-    config_path.write_text(f"""
-[target]
-path = "embedded:tiny"
-num_layer_ids = 3
-[data]
-source = "{data_path}"
-max_length = 512
-num_workers = 1
-cache_dir = "{embedded_cache_dir}"
+    config_path = pipeline_config(root, 40, 24, f"""
 [store]
 path = "{root / 'store'}"
 codec = "fp8"

@@ -1,14 +1,13 @@
 """Metrics logging: JSONL lines, console lines, wandb offline and its failure path, throughput."""
 
 import json
-import math
 import sys
 import types
 import warnings
 
 import pytest
 
-from dflash.metrics import MetricsLogger, Throughput
+from dflash.metrics import MetricsLogger
 
 
 def read_lines(run_dir):
@@ -80,15 +79,3 @@ def test_wandb_failure_warns_once_and_logging_continues(tmp_path, monkeypatch):
 def test_bad_wandb_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="wandb_mode must be one of"):
         MetricsLogger(tmp_path, use_wandb=True, wandb_mode="offlne")
-
-
-def test_throughput_over_a_window():
-    throughput = Throughput(window=2)
-    assert throughput.rates() == {}
-    throughput.update(num_tokens=1000, num_anchor_slots=160, step_time=10.0, wait_time=9.0)  # falls out
-    throughput.update(num_tokens=1000, num_anchor_slots=320, step_time=1.0, wait_time=0.5)
-    throughput.update(num_tokens=3000, num_anchor_slots=480, step_time=3.0, wait_time=0.5)
-    rates = throughput.rates()
-    assert math.isclose(rates["tokens_per_s"], 1000.0)
-    assert math.isclose(rates["anchor_slots_per_s"], 200.0)
-    assert math.isclose(rates["data_wait_frac"], 0.25)

@@ -148,7 +148,10 @@ def test_batched_right_padded_capture_equals_single_rows(qwen35_target):
     assert batched_BTnH.shape == (4, 64, len(QWEN_LAYER_IDS), 64)
     for row, seq in enumerate(seqs):
         single_BTnH = qwen35_target.capture(*pad_batch([seq], pad_id=0))
-        torch.testing.assert_close(batched_BTnH[row, : len(seq)], single_BTnH[0], rtol=1e-5, atol=1e-5,
+        # float32 rounding differs with the padded shape (about 2e-6 of the activations'
+        # scale); a leak between rows would differ by the scale itself.
+        scale = single_BTnH.abs().max().item()
+        torch.testing.assert_close(batched_BTnH[row, : len(seq)], single_BTnH[0], rtol=1e-5, atol=1e-5 * scale,
                                    msg=f"row {row} (length {len(seq)})")
 
 

@@ -26,23 +26,9 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def config_path(tmp_path_factory, embedded_cache_dir):
+def config_path(tmp_path_factory, pipeline_config):
     root = tmp_path_factory.mktemp("train")
-    from dflash.embedded import code_chat_rows
-
-    rows = code_chat_rows()
-    data_path = root / "rows.jsonl"
-    data_path.write_text("".join(json.dumps(row) + "\n" for row in rows[:30] + rows[-10:]))
-    path = root / "config.toml"
-    path.write_text(f"""
-[target]
-path = "embedded:tiny"
-num_layer_ids = 3
-[data]
-source = "{data_path}"
-max_length = 512
-num_workers = 1
-cache_dir = "{embedded_cache_dir}"
+    path = pipeline_config(root, 30, 10, f"""
 [store]
 path = "{root / 'store'}"
 bucket_edges = [64, 192, 320, 512]
