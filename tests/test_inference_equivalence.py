@@ -15,6 +15,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from dflash.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
+from dflash.loss import block_labels, dflash_loss, gamma_weights
 from dflash.masks import build_masks
 
 VOCAB = 512
@@ -22,12 +23,31 @@ WINDOW = 20  # smaller than the sequences, so sliding layers really cut the cont
 
 
 def tiny_setup(seed: int):
+    """A tiny drafter trained for a few steps (so no weight sits at its init value)."""
     torch.manual_seed(seed)
     args = drafter_args("tiny", vocab_size=VOCAB, mask_token_id=VOCAB - 1, sliding_window=WINDOW)
-    model = DFlashDrafter(args).eval()
+    model = DFlashDrafter(args)
     embed = torch.randn(VOCAB, args.hidden_size)
     lm_head = torch.randn(VOCAB, args.hidden_size)
-    return args, model, embed, lm_head
+    train_a_few_steps(args, model, embed, lm_head, random_packed_batch(seed + 100, args.context_feature_size,
+                                                                       args.block_size))
+    return args, model.eval(), embed, lm_head
+
+
+def train_a_few_steps(args, model, embed, lm_head, batch, steps: int = 5) -> None:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_mask = torch.ones_like(batch["input_ids"])
+    labels, valid = block_labels(batch["input_ids"], loss_mask, batch["doc_ids"], batch["anchor_index"],
+                                 batch["anchor_doc"] >= 0, args.block_size)
+    masks = build_masks(batch, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
+    block = block_embeddings(embed, batch["input_ids"], batch["anchor_index"], args.block_size, args.mask_token_id)
+    positions = block_positions(batch["anchor_pos"], args.block_size)
+    for _ in range(steps):
+        hidden = model(batch["hidden"], block, batch["position_ids"], positions, masks)
+        dflash_loss(hidden, lm_head, labels, valid, gamma_weights(args.block_size, 7.0)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
 
 
 def random_packed_batch(seed: int, feature_size: int, block_size: int) -> dict:
