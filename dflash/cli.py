@@ -86,7 +86,13 @@ def stage1_extract(config_path, overrides, gpus, overwrite):
 @click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
               help="Resume from the latest checkpoint in train.out_dir, or from PATH.")
 def stage2_train(config_path, overrides, gpus, resume):
-    """Train the DFlash drafter from a stage-one store (no target model needed)."""
+    """Train the DFlash drafter from a stage-one store (no target model needed).
+
+    Reads store.path (refused if its layer ids, hidden size or vocabulary do not match the
+    drafter), trains with mixed-length micro-batches per optimizer step, evaluates a
+    held-out split, and writes metrics.jsonl and checkpoints under train.out_dir. SIGTERM
+    saves a final checkpoint; --resume continues the same data order.
+    """
     if gpus and not under_torchrun():
         relaunch_without_gpus(gpus)
     config = load_or_exit(config_path, overrides)
