@@ -154,3 +154,21 @@ def test_store_that_does_not_match_the_drafter_is_refused(config_path):
     with pytest.raises(train.StoreMismatch) as error:
         train.build_drafter_args(config, attrs)
     assert "target_layer_ids" in str(error.value) and "hidden_size" in str(error.value)
+
+
+def test_sigterm_saves_a_final_checkpoint(config_path, tmp_path):
+    run_dir = tmp_path / "term"
+    command = [sys.executable, "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+               "--set", run_dir_override(run_dir), "--set", "train.save_every=100"]
+    process = subprocess.Popen(command, env=single_thread_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None and not (metrics.exists() and metrics.stat().st_size):
+        time.sleep(0.005)
+    process.send_signal(signal.SIGTERM)
+    stdout, _ = process.communicate(timeout=300)
+    assert process.returncode == 0
+    step = load_checkpoint(latest_checkpoint(run_dir)).step
+    assert 0 < step < 8, "SIGTERM must land mid-run"
+    assert "SIGTERM: saved checkpoint" in stdout
