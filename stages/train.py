@@ -84,8 +84,9 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     reader = StoreReader(config.store.path, on_corrupt="skip" if config.train.skip_corrupt_shards else "raise")
     args = build_drafter_args(config, reader.attrs)
     train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
-    steps_per_epoch = [schedule_for(config, reader, train_indices, dist, epoch).num_steps
-                       for epoch in range(config.train.epochs)]
+    # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
+    schedules = [schedule_for(config, reader, train_indices, dist, epoch) for epoch in range(config.train.epochs)]
+    steps_per_epoch = [schedule.num_steps for schedule in schedules]
     total_steps = sum(steps_per_epoch) if config.train.max_steps <= 0 else min(config.train.max_steps, sum(steps_per_epoch))
     model = build_model(config, args, dist)
     optimizer = build_optimizer(model, config)
@@ -103,8 +104,8 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     result = TrainResult(run_dir=config.train.out_dir)
     stop = StopFlag()
     try:
-        loop(config, dist, wrapped, model, optimizer, ctx, reader, train_indices, eval_indices,
-             steps_per_epoch, total_steps, cursor, step, logger, result, stop)
+        loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
+             schedules, total_steps, cursor, step, logger, result, stop)
     finally:
         stop.restore()
         logger.close()
@@ -321,8 +322,8 @@ class StopFlag:
         signal.signal(signal.SIGTERM, self.previous)
 
 
-def loop(config, dist, wrapped, model, optimizer, ctx, reader, train_indices, eval_indices,
-         steps_per_epoch, total_steps, cursor, step, logger, result, stop) -> None:
+def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
+         schedules, total_steps, cursor, step, logger, result, stop) -> None:
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
     collate = functools.partial(collate_packed, block_size=ctx.args.block_size, pad_multiple=pad_multiple(ctx))
     loader_options = {"block_size": ctx.args.block_size, "pad_multiple": pad_multiple(ctx)}
@@ -333,7 +334,7 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, train_indices, ev
     loss_history = torch.zeros(total_steps, dtype=torch.float64, device=ctx.device)
     first_step = step
     while step < total_steps and not stop.requested:
-        schedule = schedule_for(config, reader, train_indices, dist, cursor.epoch)
+        schedule = schedules[cursor.epoch]
         if schedule.num_steps == 0:
             raise ConfigError(f"epoch {cursor.epoch} has no optimizer step: too few samples for "
                               f"train.accum_steps x world size micro-batches")
@@ -420,14 +421,10 @@ def evaluate(config, dist, wrapped, ctx, dataset, collate, reader, eval_indices)
 
 
 def save(config, dist, model, optimizer, cursor: DataCursor, step: int) -> Path:
-    model_state = {k: v for k, v in full_state_dict(model).items()}
+    model_state = {k: v.detach() for k, v in model.state_dict().items()}  # fp32 master weights
     return save_checkpoint(config.train.out_dir, step, model_state, optimizer.state_dict(), {"step": step},
                            cursor.to_dict(), capture_rng_states(), config.to_dict(), config.train.keep_last,
                            is_writer=dist.is_main)
-
-
-def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach() for k, v in model.state_dict().items()}
 
 
 def resolve_resume(config: Config, resume: str | None) -> Path | None:
