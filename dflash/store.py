@@ -149,11 +149,6 @@ def frozen_weights_complete(group: zarr.Group) -> bool:
     return all(name in group and group[name].attrs.get(COMPLETE_KEY) for name in FROZEN_WEIGHT_NAMES)
 
 
-def read_root_attrs(path: Any) -> dict:
-    """The store's `dflash` root attributes."""
-    return _read_root_attrs(zarr.open_group(path, mode="r"), path)
-
-
 def write_frozen_weights(group: zarr.Group, embed_VH: torch.Tensor, lm_head_VH: torch.Tensor) -> None:
     """Store the target's input embedding and LM head as bf16 bits; skip arrays already complete."""
     for name, weight_VH in zip(FROZEN_WEIGHT_NAMES, (embed_VH, lm_head_VH)):

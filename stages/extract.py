@@ -55,16 +55,15 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     target_path = resolve_target_path(config, dist)
     tokenizer = load_tokenizer(target_path)
     tokenized = tokenize_in_order(config, tokenizer, dist)
-    shards = plan.plan_shards(
-        np.array([len(s.input_ids) for s in tokenized.samples], dtype=np.int64),
-        np.array([s.row_id for s in tokenized.samples], dtype=np.int64),
-        list(config.store.bucket_edges), config.store.shard_tokens)
+    lengths = np.array([len(s.input_ids) for s in tokenized.samples], dtype=np.int64)
+    row_ids = np.array([s.row_id for s in tokenized.samples], dtype=np.int64)
+    shards = plan.plan_shards(lengths, row_ids, list(config.store.bucket_edges), config.store.shard_tokens)
     attrs = root_attrs(config, target_path, tokenizer, shards)
     group = open_store_in_order(config, attrs, dist)
     done = store.completed_shards(group)
     mine = [s for s in plan.assign_ranks(shards, dist.world_size)[dist.rank] if s.name not in done]
     result = ExtractResult(store_path=config.store.path, bad_rows=dict(tokenized.bad_rows),
-                           shards_skipped=len(shards) - len([s for s in shards if s.name not in done]))
+                           shards_skipped=sum(s.name in done for s in shards))
     if dist.is_main:
         report_data(tokenized, len(shards), len(done))
     needs_weights = dist.is_main and not store.frozen_weights_complete(group)
@@ -78,10 +77,10 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     if needs_weights:
         store.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
     start = time.perf_counter()
-    write_shards(config, dist, target, group, tokenized.samples, mine, result)
+    write_shards(config, dist, target, group, tokenized.samples, lengths, row_ids, mine, result)
     result.seconds = time.perf_counter() - start
     dist.barrier()
-    summarize(config, dist, result)
+    summarize(dist, attrs, result)
     return result
 
 
@@ -168,10 +167,11 @@ def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int) -
     print(f"plan: {num_shards} shards, {num_done} already complete")
 
 
-def write_shards(config, dist, target, group, samples, shards, result: ExtractResult) -> None:
-    """Capture every shard on the device; a writer thread compresses and commits."""
-    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
-    row_ids = np.array([s.row_id for s in samples], dtype=np.int64)
+def write_shards(config, dist, target, group, samples, lengths, row_ids, shards, result: ExtractResult) -> None:
+    """Capture every shard on the device; a writer thread compresses and commits.
+
+    `lengths` and `row_ids` are indexed like `samples` (the kept-sample list the plan uses).
+    """
     total_tokens = sum(s.num_tokens for s in shards)
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, disable=not dist.is_main,
                desc=f"extract (rank 0 of {dist.world_size})", dynamic_ncols=True)
@@ -189,7 +189,6 @@ def write_shards(config, dist, target, group, samples, shards, result: ExtractRe
                 writer.submit(write_batch, shard_writer, indices, batch, encoded)
                 bar.update(sum(len(s.input_ids) for s in batch))
             writer.submit(commit_shard, shard_writer, result)
-        writer.close()
     finally:
         writer.close()
         bar.close()
@@ -274,15 +273,14 @@ class ShardWriterThread:
             raise error
 
 
-def summarize(config: Config, dist: DistState, result: ExtractResult) -> None:
+def summarize(dist: DistState, attrs: dict, result: ExtractResult) -> None:
     totals = all_reduce_sum(dist, [result.num_samples, result.num_tokens, result.stored_bytes,
-                                   result.shards_written])
-    seconds = all_reduce_sum(dist, [result.seconds])[0] / dist.world_size
+                                   result.shards_written, result.seconds])
     if not dist.is_main:
         return
-    samples, tokens, stored, written = (int(v) for v in totals)
-    attrs = store.read_root_attrs(config.store.path)
-    raw_bytes = tokens * len(attrs["target_layer_ids"]) * attrs["hidden_size"] * 2
+    samples, tokens, stored, written = (int(v) for v in totals[:4])
+    seconds = totals[4] / dist.world_size
+    raw_bytes = tokens * codecs.bytes_per_token_raw(len(attrs["target_layer_ids"]), attrs["hidden_size"])
     ratio = raw_bytes / stored if stored else 0.0
     print(f"stage one done: {written} shards, {samples} samples, {tokens:,} tokens, "
           f"{stored / 1e6:,.1f} MB stored ({stored / max(tokens, 1):,.0f} B/token, "

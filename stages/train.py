@@ -325,8 +325,9 @@ class StopFlag:
 def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
          schedules, total_steps, cursor, step, logger, result, stop) -> None:
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
-    collate = functools.partial(collate_packed, block_size=ctx.args.block_size, pad_multiple=pad_multiple(ctx))
     loader_options = {"block_size": ctx.args.block_size, "pad_multiple": pad_multiple(ctx)}
+    collate = functools.partial(collate_packed, **loader_options)
+    eval_micro_batches = held_out_micro_batches(config, dist, reader, eval_indices)
     bar = tqdm(total=total_steps, initial=step, unit="step", disable=not dist.is_main, dynamic_ncols=True,
                desc="train")
     window = StepStats(ctx.args.block_size, ctx.device)
@@ -359,7 +360,7 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
                 log_window(config, dist, window, lr, timer, logger, step, bar, result)
                 window = StepStats(ctx.args.block_size, ctx.device)
             if eval_indices.size and (step % config.train.eval_every == 0 or step == total_steps):
-                result.eval_metrics = evaluate(config, dist, wrapped, ctx, dataset, collate, reader, eval_indices)
+                result.eval_metrics = evaluate(dist, wrapped, ctx, dataset, collate, eval_micro_batches)
                 logger.log(step, {f"eval/{k}": v for k, v in result.eval_metrics.items()})
             if step % config.train.save_every == 0 and step < total_steps:
                 save(config, dist, model, optimizer, cursor, step)
@@ -404,15 +405,22 @@ def log_window(config, dist, window: StepStats, lr, timer, logger, step, bar, re
     timer.update(start=time.perf_counter(), wait=0.0)
 
 
-@torch.no_grad()
-def evaluate(config, dist, wrapped, ctx, dataset, collate, reader, eval_indices) -> dict:
-    """Held-out loss, accuracy and tau over the first eval_batches micro-batches (epoch 0 anchors)."""
+def held_out_micro_batches(config, dist: DistState, reader, eval_indices) -> list:
+    """This rank's share of the first eval_batches held-out micro-batches, fixed for the run."""
+    if not eval_indices.size:
+        return []
     # world 1, accum 2: only the packing and order matter here (eval never steps).
     schedule = build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
                                     1, 2, config.train.seed, 0, sample_indices=eval_indices)
+    return schedule.micro_batches[dist.rank::dist.world_size][:config.train.eval_batches]
+
+
+@torch.no_grad()
+def evaluate(dist, wrapped, ctx, dataset, collate, micro_batches) -> dict:
+    """Held-out loss, accuracy and tau (epoch 0 anchors, so every evaluation sees the same blocks)."""
     stats = StepStats(ctx.args.block_size, ctx.device)
     wrapped.eval()
-    for micro_batch in schedule.micro_batches[dist.rank::dist.world_size][:config.train.eval_batches]:
+    for micro_batch in micro_batches:
         batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
         out, valid_AB = forward_loss(wrapped, ctx, batch)
         stats.add(out, valid_AB, batch)

@@ -240,7 +240,7 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     synchronize(device)
     start = time.perf_counter()
     with timed_writer_jobs(busy):
-        write_shards(config, dist, target, group, samples, shards, result)
+        write_shards(config, dist, target, group, samples, lengths, row_ids, shards, result)
     seconds = time.perf_counter() - start
     stats = store.store_stats(str(store_dir))
     return {"seconds": seconds, "stored_bytes": stats["total"]["stored_bytes"], "tokens": stats["total"]["tokens"],
