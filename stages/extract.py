@@ -3,7 +3,8 @@
 `run(config)` wires the library together: tokenize (cached) -> plan buckets and shards ->
 create or check the store -> per rank, run the target over each missing shard in
 right-padded batches and commit the shard atomically. GPU work (capture, fp8 quantisation)
-overlaps compression and writing, which one owned writer thread does from a bounded queue.
+overlaps compression and writing, which a pool of owned writer threads does from bounded
+queues (one shard per thread at a time).
 """
 
 import queue
@@ -37,6 +38,7 @@ class ExtractResult:
     shards_written: int = 0
     shards_skipped: int = 0
     bad_rows: dict = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def tokens_per_second(self) -> float:
@@ -168,29 +170,31 @@ def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int) -
 
 
 def write_shards(config, dist, target, group, samples, lengths, row_ids, shards, result: ExtractResult) -> None:
-    """Capture every shard on the device; a writer thread compresses and commits.
+    """Capture every shard on the device; a pool of writer threads compresses and commits.
 
     `lengths` and `row_ids` are indexed like `samples` (the kept-sample list the plan uses).
+    Shard k goes to writer thread k % writer_threads, so a shard's batches and its commit
+    stay in order while several shards compress at once.
     """
     total_tokens = sum(s.num_tokens for s in shards)
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, disable=not dist.is_main,
                desc=f"extract (rank 0 of {dist.world_size})", dynamic_ncols=True)
-    writer = ShardWriterThread(max_pending=4)
+    writers = WriterPool(config.extract.writer_threads)
     try:
-        for shard in shards:
+        for number, shard in enumerate(shards):
             shard_samples = [samples[i] for i in shard.sample_indices]
             shard_writer = store.ShardWriter(
                 group, shard, lengths, row_ids, codec=config.store.codec, num_layers=len(target.layer_ids),
                 hidden_size=target.hidden_size, rows_per_chunk=config.extract.rows_per_chunk,
                 rows_per_zarr_shard=config.extract.rows_per_chunk * config.extract.chunks_per_file)
             for first, batch in padded_batches(shard_samples, config.extract.batch_tokens):
-                encoded = capture_batch(target, batch, config.store.codec, dist.device)
+                captured = capture_batch(target, batch, config.store.codec, dist.device)
                 indices = shard.sample_indices[first:first + len(batch)]
-                writer.submit(write_batch, shard_writer, indices, batch, encoded)
+                writers.submit(number, write_batch, shard_writer, indices, batch, captured)
                 bar.update(sum(len(s.input_ids) for s in batch))
-            writer.submit(commit_shard, shard_writer, result)
+            writers.submit(number, commit_shard, shard_writer, result)
     finally:
-        writer.close()
+        writers.close()
         bar.close()
 
 
@@ -208,63 +212,103 @@ def padded_batches(samples, batch_tokens: int):
         start = end
 
 
-def capture_batch(target, batch, codec: str, device: torch.device) -> list[dict]:
-    """Forward one right-padded batch; encode each sample's rows on the device, copy to host."""
+ENCODE_ROWS = 8192  # tokens encoded at a time: bounds the float32 temporaries of the fp8 codec
+
+
+@dataclass
+class CapturedBatch:
+    """One batch's encoded features on the host, `(B, T_padded, ...)`; valid once `wait()` returns."""
+
+    parts: dict[str, torch.Tensor]
+    ready: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()  # sync: writer thread only; the device copies of this batch
+
+
+def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBatch:
+    """Forward one right-padded batch, encode it on the device and start the copy to the host.
+
+    Nothing here waits for the device: the copy lands in pinned memory and `CapturedBatch.wait`
+    (called by the writer thread) waits for it, so the next forward is queued behind this one.
+    """
     # Pad ids are masked out; lengths round up to 128 on CUDA to bound kernel autotuning.
-    multiple = 128 if device.type == "cuda" else 1
-    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0, multiple=multiple)
-    hidden_BTnH = target.capture(input_ids.to(device), attention_mask.to(device))
-    encoded = []
-    for row, sample in enumerate(batch):
-        parts = codecs.encode(hidden_BTnH[row, : len(sample.input_ids)], codec)
-        encoded.append({name: t.to("cpu", non_blocking=True) for name, t in parts.items()})
-    if hidden_BTnH.device.type == "cuda":
-        torch.cuda.current_stream().synchronize()  # sync: the host copies above must land first
-    return encoded
+    cuda = device.type == "cuda"
+    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0, multiple=128 if cuda else 1)
+    if cuda:
+        input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
+    hidden_BTnH = target.capture(input_ids, attention_mask)
+    batch_size, seq_len, num_layers, hidden_size = hidden_BTnH.shape
+    rows_RnH = hidden_BTnH.view(batch_size * seq_len, num_layers, hidden_size)
+    encoded = [codecs.encode(rows_RnH[start:start + ENCODE_ROWS], codec)
+               for start in range(0, rows_RnH.shape[0], ENCODE_ROWS)]
+    parts = {}
+    for name in encoded[0]:
+        joined = torch.cat([chunk[name] for chunk in encoded]) if len(encoded) > 1 else encoded[0][name]
+        joined = joined.view(batch_size, seq_len, *joined.shape[1:])
+        parts[name] = joined.to("cpu", non_blocking=True) if cuda else joined
+    ready = None
+    if cuda:
+        ready = torch.cuda.Event()
+        ready.record()
+    return CapturedBatch(parts=parts, ready=ready)
 
 
-def write_batch(shard_writer, indices, batch, encoded: list[dict]) -> None:
+def write_batch(shard_writer, indices, batch, captured: CapturedBatch) -> None:
     """Hand each sample (by its kept-sample index, in plan order) to the shard writer."""
-    for index, sample, parts in zip(indices, batch, encoded):
-        scale = parts.get("scale")
-        shard_writer.write_sample(index, parts["hidden"].numpy(),
-                                  None if scale is None else scale.numpy(),
+    captured.wait()
+    hidden_BTF = captured.parts["hidden"].numpy()
+    scale_BTn = captured.parts["scale"].numpy() if "scale" in captured.parts else None
+    for row, (index, sample) in enumerate(zip(indices, batch)):
+        length = len(sample.input_ids)
+        shard_writer.write_sample(index, hidden_BTF[row, :length],
+                                  None if scale_BTn is None else scale_BTn[row, :length],
                                   sample.input_ids, sample.loss_mask)
 
 
 def commit_shard(shard_writer, result: ExtractResult) -> None:
     stats = shard_writer.commit()
-    result.shards_written += 1
-    result.num_samples += stats["num_samples"]
-    result.num_tokens += stats["num_tokens"]
-    result.stored_bytes += sum(array["stored_bytes"] for array in stats["arrays"].values())
+    with result.lock:
+        result.shards_written += 1
+        result.num_samples += stats["num_samples"]
+        result.num_tokens += stats["num_tokens"]
+        result.stored_bytes += sum(array["stored_bytes"] for array in stats["arrays"].values())
 
 
-class ShardWriterThread:
-    """One owned writer thread with a bounded queue; its first error is re-raised here."""
+class WriterPool:
+    """Owned writer threads, each with a bounded queue; the first error is re-raised here.
 
-    def __init__(self, max_pending: int):
-        self.jobs: queue.Queue = queue.Queue(maxsize=max_pending)
+    `submit(key, ...)` runs on thread `key % size`, in submission order per thread. Each
+    queue holds at most two batches, which bounds the pinned host memory in flight.
+    """
+
+    def __init__(self, size: int, max_pending: int = 2):
+        self.queues = [queue.Queue(maxsize=max_pending) for _ in range(size)]
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self.work, name="dflash-shard-writer", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self.work, args=(jobs,), name=f"dflash-shard-writer-{i}",
+                                         daemon=True) for i, jobs in enumerate(self.queues)]
+        for thread in self.threads:
+            thread.start()
 
-    def work(self) -> None:
-        while (job := self.jobs.get()) is not None:
+    def work(self, jobs: queue.Queue) -> None:
+        while (job := jobs.get()) is not None:
             if self.error is None:
                 try:
                     job[0](*job[1:])
                 except BaseException as err:  # re-raised on the producer side
                     self.error = err
 
-    def submit(self, fn, *args) -> None:
+    def submit(self, key: int, fn, *args) -> None:
         self.raise_if_failed()
-        self.jobs.put((fn, *args))
+        self.queues[key % len(self.queues)].put((fn, *args))
 
     def close(self) -> None:
-        if self.thread.is_alive():
-            self.jobs.put(None)
-            self.thread.join()
+        for jobs, thread in zip(self.queues, self.threads):
+            if thread.is_alive():
+                jobs.put(None)
+        for thread in self.threads:
+            thread.join()
         self.raise_if_failed()
 
     def raise_if_failed(self) -> None:

@@ -10,7 +10,7 @@ length-bucketed batches through
   3. the full stage-one path, per codec: `stages.extract.write_shards` (the writer thread,
      `store.ShardWriter`, zstd, zarr) into a local temporary store.
 It prints tokens/s, the ratio to the bare forward, MFU (2 x params of the layers run x
-tokens over 790 TFLOP/s), stored bytes/token per codec and the write rate, and writes the
+tokens, plus the causal score FLOPs of the full-attention layers run, over 790 TFLOP/s), stored bytes/token per codec and the write rate, and writes the
 numbers as JSON to `--out`.
 
     python tools/bench_stage1.py --out bench/stage1.json            # H200
@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -134,8 +135,8 @@ def layer_parameters(model, num_layers: int | None = None) -> int:
     return sum(p.numel() for p in layers.parameters())
 
 
-def mfu(params: int, tokens: int, seconds: float) -> float:
-    return 2 * params * tokens / max(seconds, 1e-12) / PEAK_BF16_FLOPS
+def mfu(flops: float, seconds: float) -> float:
+    return flops / max(seconds, 1e-12) / PEAK_BF16_FLOPS
 
 
 # --------------------------------------------------------------------------- data
@@ -167,6 +168,26 @@ def bucketed_batches(samples: list, bucket_edges, batch_tokens: int) -> list[lis
     for bucket in sorted(by_bucket):
         batches.extend(batch for _, batch in padded_batches(by_bucket[bucket], batch_tokens))
     return batches
+
+
+def warmup_batches(batches: list[list]) -> list[list]:
+    """One batch per distinct padded length (multiples of 128): every kernel shape compiles and
+    autotunes before anything is timed."""
+    seen, chosen = set(), []
+    for batch in batches:
+        padded = -(-max(len(s) for s in batch) // 128) * 128
+        if padded not in seen:
+            seen.add(padded)
+            chosen.append(batch)
+    return chosen
+
+
+def attention_flops(config, layers_run: int, lengths) -> float:
+    """Score and value FLOPs of the causal full-attention layers among the first `layers_run`
+    (2 x 2 x heads x head_dim x L^2 / 2 per sequence); parameter FLOPs miss them."""
+    full_layers = sum(t == "full_attention" for t in config.layer_types[:layers_run])
+    width = config.num_attention_heads * config.head_dim
+    return full_layers * 2 * width * float(sum(int(n) ** 2 for n in lengths))
 
 
 # --------------------------------------------------------------------------- passes
@@ -201,34 +222,84 @@ def time_capture_only(target, batches, codec: str, device) -> float:
 
 @contextlib.contextmanager
 def timed_writer_jobs(busy: dict):
-    """Measure the writer thread's busy time by wrapping stages.extract.write_batch for the run."""
+    """Measure the writer threads' busy time by wrapping stages.extract.write_batch and
+    commit_shard for the run (waiting for a batch's device copy does not count)."""
     import stages.extract as extract
 
-    original = extract.write_batch
+    def timed(original, wait):
+        def job(*args, **kwargs):
+            if wait:
+                args[-1].wait()
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                with busy["lock"]:
+                    busy["seconds"] += time.perf_counter() - start
+        return job
 
-    def write_batch(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            busy["seconds"] += time.perf_counter() - start
-
-    extract.write_batch = write_batch
+    originals = {"write_batch": extract.write_batch, "commit_shard": extract.commit_shard}
+    extract.write_batch = timed(originals["write_batch"], wait=True)
+    extract.commit_shard = timed(originals["commit_shard"], wait=False)
     try:
         yield busy
     finally:
-        extract.write_batch = original
+        for name, original in originals.items():
+            setattr(extract, name, original)
 
 
-def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, device, store_dir: Path) -> dict:
-    """The stage-one writer path into a fresh local store; returns seconds, bytes and writer load."""
+def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
+    """Encoded host rows `(R, ...)` of real captured batches, R >= the largest padded batch."""
+    from stages.extract import capture_batch
+
+    multiple = 128 if device.type == "cuda" else 1
+    needed = max(len(b) * -(-max(len(s) for s in b) // multiple) * multiple for b in batches)
+    parts, rows = [], 0
+    for batch in sorted(batches, key=len, reverse=True):
+        captured = capture_batch(target, batch, codec, device)
+        captured.wait()
+        parts.append({k: v.numpy().reshape(-1, *v.shape[2:]) for k, v in captured.parts.items()})
+        rows += len(parts[-1]["hidden"])
+        if rows >= needed:
+            break
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+@contextlib.contextmanager
+def captures_from_pool(pool: dict[str, np.ndarray], device):
+    """Make stages.extract.capture_batch return views of `pool` (no forward): the writers alone."""
+    import stages.extract as extract
+    from stages.extract import CapturedBatch
+
+    multiple = 128 if device.type == "cuda" else 1
+    original = extract.capture_batch
+
+    def capture_batch(target, batch, codec, device):
+        padded = -(-max(len(s.input_ids) for s in batch) // multiple) * multiple
+        rows = len(batch) * padded
+        return CapturedBatch(parts={k: torch.from_numpy(v[:rows].reshape(len(batch), padded, *v.shape[1:]))
+                                    for k, v in pool.items()}, ready=None)
+
+    extract.capture_batch = capture_batch
+    try:
+        yield
+    finally:
+        extract.capture_batch = original
+
+
+def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, writer_threads: int, device,
+                  store_dir: Path, pool: dict | None = None) -> dict:
+    """The stage-one writer path into a fresh local store; returns seconds, bytes and writer load.
+
+    With `pool` (from `capture_pool`) the target is not run: this measures the writers alone.
+    """
     from dflash import plan, store
     from dflash.config import Config, replace
     from dflash.dist import DistState
     from stages.extract import ExtractResult, write_shards
 
     config = replace(Config(), store={"codec": codec, "path": str(store_dir), "bucket_edges": tuple(bucket_edges)},
-                     extract={"batch_tokens": batch_tokens}, data={"max_length": min(batch_tokens, 4096)})
+                     extract={"batch_tokens": batch_tokens, "writer_threads": writer_threads}, data={"max_length": min(batch_tokens, 4096)})
     lengths = np.array([len(s) for s in samples], dtype=np.int64)
     row_ids = np.array([s.row_id for s in samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(bucket_edges), config.store.shard_tokens)
@@ -236,15 +307,16 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     group = store.create_or_open_store(str(store_dir), attrs, overwrite=True)
     dist = DistState(rank=0, world_size=1, local_rank=0, device=device)
     result = ExtractResult(store_path=str(store_dir))
-    busy = {"seconds": 0.0}
+    busy = {"seconds": 0.0, "lock": threading.Lock()}
     synchronize(device)
     start = time.perf_counter()
-    with timed_writer_jobs(busy):
+    with timed_writer_jobs(busy), captures_from_pool(pool, device) if pool else contextlib.nullcontext():
         write_shards(config, dist, target, group, samples, lengths, row_ids, shards, result)
     seconds = time.perf_counter() - start
     stats = store.store_stats(str(store_dir))
     return {"seconds": seconds, "stored_bytes": stats["total"]["stored_bytes"], "tokens": stats["total"]["tokens"],
-            "bytes_per_token": stats["total"]["bytes_per_token"], "writer_busy_seconds": busy["seconds"]}
+            "bytes_per_token": stats["total"]["bytes_per_token"], "writer_busy_seconds": busy["seconds"],
+            "writer_threads": writer_threads}
 
 
 def synthetic_store_attrs(target, codec: str, bucket_edges, shards) -> dict:
@@ -271,6 +343,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=262_144, help="real tokens per pass")
     parser.add_argument("--batch-tokens", type=int, default=32_768, help="padded tokens per forward")
     parser.add_argument("--codecs", default="fp8,bf16")
+    parser.add_argument("--writer-threads", type=int, default=4, help="extract.writer_threads of the full path")
     parser.add_argument("--store-dir", default="", help="where the temporary stores go (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -312,7 +385,7 @@ def main(argv: list[str]) -> int:
           f"parameters ({cut_params / 1e9:.2f}B up to layer {layer_ids[-1]}); {len(samples)} samples, "
           f"{real_tokens:,} tokens in {len(batches)} batches (padding efficiency {real_tokens / padded_tokens:.3f})")
 
-    warmup = [] if args.quick else batches[:1] + batches[-1:]  # kernels, autotune, allocator
+    warmup = [] if args.quick else warmup_batches(batches)
     time_bare_forward(model, warmup, device)
     bare_seconds = time_bare_forward(model, batches, device)
     target = TargetModel(model, layer_ids, config_hash="random-init", model_type=config.model_type)
@@ -320,51 +393,65 @@ def main(argv: list[str]) -> int:
     time_capture_only(target, warmup, codecs[0], device)
     capture_seconds = time_capture_only(target, batches, codecs[0], device)
     store_root = Path(args.store_dir or tempfile.mkdtemp(prefix="bench-stage1-"))
-    full = {}
+    full, writers_only = {}, {}
     try:
         for codec in codecs:
-            full[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens, device,
-                                        store_root / f"store-{codec}")
+            pool = capture_pool(target, batches, codec, device)
+            writers_only[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens,
+                                                args.writer_threads, device, store_root / f"writers-{codec}", pool)
+            del pool
+            shutil.rmtree(store_root / f"writers-{codec}", ignore_errors=True)
+            full[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens, args.writer_threads,
+                                        device, store_root / f"store-{codec}")
             shutil.rmtree(store_root / f"store-{codec}", ignore_errors=True)
     finally:
         if not args.store_dir:
             shutil.rmtree(store_root, ignore_errors=True)
-    report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params,
-           bare_seconds, capture_seconds, codecs[0], full)
+    lengths = [len(s) for s in samples]
+    flops = {"bare": 2 * all_params * real_tokens + attention_flops(config, config.num_hidden_layers, lengths),
+             "cut": 2 * cut_params * real_tokens + attention_flops(config, layer_ids[-1] + 1, lengths)}
+    report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,
+           bare_seconds, capture_seconds, codecs[0], full, writers_only)
     return 0
 
 
-def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params,
-           bare_seconds, capture_seconds, capture_codec, full) -> None:
+def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,
+           bare_seconds, capture_seconds, capture_codec, full, writers_only) -> None:
     raw_bytes = REAL_LAYER_COUNT * config.hidden_size * 2
     bare_rate = real_tokens / bare_seconds
-    rows = [["bare forward (logits_to_keep=1)", bare_rate, 1.0, mfu(all_params, real_tokens, bare_seconds), "", "", ""]]
+    rows = [["bare forward (logits_to_keep=1)", bare_rate, 1.0, mfu(flops["bare"], bare_seconds), "", "", ""]]
     rate = real_tokens / capture_seconds
     rows.append([f"capture + encode {capture_codec} + copy to host", rate, rate / bare_rate,
-                 mfu(cut_params, real_tokens, capture_seconds), "", "", ""])
+                 mfu(flops["cut"], capture_seconds), "", "", ""])
     for codec, numbers in full.items():
         rate = numbers["tokens"] / numbers["seconds"]
         rows.append([f"full stage one, {codec} (zarr write)", rate, rate / bare_rate,
-                     mfu(cut_params, numbers["tokens"], numbers["seconds"]), numbers["bytes_per_token"],
+                     mfu(flops["cut"], numbers["seconds"]), numbers["bytes_per_token"],
                      raw_bytes / numbers["bytes_per_token"], numbers["stored_bytes"] / numbers["seconds"] / 1e6])
         numbers.update(tokens_per_s=rate, ratio_to_bare=rate / bare_rate,
-                       mfu=mfu(cut_params, numbers["tokens"], numbers["seconds"]),
+                       mfu=mfu(flops["cut"], numbers["seconds"]),
                        write_mb_per_s=numbers["stored_bytes"] / numbers["seconds"] / 1e6,
-                       writer_busy_fraction=numbers["writer_busy_seconds"] / numbers["seconds"])
+                       writer_busy_fraction=numbers["writer_busy_seconds"] / numbers["seconds"] / numbers["writer_threads"])
     print_table("stage one", ["path", "tokens/s", "x bare", "MFU", "bytes/token", "x smaller than bf16", "write MB/s"],
                 rows)
-    print_table("writer thread", ["codec", "busy s", "wall s", "busy fraction"],
-                [[c, n["writer_busy_seconds"], n["seconds"], n["writer_busy_fraction"]] for c, n in full.items()])
+    for numbers in writers_only.values():
+        numbers["tokens_per_s"] = numbers["tokens"] / numbers["seconds"]
+        numbers["write_mb_per_s"] = numbers["stored_bytes"] / numbers["seconds"] / 1e6
+    print_table("writer threads", ["codec", "threads", "busy s (sum)", "wall s", "busy fraction per thread",
+                                   "writers alone tokens/s", "writers alone x bare"],
+                [[c, n["writer_threads"], n["writer_busy_seconds"], n["seconds"], n["writer_busy_fraction"],
+                  writers_only[c]["tokens_per_s"], writers_only[c]["tokens_per_s"] / bare_rate]
+                 for c, n in full.items()])
     write_results(args.out, {
         "meta": run_metadata(["tools/bench_stage1.py", *argv]), "quick": args.quick,
         "target": {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                    "layer_ids": layer_ids, "layer_params": all_params, "layer_params_run": cut_params},
-        "tokens": real_tokens, "padded_tokens": padded_tokens, "raw_bf16_bytes_per_token": raw_bytes,
-        "bare": {"seconds": bare_seconds, "tokens_per_s": bare_rate, "mfu": mfu(all_params, real_tokens, bare_seconds)},
+        "tokens": real_tokens, "padded_tokens": padded_tokens, "tflop": {k: v / 1e12 for k, v in flops.items()}, "raw_bf16_bytes_per_token": raw_bytes,
+        "bare": {"seconds": bare_seconds, "tokens_per_s": bare_rate, "mfu": mfu(flops["bare"], bare_seconds)},
         "capture_only": {"codec": capture_codec, "seconds": capture_seconds, "tokens_per_s": real_tokens / capture_seconds,
                          "ratio_to_bare": real_tokens / capture_seconds / bare_rate,
-                         "mfu": mfu(cut_params, real_tokens, capture_seconds)},
-        "full": full,
+                         "mfu": mfu(flops["cut"], capture_seconds)},
+        "full": full, "writers_only": writers_only,
     })
 
 
