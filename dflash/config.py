@@ -82,6 +82,7 @@ class TrainConfig:
     token_budget: int = 16_384  # real (unpadded) context tokens per micro-batch
     accum_steps: int = 4  # micro-batches per rank per optimizer step
     max_anchors: int = 512
+    anchor_budget: int = 1024  # anchors per micro-batch (x block size = drafter rows); bounds short-sequence packs
     gamma: float = 0.0  # 0: the default for the block size (7 for 16)
     loss_chunk: int = 2048  # block rows per LM-head chunk
     seed: int = 0
@@ -215,7 +216,7 @@ def validate(config: Config) -> None:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
     positive = ["data.max_length", "store.shard_tokens", "extract.batch_tokens", "extract.rows_per_chunk",
                 "extract.chunks_per_file", "extract.writer_threads",
-                "train.epochs", "train.token_budget", "train.accum_steps", "train.max_anchors",
+                "train.epochs", "train.token_budget", "train.accum_steps", "train.max_anchors", "train.anchor_budget",
                 "train.loss_chunk", "train.log_every", "train.save_every", "train.keep_last",
                 "train.eval_every", "drafter.block_size", "target.num_layer_ids"]
     for key in positive:
@@ -233,6 +234,9 @@ def validate(config: Config) -> None:
     if config.data.max_length > config.train.token_budget:
         raise ConfigError(f"train.token_budget ({config.train.token_budget}) must hold one "
                           f"sequence of data.max_length ({config.data.max_length})")
+    if config.train.max_anchors > config.train.anchor_budget:
+        raise ConfigError(f"train.anchor_budget ({config.train.anchor_budget}) must hold one "
+                          f"sequence's train.max_anchors ({config.train.max_anchors})")
     if not 0.0 <= config.train.holdout_fraction < 1.0:
         raise ConfigError(f"train.holdout_fraction must be in [0, 1), got {config.train.holdout_fraction}")
     if not 0.0 <= config.train.warmup_ratio < 1.0:

@@ -165,6 +165,11 @@ class DrafterAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
     def forward(self, block_QH, context_TH, rope_q, rope_k, mask) -> torch.Tensor:
+        q, k, v = self.project(block_QH, context_TH, rope_q, rope_k)
+        return self.output(attend(q, k, v, mask))
+
+    def project(self, block_QH, context_TH, rope_q, rope_k):
+        """Queries of the block, keys and values of `[context ; block]`, as `(1, heads, length, head_dim)`."""
         num_queries = block_QH.shape[0]
         q_QND = self.q_norm(self.q_proj(block_QH).view(num_queries, self.num_heads, self.head_dim))
         k_KND = torch.cat([self.k_proj(context_TH), self.k_proj(block_QH)])
@@ -173,8 +178,10 @@ class DrafterAttention(nn.Module):
         q_QND = apply_rope(q_QND, *rope_q)
         k_KND = apply_rope(k_KND, *rope_k)
         # (1, heads, length, head_dim): the layout both flex_attention and SDPA take.
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q_QND, k_KND, v_KND))
-        out_1NQD = attend(q, k, v, mask)
+        return tuple(t.transpose(0, 1).unsqueeze(0) for t in (q_QND, k_KND, v_KND))
+
+    def output(self, out_1NQD: torch.Tensor) -> torch.Tensor:
+        num_queries = out_1NQD.shape[2]
         return self.o_proj(out_1NQD[0].transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim))
 
 
@@ -199,7 +206,16 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, block_QH, context_TH, rope_q, rope_k, mask) -> torch.Tensor:
-        block_QH = block_QH + self.self_attn(self.input_layernorm(block_QH), context_TH, rope_q, rope_k, mask)
+        q, k, v = self.before_attention(block_QH, context_TH, rope_q, rope_k)
+        return self.after_attention(block_QH, attend(q, k, v, mask))
+
+    # The two halves around the attention kernel hold every matmul and elementwise op of the
+    # layer and no mask: stages/train.py compiles them (dynamic row counts) apart from flex.
+    def before_attention(self, block_QH, context_TH, rope_q, rope_k):
+        return self.self_attn.project(self.input_layernorm(block_QH), context_TH, rope_q, rope_k)
+
+    def after_attention(self, block_QH, attention_1NQD):
+        block_QH = block_QH + self.self_attn.output(attention_1NQD)
         return block_QH + self.mlp(self.post_attention_layernorm(block_QH))
 
 

@@ -6,10 +6,12 @@ Slot k of a block (k = 1..B-1) predicts the token at `anchor + k` with weight
 
 Full-vocabulary logits for all block rows do not fit (512 anchors x 16 slots x 248K vocab
 is 2G elements), so `dflash_loss` runs the LM head and the cross entropy `chunk_size` rows
-at a time in a custom autograd function that recomputes each chunk's logits in the
-backward: peak memory is O(chunk_size * V). Everything stays on the device (no syncs).
+at a time in a custom autograd function that computes each chunk's gradient while its
+logits exist (the loss ends the graph): peak memory is O(chunk_size * V), the head runs
+once per row, and slot-0 rows (never labelled) skip it. Everything stays on the device.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,46 +58,62 @@ def block_labels(
     return labels_AB, valid_AB
 
 
+def _ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor):
+    """Per-row cross entropy, argmax and `weight * d ce / d logits` (softmax - onehot), in float32."""
+    logits_RV = logits_RV.float()
+    lse_R = torch.logsumexp(logits_RV, dim=-1)
+    ce_R = lse_R - logits_RV.gather(1, labels_R[:, None]).squeeze(1)
+    argmax_R = logits_RV.argmax(dim=-1)
+    grad_RV = torch.exp(logits_RV - lse_R[:, None])
+    grad_RV[torch.arange(grad_RV.shape[0], device=grad_RV.device), labels_R] -= 1.0
+    return ce_R, argmax_R, grad_RV * weight_R[:, None]
+
+
+@functools.cache
+def _compiled_ce_and_grad():
+    # One fused pass over each logits chunk instead of ~8 float32 passes (CUDA only).
+    return torch.compile(_ce_and_grad)
+
+
 class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
     """`sum_q row_weight[q] * ce(hidden[q] @ lm_head.T, label[q])`, `chunk_size` rows at a time.
 
-    Also returns the per-row cross entropy and argmax (no gradient). The backward recomputes
-    each chunk's logits: d ce / d logits = softmax - onehot.
+    Also returns the per-row cross entropy and argmax (no gradient). The loss is the end of
+    the graph, so the gradients are computed in the forward, from the logits already at hand,
+    and the backward only scales them by the incoming scalar: the head runs once per row
+    instead of twice (no recomputed logits).
     """
 
     @staticmethod
     def forward(ctx, hidden_QH, lm_head_VH, labels_Q, row_weight_Q, chunk_size):
-        ce_Q = torch.empty(hidden_QH.shape[0], dtype=torch.float32, device=hidden_QH.device)
-        argmax_Q = torch.empty(hidden_QH.shape[0], dtype=torch.long, device=hidden_QH.device)
+        num_rows = hidden_QH.shape[0]
+        want_hidden, want_head = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        ce_Q = torch.empty(num_rows, dtype=torch.float32, device=hidden_QH.device)
+        argmax_Q = torch.empty(num_rows, dtype=torch.long, device=hidden_QH.device)
+        grad_hidden = torch.empty_like(hidden_QH) if want_hidden else None
+        grad_head = torch.zeros_like(lm_head_VH, dtype=torch.float32) if want_head else None
         safe_labels_Q = labels_Q.clamp(min=0)
-        for start in range(0, hidden_QH.shape[0], chunk_size):
+        ce_and_grad = _compiled_ce_and_grad() if hidden_QH.is_cuda else _ce_and_grad
+        for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
-            logits = (hidden_QH[rows] @ lm_head_VH.T).float()
-            ce_Q[rows] = F.cross_entropy(logits, safe_labels_Q[rows], reduction="none")
-            argmax_Q[rows] = logits.argmax(dim=-1)
-        ctx.save_for_backward(hidden_QH, lm_head_VH, safe_labels_Q, row_weight_Q)
-        ctx.chunk_size = chunk_size
+            ce_R, argmax_R, grad_RV = ce_and_grad(hidden_QH[rows] @ lm_head_VH.T, safe_labels_Q[rows],
+                                                  row_weight_Q[rows].float())
+            ce_Q[rows], argmax_Q[rows] = ce_R, argmax_R
+            grad_RV = grad_RV.to(hidden_QH.dtype)
+            if want_hidden:
+                grad_hidden[rows] = grad_RV @ lm_head_VH
+            if want_head:
+                grad_head += grad_RV.T.float() @ hidden_QH[rows].float()
+        ctx.save_for_backward(grad_hidden, grad_head.to(lm_head_VH.dtype) if want_head else None)
         ctx.mark_non_differentiable(ce_Q, argmax_Q)
         return (ce_Q * row_weight_Q).sum(), ce_Q, argmax_Q
 
     @staticmethod
     def backward(ctx, grad_loss, grad_ce_unused, grad_argmax_unused):
-        hidden_QH, lm_head_VH, labels_Q, row_weight_Q = ctx.saved_tensors
-        want_hidden, want_head = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden_QH) if want_hidden else None
-        grad_head = torch.zeros_like(lm_head_VH, dtype=torch.float32) if want_head else None
-        for start in range(0, hidden_QH.shape[0], ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            grad_logits = torch.softmax((hidden_QH[rows] @ lm_head_VH.T).float(), dim=-1)
-            grad_logits[torch.arange(grad_logits.shape[0], device=grad_logits.device), labels_Q[rows]] -= 1.0
-            grad_logits *= (row_weight_Q[rows] * grad_loss)[:, None]
-            grad_logits = grad_logits.to(hidden_QH.dtype)
-            if want_hidden:
-                grad_hidden[rows] = grad_logits @ lm_head_VH
-            if want_head:
-                grad_head += grad_logits.T.float() @ hidden_QH[rows].float()
-        if want_head:
-            grad_head = grad_head.to(lm_head_VH.dtype)
+        grad_hidden, grad_head = ctx.saved_tensors
+        scale = grad_loss.to(torch.float32)
+        grad_hidden = None if grad_hidden is None else (grad_hidden * scale).to(grad_hidden.dtype)
+        grad_head = None if grad_head is None else (grad_head * scale).to(grad_head.dtype)
         return grad_hidden, grad_head, None, None, None
 
 
@@ -121,14 +139,19 @@ def dflash_loss(
     if hidden_QH.shape[0] != num_anchors * block_size:
         raise ValueError(f"loss: hidden has {hidden_QH.shape[0]} rows, labels need {num_anchors} x {block_size}")
     row_weight_AB = weights_B.to(device=hidden_QH.device, dtype=torch.float32)[None, :] * valid_AB
+    # Slot 0 (the anchor token) is never a label: only slots 1.. go through the LM head.
+    hidden_AKH = hidden_QH.view(num_anchors, block_size, -1)[:, 1:]
     loss_sum, ce_Q, argmax_Q = _ChunkedLMHeadCrossEntropy.apply(
-        hidden_QH, lm_head_VH, labels_AB.reshape(-1), row_weight_AB.reshape(-1), chunk_size
+        hidden_AKH.reshape(-1, hidden_QH.shape[1]), lm_head_VH, labels_AB[:, 1:].reshape(-1),
+        row_weight_AB[:, 1:].reshape(-1), chunk_size,
     )
     weight_sum = row_weight_AB.sum()
     # An all-padding micro-batch gives loss 0 (and zero gradients), not NaN.
     loss = loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
-    ce_AB = torch.where(valid_AB, ce_Q.view(num_anchors, block_size), 0.0)
-    correct_AB = (argmax_Q.view(num_anchors, block_size) == labels_AB) & valid_AB
+    ce_AB = F.pad(ce_Q.view(num_anchors, block_size - 1), (1, 0))
+    ce_AB = torch.where(valid_AB, ce_AB, 0.0)
+    argmax_AB = F.pad(argmax_Q.view(num_anchors, block_size - 1), (1, 0), value=IGNORE_LABEL)
+    correct_AB = (argmax_AB == labels_AB) & valid_AB
     return LossOutput(loss=loss, loss_sum=loss_sum, weight_sum=weight_sum, ce=ce_AB, correct=correct_AB)
 
 

@@ -96,18 +96,25 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
         layer_window = window if layer_type == "sliding_attention" else None
         mask_mod = make_mask_mod(*tensors, block_size, layer_window)
         if backend == "flex":
-            masks[layer_type] = create_block_mask(
-                mask_mod, 1, 1, num_queries, num_keys, device=device, _compile=device.type == "cuda"
-            )
+            build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
+            masks[layer_type] = build(mask_mod, 1, 1, num_queries, num_keys, device=device)
         else:
             masks[layer_type] = create_mask(mask_mod, 1, 1, num_queries, num_keys, device=device)
     return masks
 
 
 @cache
+def _compiled_create_block_mask():
+    # Compiled, the mask_mod is evaluated tile by tile and the (Q, KV) mask never materialises.
+    return torch.compile(create_block_mask)
+
+
+@cache
 def _compiled_flex_attention():
     # Uncompiled flex_attention on CUDA materialises the full score matrix; compile once.
-    return torch.compile(flex_attention, dynamic=False)
+    # Default dynamic: the second distinct (Q, KV) length compiles one shape-generic kernel
+    # instead of one kernel per padded length.
+    return torch.compile(flex_attention)
 
 
 def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mask) -> torch.Tensor:

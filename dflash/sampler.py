@@ -70,23 +70,36 @@ def split_holdout(num_samples: int, fraction: float, seed: int) -> tuple[np.ndar
     return train_indices, eval_indices
 
 
-def pack_bucket(sample_indices: np.ndarray, lengths: np.ndarray, token_budget: int) -> list[MicroBatch]:
-    """Pack samples, in the given order, into consecutive micro-batches of <= token_budget tokens."""
+def pack_bucket(sample_indices: np.ndarray, lengths: np.ndarray, token_budget: int,
+                anchors: np.ndarray | None = None, anchor_budget: int = 0) -> list[MicroBatch]:
+    """Pack samples, in the given order, into consecutive micro-batches of <= token_budget tokens
+    and, when `anchors` (per-sample anchor counts) is given, <= anchor_budget anchors.
+
+    Short sequences carry many more anchors per token than long ones, and the drafter's work
+    (and memory) grows with anchors x block size: the second budget keeps a micro-batch of
+    short sequences the size of one of long ones. Every sample keeps all its anchors.
+    """
     micro_batches: list[MicroBatch] = []
     current: list[int] = []
-    current_tokens = 0
+    current_tokens = current_anchors = 0
     for sample in sample_indices.tolist():
         length = int(lengths[sample])
+        count = 0 if anchors is None else int(anchors[sample])
         if length > token_budget:
             raise ValueError(
                 f"sample {sample} has {length} tokens, more than token_budget={token_budget}; "
                 "raise train token budget to at least the store's max_length"
             )
-        if current and current_tokens + length > token_budget:
+        if anchors is not None and count > anchor_budget:
+            raise ValueError(f"sample {sample} has {count} anchors, more than anchor_budget={anchor_budget}; "
+                             "raise train.anchor_budget to at least train.max_anchors")
+        if current and (current_tokens + length > token_budget
+                        or (anchors is not None and current_anchors + count > anchor_budget)):
             micro_batches.append(tuple(current))
-            current, current_tokens = [], 0
+            current, current_tokens, current_anchors = [], 0, 0
         current.append(sample)
         current_tokens += length
+        current_anchors += count
     if current:
         micro_batches.append(tuple(current))
     return micro_batches
@@ -350,10 +363,13 @@ def build_epoch_schedule(
     seed: int,
     epoch: int,
     sample_indices: np.ndarray | None = None,
+    anchors: np.ndarray | None = None,
+    anchor_budget: int = 0,
 ) -> EpochSchedule:
     """The schedule of `epoch` over `sample_indices` (default: all samples).
 
-    `lengths[i]`, `buckets[i]` are sample i's token count and bucket (the store index).
+    `lengths[i]`, `buckets[i]` are sample i's token count and bucket (the store index);
+    `anchors[i]`, when given, its anchor count, packed under `anchor_budget` per micro-batch.
     Deterministic in all arguments; every selected sample appears exactly once.
     """
     lengths, buckets = np.asarray(lengths, dtype=np.int64), np.asarray(buckets, dtype=np.int64)
@@ -367,7 +383,7 @@ def build_epoch_schedule(
     for bucket in np.unique(buckets[sample_indices]).tolist():
         members = sample_indices[buckets[sample_indices] == bucket]
         rng = np.random.default_rng([seed, epoch, bucket])
-        packed[bucket] = pack_bucket(rng.permutation(members), lengths, token_budget)
+        packed[bucket] = pack_bucket(rng.permutation(members), lengths, token_budget, anchors, anchor_budget)
     packing = _BucketPacking(packed, lengths)
     _ensure_mixable(packing, step_size)
     _fix_count(packing, step_size, int(sample_indices.size))

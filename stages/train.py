@@ -138,7 +138,14 @@ def build_drafter_args(config: Config, attrs: dict) -> DrafterArgs:
 def schedule_for(config: Config, reader, train_indices, dist: DistState, epoch: int):
     return build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
                                 dist.world_size, config.train.accum_steps, config.train.seed, epoch,
-                                sample_indices=train_indices)
+                                sample_indices=train_indices, anchors=anchor_counts(config, reader),
+                                anchor_budget=config.train.anchor_budget)
+
+
+def anchor_counts(config: Config, reader) -> np.ndarray:
+    """Per-sample anchors, at most max_anchors (an upper bound: one more than the eligible count
+    when the first token is supervised); read from the store index, no sample is read."""
+    return np.minimum(reader.index["num_supervised"], config.train.max_anchors)
 
 
 def build_model(config: Config, args: DrafterArgs, dist: DistState) -> DFlashDrafter:
@@ -184,11 +191,13 @@ def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> 
         for layer in model.layers:
             layer.forward = functools.partial(checkpointed_forward, layer.forward)
     if config.train.compile and dist.device.type == "cuda":
-        # Shapes vary per micro-batch (T and A padded to multiples of 128): the first
-        # recompile switches to dynamic shapes, and the cache holds the rest.
+        # Regional compile of the two mask-free halves of every layer (all matmuls and
+        # elementwise ops); flex attention is compiled on its own (dflash.masks). Row counts
+        # vary per micro-batch: the second distinct shape compiles a shape-generic graph.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for layer in model.layers:
-            layer.compile()
+            layer.before_attention = torch.compile(layer.before_attention)
+            layer.after_attention = torch.compile(layer.after_attention)
     if not dist.is_distributed:
         return model
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None
@@ -411,7 +420,8 @@ def held_out_micro_batches(config, dist: DistState, reader, eval_indices) -> lis
         return []
     # world 1, accum 2: only the packing and order matter here (eval never steps).
     schedule = build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
-                                    1, 2, config.train.seed, 0, sample_indices=eval_indices)
+                                    1, 2, config.train.seed, 0, sample_indices=eval_indices,
+                                    anchors=anchor_counts(config, reader), anchor_budget=config.train.anchor_budget)
     return schedule.micro_batches[dist.rank::dist.world_size][:config.train.eval_batches]
 
 

@@ -55,6 +55,20 @@ def test_every_sample_exactly_once_within_budget(shares, world, accum, budget):
         assert len(set(buckets[list(mb)].tolist())) == 1  # a micro-batch holds one bucket
 
 
+def test_anchor_budget_bounds_micro_batches_of_short_sequences():
+    lengths, buckets = make_store_index(900, [0.4, 0.3, 0.2, 0.1], seed=4)
+    anchors = np.minimum(lengths * 3 // 4, 96)  # short sequences carry more anchors per token
+    plain = build_epoch_schedule(lengths, buckets, 2048, 2, 2, seed=3, epoch=0)
+    bounded = build_epoch_schedule(lengths, buckets, 2048, 2, 2, seed=3, epoch=0, anchors=anchors,
+                                   anchor_budget=256)
+    assert sorted(all_scheduled_samples(bounded)) == list(range(len(lengths)))
+    assert max(anchors[list(mb)].sum() for mb in plain.micro_batches) > 256  # the budget binds
+    for mb in bounded.micro_batches:
+        assert anchors[list(mb)].sum() <= 256 and lengths[list(mb)].sum() <= 2048
+    with pytest.raises(ValueError, match="anchor_budget"):
+        build_epoch_schedule(lengths, buckets, 2048, 2, 2, seed=3, epoch=0, anchors=anchors, anchor_budget=64)
+
+
 @pytest.mark.parametrize("shares,world,accum,budget", CASES)
 def test_every_step_mixes_buckets_and_ranks_are_balanced(shares, world, accum, budget):
     lengths, buckets = make_store_index(900, shares, seed=2)

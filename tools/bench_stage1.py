@@ -170,6 +170,11 @@ def bucketed_batches(samples: list, bucket_edges, batch_tokens: int) -> list[lis
     return batches
 
 
+def progress(message: str) -> None:
+    """One line per finished pass, flushed: a run cut short by a time limit still reports."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
 def warmup_batches(batches: list[list]) -> list[list]:
     """One batch per distinct padded length (multiples of 128): every kernel shape compiles and
     autotunes before anything is timed."""
@@ -340,7 +345,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny target on the CPU, a few thousand tokens")
     parser.add_argument("--out", required=True, help="JSON results file")
-    parser.add_argument("--tokens", type=int, default=262_144, help="real tokens per pass")
+    parser.add_argument("--tokens", type=int, default=131_072, help="real tokens per pass")
     parser.add_argument("--batch-tokens", type=int, default=32_768, help="padded tokens per forward")
     parser.add_argument("--codecs", default="fp8,bf16")
     parser.add_argument("--writer-threads", type=int, default=4, help="extract.writer_threads of the full path")
@@ -375,6 +380,7 @@ def main(argv: list[str]) -> int:
 
     bucket_edges = StoreConfig().bucket_edges
     config, model = build_target(args, device)
+    progress("target built")
     samples = pick_samples(args, config.vocab_size)
     batches = bucketed_batches(samples, bucket_edges, args.batch_tokens)
     real_tokens = sum(len(s) for s in samples)
@@ -386,12 +392,15 @@ def main(argv: list[str]) -> int:
           f"{real_tokens:,} tokens in {len(batches)} batches (padding efficiency {real_tokens / padded_tokens:.3f})")
 
     warmup = [] if args.quick else warmup_batches(batches)
+    progress(f"warm-up: {len(warmup)} batches (one per padded length)")
     time_bare_forward(model, warmup, device)
     bare_seconds = time_bare_forward(model, batches, device)
+    progress(f"bare forward: {real_tokens / bare_seconds:,.0f} tokens/s")
     target = TargetModel(model, layer_ids, config_hash="random-init", model_type=config.model_type)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     time_capture_only(target, warmup, codecs[0], device)
     capture_seconds = time_capture_only(target, batches, codecs[0], device)
+    progress(f"capture + encode {codecs[0]} + copy: {real_tokens / capture_seconds:,.0f} tokens/s")
     store_root = Path(args.store_dir or tempfile.mkdtemp(prefix="bench-stage1-"))
     full, writers_only = {}, {}
     try:
@@ -401,9 +410,13 @@ def main(argv: list[str]) -> int:
                                                 args.writer_threads, device, store_root / f"writers-{codec}", pool)
             del pool
             shutil.rmtree(store_root / f"writers-{codec}", ignore_errors=True)
+            progress(f"writers alone, {codec}: {writers_only[codec]['tokens'] / writers_only[codec]['seconds']:,.0f} "
+                     f"tokens/s")
             full[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens, args.writer_threads,
                                         device, store_root / f"store-{codec}")
             shutil.rmtree(store_root / f"store-{codec}", ignore_errors=True)
+            progress(f"full stage one, {codec}: {full[codec]['tokens'] / full[codec]['seconds']:,.0f} tokens/s, "
+                     f"{full[codec]['bytes_per_token']:,.0f} B/token")
     finally:
         if not args.store_dir:
             shutil.rmtree(store_root, ignore_errors=True)

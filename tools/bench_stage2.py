@@ -20,9 +20,11 @@ own throughput against what the trainer consumes.
 
     python tools/bench_stage2.py --out bench/stage2.json --loader --profile bench/trace   # H200
     python tools/bench_stage2.py --quick --loader --out /tmp/stage2.json                  # CPU
+    torchrun --nproc-per-node 2 tools/bench_stage2.py --modes peer --out bench/ddp.json    # DDP, 2 GPUs
 """
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -59,15 +61,14 @@ def bench_config(args):
     return replace(Config(), drafter={"size": size}, train=train, data=data)
 
 
-def build_trainer(config, device: torch.device):
-    """Model, optimizer, wrapped model and TrainContext exactly as stages.train builds them."""
-    from dflash.dist import DistState
+def build_trainer(config, dist):
+    """Model, optimizer, wrapped model (DDP under torchrun) and TrainContext as stages.train builds them."""
     from dflash.drafter import drafter_args
     from dflash.loss import default_gamma, gamma_weights
     from dflash.masks import default_backend
     from stages.train import TrainContext, apply_parallelism, build_model, build_optimizer
 
-    dist = DistState(rank=0, world_size=1, local_rank=0, device=device)
+    device = dist.device
     args = drafter_args(config.drafter.size, block_size=config.drafter.block_size,
                         mask_token_id=config.drafter.mask_token_id)
     model = build_model(config, args, dist)
@@ -110,13 +111,19 @@ class FeaturePool:
         return self.hidden[start:start + length], self.scale[start:start + length]
 
 
+def supervised_start(length: int, rng: np.random.Generator) -> int:
+    """Where the supervised answer starts: after a prompt of 20-40% of the sample."""
+    return max(1, int(rng.uniform(0.2, 0.4) * length))
+
+
 def synthetic_item(pool: FeaturePool, length: int, row_id: int, bucket: int, max_anchors: int,
-                   vocab_size: int, rng: np.random.Generator, num_anchors: int | None = None) -> dict:
-    """One `StoreDataset`-shaped item: prompt ~30% unsupervised, answer supervised, sorted anchors."""
+                   vocab_size: int, rng: np.random.Generator, num_anchors: int | None = None,
+                   start: int | None = None) -> dict:
+    """One `StoreDataset`-shaped item: prompt unsupervised, answer (from `start`) supervised, sorted anchors."""
     from dflash.anchors import eligible_anchors, sample_anchors
 
     loss_mask = np.zeros(length, dtype=bool)
-    loss_mask[int(rng.uniform(0.2, 0.4) * length):] = True
+    loss_mask[supervised_start(length, rng) if start is None else start:] = True
     if num_anchors is None:
         anchors = sample_anchors(loss_mask, max_anchors, rng)
     else:
@@ -150,14 +157,17 @@ def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_
     lengths = log_uniform_lengths(num_distinct * config.train.accum_steps * config.train.token_budget // 200 + 64,
                                   min(64, high // 2), high, seed)
     buckets = np.array([assign_bucket(int(n), edges) for n in lengths])
-    schedule = build_epoch_schedule(lengths, buckets, config.train.token_budget, 1, config.train.accum_steps, seed, 0)
     rng = np.random.default_rng(seed)
+    starts = np.array([supervised_start(int(n), rng) for n in lengths], dtype=np.int64)
+    schedule = build_epoch_schedule(lengths, buckets, config.train.token_budget, 1, config.train.accum_steps, seed, 0,
+                                    anchors=np.minimum(lengths - starts, config.train.max_anchors),
+                                    anchor_budget=config.train.anchor_budget)
     steps = []
     for step in range(min(num_distinct, schedule.num_steps)):
         micro_batches = []
         for samples in schedule.step(step)[0]:
             items = [synthetic_item(pool, int(lengths[i]), int(i), int(buckets[i]), config.train.max_anchors,
-                                    args_drafter.vocab_size, rng) for i in samples]
+                                    args_drafter.vocab_size, rng, start=int(starts[i])) for i in samples]
             micro_batches.append(collate_packed(items, block_size=args_drafter.block_size, pad_multiple=pad_multiple))
         steps.append(micro_batches)
     return steps
@@ -212,9 +222,13 @@ def time_steps(wrapped, ctx, optimizer, steps, config, num_steps: int) -> list[f
 
 
 def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -> dict:
+    warmup_s = []
     for step in steps:  # warm-up: every distinct shape compiles and autotunes once
+        start = time.perf_counter()
         run_step(wrapped, ctx, optimizer, step, config)
-    synchronize(ctx.device)
+        synchronize(ctx.device)
+        warmup_s.append(time.perf_counter() - start)
+        print(f"{name}: warm-up step {len(warmup_s)} of {len(steps)} took {warmup_s[-1]:.1f} s", flush=True)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     times_ms = time_steps(wrapped, ctx, optimizer, steps, config, num_steps)
@@ -226,7 +240,7 @@ def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -
                 for step in used for b in step)
     cuda = ctx.device.type == "cuda"
     return {
-        "mode": name, "steps": num_steps, "distinct_steps": len(steps),
+        "mode": name, "steps": num_steps, "distinct_steps": len(steps), "warmup_seconds": warmup_s,
         "micro_batches_per_step": len(steps[0]),
         "ms_per_step_mean": float(np.mean(times_ms)), "ms_per_step_median": float(np.median(times_ms)),
         "source_tokens_per_step": tokens / num_steps, "anchors_per_step": anchors / num_steps,
@@ -369,41 +383,76 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    from dflash.dist import DistState, init_distributed, shutdown
+
+    if "WORLD_SIZE" in os.environ:  # torchrun: DDP over the ranks, each on its own synthetic steps
+        dist = init_distributed("cpu" if args.quick else "auto")
+    else:
+        dist = DistState(rank=0, world_size=1, local_rank=0,
+                         device=torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu"))
+    try:
+        return run(args, argv, dist)
+    finally:
+        shutdown(dist)
+
+
+def run(args, argv, dist) -> int:
+    device = dist.device
     torch.manual_seed(args.seed)
     config = bench_config(args)
-    model, optimizer, wrapped, ctx = build_trainer(config, device)
+    model, optimizer, wrapped, ctx = build_trainer(config, dist)
     from dflash.drafter import count_parameters
     from stages.train import pad_multiple
 
-    print(f"drafter {config.drafter.size}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
-          f"token_budget {config.train.token_budget}, accum_steps {config.train.accum_steps}, "
-          f"compile {config.train.compile}, attention {ctx.backend}, device {device}")
+    say = print if dist.is_main else (lambda *a, **k: None)
+    say(f"drafter {config.drafter.size}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
+        f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
+        f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, device {device}, "
+        f"world size {dist.world_size}")
     pool = FeaturePool(16_384 if not args.quick else 2_048, len(ctx.args.target_layer_ids), ctx.args.hidden_size,
                        device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
-               "drafter": config.drafter.size, "trainable_params": count_parameters(ctx.args), "modes": {}}
+               "drafter": config.drafter.size, "trainable_params": count_parameters(ctx.args),
+               "world_size": dist.world_size, "modes": {}}
     default_data = None
+    seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode == "peer":
-            steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, args.seed))
+            steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed))
         elif mode == "default":
-            steps = default_data = pin(default_steps(pool, config, ctx.args, args.distinct_steps, args.seed,
+            steps = default_data = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed,
                                                      pad_multiple(ctx)))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
-        results["modes"][mode] = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
+        results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
+        if dist.is_distributed:
+            scale_to_world(numbers, dist)
         del steps
-    if args.profile:
-        steps = default_data or pin(default_steps(pool, config, ctx.args, 1, args.seed, pad_multiple(ctx)))
+    if args.profile and dist.is_main:
+        steps = default_data or pin(default_steps(pool, config, ctx.args, 1, seed, pad_multiple(ctx)))
         results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
                                            1 if args.quick else 3)
-    if args.loader:
+    if args.loader and dist.is_main:
         with tempfile.TemporaryDirectory(prefix="bench-stage2-store-") as store_dir:
             results["loader"] = measure_loader(config, ctx, pool, args.loader_tokens, Path(store_dir) / "store",
                                                args.seed)
-    report(args, results)
+    if dist.is_main:
+        report(args, results)
     return 0
+
+
+def scale_to_world(numbers: dict, dist) -> None:
+    """Under DDP: rates summed over ranks (each rank trains its own micro-batches), time the slowest rank's."""
+    import torch.distributed as torch_dist
+
+    keys = ("tokens_per_s", "anchor_slots_per_s", "mfu")
+    values = torch.tensor([numbers[k] for k in keys], dtype=torch.float64, device=dist.device)
+    torch_dist.all_reduce(values)
+    slowest = torch.tensor([numbers["ms_per_step_median"]], dtype=torch.float64, device=dist.device)
+    torch_dist.all_reduce(slowest, op=torch_dist.ReduceOp.MAX)
+    numbers.update({k: float(v) for k, v in zip(keys, values.tolist())})
+    numbers["ms_per_step_median"] = float(slowest.item())
+    numbers["note"] = f"rates summed over {dist.world_size} DDP ranks; mfu is the sum over GPUs (per GPU: / world size)"
 
 
 def report(args, results: dict) -> None:
