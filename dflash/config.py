@@ -55,7 +55,7 @@ class ExtractConfig:
     batch_tokens: int = 32_768  # padded tokens per target forward
     rows_per_chunk: int = 64  # store rows per compressed chunk
     chunks_per_file: int = 64  # chunks per zarr shard file (one file per 4096 rows by default)
-    writer_threads: int = 4  # shards compressed and written in parallel, per rank
+    writer_processes: int = 4  # shards compressed and written in parallel, per rank
     device: str = "auto"  # "auto": cuda:<local rank> when available, else cpu
 
 
@@ -215,7 +215,7 @@ def validate(config: Config) -> None:
         if value not in allowed:
             raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
     positive = ["data.max_length", "store.shard_tokens", "extract.batch_tokens", "extract.rows_per_chunk",
-                "extract.chunks_per_file", "extract.writer_threads",
+                "extract.chunks_per_file", "extract.writer_processes",
                 "train.epochs", "train.token_budget", "train.accum_steps", "train.max_anchors", "train.anchor_budget",
                 "train.loss_chunk", "train.log_every", "train.save_every", "train.keep_last",
                 "train.eval_every", "drafter.block_size", "target.num_layer_ids"]

@@ -3,12 +3,10 @@
 `run(config)` wires the library together: tokenize (cached) -> plan buckets and shards ->
 create or check the store -> per rank, run the target over each missing shard in
 right-padded batches and commit the shard atomically. GPU work (capture, fp8 quantisation)
-overlaps compression and writing, which a pool of owned writer threads does from bounded
-queues (one shard per thread at a time).
+overlaps compression and writing, which writer processes do from bounded queues
+(stages/writers.py, one shard per process at a time).
 """
 
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +21,7 @@ from dflash.config import Config
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
 from dflash.embedded import build_tiny_target
 from dflash.target import load_target, pad_batch
+from stages.writers import WriterPool
 
 SCHEMA_VERSION = 1
 EMBEDDED_TARGET = "embedded:tiny"
@@ -38,7 +37,6 @@ class ExtractResult:
     shards_written: int = 0
     shards_skipped: int = 0
     bad_rows: dict = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def tokens_per_second(self) -> float:
@@ -170,32 +168,42 @@ def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int) -
 
 
 def write_shards(config, dist, target, group, samples, lengths, row_ids, shards, result: ExtractResult) -> None:
-    """Capture every shard on the device; a pool of writer threads compresses and commits.
+    """Capture every shard on the device; writer processes (stages/writers.py) compress and commit.
 
     `lengths` and `row_ids` are indexed like `samples` (the kept-sample list the plan uses).
-    Shard k goes to writer thread k % writer_threads, so a shard's batches and its commit
+    Shard k goes to writer k % extract.writer_processes, so a shard's batches and its commit
     stay in order while several shards compress at once.
     """
+    if not shards:
+        return
     total_tokens = sum(s.num_tokens for s in shards)
     bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, disable=not dist.is_main,
                desc=f"extract (rank 0 of {dist.world_size})", dynamic_ncols=True)
-    writers = WriterPool(config.extract.writer_threads)
+    shard_options = {"codec": config.store.codec, "num_layers": len(target.layer_ids),
+                     "hidden_size": target.hidden_size, "rows_per_chunk": config.extract.rows_per_chunk,
+                     "rows_per_zarr_shard": config.extract.rows_per_chunk * config.extract.chunks_per_file}
+    writers = WriterPool(min(config.extract.writer_processes, len(shards)), config.store.path,
+                         lengths, row_ids, shard_options)
     try:
-        for number, shard in enumerate(shards):
+        for key, shard in enumerate(shards):
+            writers.open_shard(key, shard)
             shard_samples = [samples[i] for i in shard.sample_indices]
-            shard_writer = store.ShardWriter(
-                group, shard, lengths, row_ids, codec=config.store.codec, num_layers=len(target.layer_ids),
-                hidden_size=target.hidden_size, rows_per_chunk=config.extract.rows_per_chunk,
-                rows_per_zarr_shard=config.extract.rows_per_chunk * config.extract.chunks_per_file)
             for first, batch in padded_batches(shard_samples, config.extract.batch_tokens):
                 captured = capture_batch(target, batch, config.store.codec, dist.device)
-                indices = shard.sample_indices[first:first + len(batch)]
-                writers.submit(number, write_batch, shard_writer, indices, batch, captured)
+                writers.write(key, shard.name, shard.sample_indices[first:first + len(batch)], batch, captured)
                 bar.update(sum(len(s.input_ids) for s in batch))
-            writers.submit(number, commit_shard, shard_writer, result)
+            writers.commit(key, shard.name)
+        committed = writers.close()
+    except BaseException:
+        writers.terminate()
+        raise
     finally:
-        writers.close()
         bar.close()
+    for stats in committed:
+        result.shards_written += 1
+        result.num_samples += stats["num_samples"]
+        result.num_tokens += stats["num_tokens"]
+        result.stored_bytes += sum(array["stored_bytes"] for array in stats["arrays"].values())
 
 
 def padded_batches(samples, batch_tokens: int):
@@ -253,68 +261,6 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
         ready = torch.cuda.Event()
         ready.record()
     return CapturedBatch(parts=parts, ready=ready)
-
-
-def write_batch(shard_writer, indices, batch, captured: CapturedBatch) -> None:
-    """Hand each sample (by its kept-sample index, in plan order) to the shard writer."""
-    captured.wait()
-    hidden_BTF = captured.parts["hidden"].numpy()
-    scale_BTn = captured.parts["scale"].numpy() if "scale" in captured.parts else None
-    for row, (index, sample) in enumerate(zip(indices, batch)):
-        length = len(sample.input_ids)
-        shard_writer.write_sample(index, hidden_BTF[row, :length],
-                                  None if scale_BTn is None else scale_BTn[row, :length],
-                                  sample.input_ids, sample.loss_mask)
-
-
-def commit_shard(shard_writer, result: ExtractResult) -> None:
-    stats = shard_writer.commit()
-    with result.lock:
-        result.shards_written += 1
-        result.num_samples += stats["num_samples"]
-        result.num_tokens += stats["num_tokens"]
-        result.stored_bytes += sum(array["stored_bytes"] for array in stats["arrays"].values())
-
-
-class WriterPool:
-    """Owned writer threads, each with a bounded queue; the first error is re-raised here.
-
-    `submit(key, ...)` runs on thread `key % size`, in submission order per thread. Each
-    queue holds at most two batches, which bounds the pinned host memory in flight.
-    """
-
-    def __init__(self, size: int, max_pending: int = 2):
-        self.queues = [queue.Queue(maxsize=max_pending) for _ in range(size)]
-        self.error: BaseException | None = None
-        self.threads = [threading.Thread(target=self.work, args=(jobs,), name=f"dflash-shard-writer-{i}",
-                                         daemon=True) for i, jobs in enumerate(self.queues)]
-        for thread in self.threads:
-            thread.start()
-
-    def work(self, jobs: queue.Queue) -> None:
-        while (job := jobs.get()) is not None:
-            if self.error is None:
-                try:
-                    job[0](*job[1:])
-                except BaseException as err:  # re-raised on the producer side
-                    self.error = err
-
-    def submit(self, key: int, fn, *args) -> None:
-        self.raise_if_failed()
-        self.queues[key % len(self.queues)].put((fn, *args))
-
-    def close(self) -> None:
-        for jobs, thread in zip(self.queues, self.threads):
-            if thread.is_alive():
-                jobs.put(None)
-        for thread in self.threads:
-            thread.join()
-        self.raise_if_failed()
-
-    def raise_if_failed(self) -> None:
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
 
 
 def summarize(dist: DistState, attrs: dict, result: ExtractResult) -> None:

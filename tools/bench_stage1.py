@@ -7,11 +7,13 @@ length-bucketed batches through
      with nothing kept (the reference),
   2. `capture only`: `TargetModel.capture` (layers after the last captured id dropped) +
      `codecs.encode` on the GPU + copy to host, nothing written,
-  3. the full stage-one path, per codec: `stages.extract.write_shards` (the writer thread,
+  3. the writers alone: the same path fed with already captured batches (no forward), the
+     ceiling of compression and writing,
+  4. the full stage-one path, per codec: `stages.extract.write_shards` (writer processes,
      `store.ShardWriter`, zstd, zarr) into a local temporary store.
 It prints tokens/s, the ratio to the bare forward, MFU (2 x params of the layers run x
-tokens, plus the causal score FLOPs of the full-attention layers run, over 790 TFLOP/s), stored bytes/token per codec and the write rate, and writes the
-numbers as JSON to `--out`.
+tokens, plus the causal score FLOPs of the full-attention layers run, over 790 TFLOP/s),
+stored bytes/token per codec and the write rate, and writes the numbers as JSON to `--out`.
 
     python tools/bench_stage1.py --out bench/stage1.json            # H200
     python tools/bench_stage1.py --quick --out /tmp/stage1.json     # tiny target on CPU
@@ -28,7 +30,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -225,34 +226,6 @@ def time_capture_only(target, batches, codec: str, device) -> float:
     return time.perf_counter() - start
 
 
-@contextlib.contextmanager
-def timed_writer_jobs(busy: dict):
-    """Measure the writer threads' busy time by wrapping stages.extract.write_batch and
-    commit_shard for the run (waiting for a batch's device copy does not count)."""
-    import stages.extract as extract
-
-    def timed(original, wait):
-        def job(*args, **kwargs):
-            if wait:
-                args[-1].wait()
-            start = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                with busy["lock"]:
-                    busy["seconds"] += time.perf_counter() - start
-        return job
-
-    originals = {"write_batch": extract.write_batch, "commit_shard": extract.commit_shard}
-    extract.write_batch = timed(originals["write_batch"], wait=True)
-    extract.commit_shard = timed(originals["commit_shard"], wait=False)
-    try:
-        yield busy
-    finally:
-        for name, original in originals.items():
-            setattr(extract, name, original)
-
-
 def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
     """Encoded host rows `(R, ...)` of real captured batches, R >= the largest padded batch."""
     from stages.extract import capture_batch
@@ -292,7 +265,7 @@ def captures_from_pool(pool: dict[str, np.ndarray], device):
         extract.capture_batch = original
 
 
-def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, writer_threads: int, device,
+def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, writer_processes: int, device,
                   store_dir: Path, pool: dict | None = None) -> dict:
     """The stage-one writer path into a fresh local store; returns seconds, bytes and writer load.
 
@@ -304,7 +277,7 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     from stages.extract import ExtractResult, write_shards
 
     config = replace(Config(), store={"codec": codec, "path": str(store_dir), "bucket_edges": tuple(bucket_edges)},
-                     extract={"batch_tokens": batch_tokens, "writer_threads": writer_threads}, data={"max_length": min(batch_tokens, 4096)})
+                     extract={"batch_tokens": batch_tokens, "writer_processes": writer_processes}, data={"max_length": min(batch_tokens, 4096)})
     lengths = np.array([len(s) for s in samples], dtype=np.int64)
     row_ids = np.array([s.row_id for s in samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(bucket_edges), config.store.shard_tokens)
@@ -312,16 +285,14 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     group = store.create_or_open_store(str(store_dir), attrs, overwrite=True)
     dist = DistState(rank=0, world_size=1, local_rank=0, device=device)
     result = ExtractResult(store_path=str(store_dir))
-    busy = {"seconds": 0.0, "lock": threading.Lock()}
     synchronize(device)
     start = time.perf_counter()
-    with timed_writer_jobs(busy), captures_from_pool(pool, device) if pool else contextlib.nullcontext():
+    with captures_from_pool(pool, device) if pool else contextlib.nullcontext():
         write_shards(config, dist, target, group, samples, lengths, row_ids, shards, result)
     seconds = time.perf_counter() - start
     stats = store.store_stats(str(store_dir))
     return {"seconds": seconds, "stored_bytes": stats["total"]["stored_bytes"], "tokens": stats["total"]["tokens"],
-            "bytes_per_token": stats["total"]["bytes_per_token"], "writer_busy_seconds": busy["seconds"],
-            "writer_threads": writer_threads}
+            "bytes_per_token": stats["total"]["bytes_per_token"], "writer_processes": writer_processes}
 
 
 def synthetic_store_attrs(target, codec: str, bucket_edges, shards) -> dict:
@@ -348,7 +319,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=131_072, help="real tokens per pass")
     parser.add_argument("--batch-tokens", type=int, default=32_768, help="padded tokens per forward")
     parser.add_argument("--codecs", default="fp8,bf16")
-    parser.add_argument("--writer-threads", type=int, default=4, help="extract.writer_threads of the full path")
+    parser.add_argument("--writer-processes", type=int, default=4, help="extract.writer_processes of the full path")
     parser.add_argument("--store-dir", default="", help="where the temporary stores go (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -407,12 +378,12 @@ def main(argv: list[str]) -> int:
         for codec in codecs:
             pool = capture_pool(target, batches, codec, device)
             writers_only[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens,
-                                                args.writer_threads, device, store_root / f"writers-{codec}", pool)
+                                                args.writer_processes, device, store_root / f"writers-{codec}", pool)
             del pool
             shutil.rmtree(store_root / f"writers-{codec}", ignore_errors=True)
             progress(f"writers alone, {codec}: {writers_only[codec]['tokens'] / writers_only[codec]['seconds']:,.0f} "
                      f"tokens/s")
-            full[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens, args.writer_threads,
+            full[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens, args.writer_processes,
                                         device, store_root / f"store-{codec}")
             shutil.rmtree(store_root / f"store-{codec}", ignore_errors=True)
             progress(f"full stage one, {codec}: {full[codec]['tokens'] / full[codec]['seconds']:,.0f} tokens/s, "
@@ -443,17 +414,14 @@ def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params
                      raw_bytes / numbers["bytes_per_token"], numbers["stored_bytes"] / numbers["seconds"] / 1e6])
         numbers.update(tokens_per_s=rate, ratio_to_bare=rate / bare_rate,
                        mfu=mfu(flops["cut"], numbers["seconds"]),
-                       write_mb_per_s=numbers["stored_bytes"] / numbers["seconds"] / 1e6,
-                       writer_busy_fraction=numbers["writer_busy_seconds"] / numbers["seconds"] / numbers["writer_threads"])
+                       write_mb_per_s=numbers["stored_bytes"] / numbers["seconds"] / 1e6)
     print_table("stage one", ["path", "tokens/s", "x bare", "MFU", "bytes/token", "x smaller than bf16", "write MB/s"],
                 rows)
     for numbers in writers_only.values():
         numbers["tokens_per_s"] = numbers["tokens"] / numbers["seconds"]
         numbers["write_mb_per_s"] = numbers["stored_bytes"] / numbers["seconds"] / 1e6
-    print_table("writer threads", ["codec", "threads", "busy s (sum)", "wall s", "busy fraction per thread",
-                                   "writers alone tokens/s", "writers alone x bare"],
-                [[c, n["writer_threads"], n["writer_busy_seconds"], n["seconds"], n["writer_busy_fraction"],
-                  writers_only[c]["tokens_per_s"], writers_only[c]["tokens_per_s"] / bare_rate]
+    print_table("writer processes", ["codec", "processes", "writers alone tokens/s", "writers alone x bare"],
+                [[c, n["writer_processes"], writers_only[c]["tokens_per_s"], writers_only[c]["tokens_per_s"] / bare_rate]
                  for c, n in full.items()])
     write_results(args.out, {
         "meta": run_metadata(["tools/bench_stage1.py", *argv]), "quick": args.quick,

@@ -1,0 +1,177 @@
+"""Stage one's writer processes: compression and zarr writes away from the target's process.
+
+zarr runs all of a process's I/O on one asyncio event loop, and its Python work holds the
+GIL that the main thread needs to launch the target's kernels. So each rank hands encoded
+batches to `size` writer processes (spawned, one zarr event loop each). Shard k goes to
+process k % size, which opens the shard, writes its batches in order and commits it.
+
+Data path: the main thread queues a `CapturedBatch` (pinned host tensors whose device copy
+may still be in flight) with no wait; one hand-off thread per process waits for the copy's
+CUDA event and puts the job on the process's queue, which moves the tensors to shared memory.
+Queues hold two batches each, so the main thread blocks (back-pressure) when the writers
+fall behind, and host memory stays bounded.
+
+A writer process dies with its parent (PR_SET_PDEATHSIG), so a killed run leaves no process
+that could touch the store while a rerun repairs it. A failure in a process is re-raised in
+the main process with the process's traceback (it names the shard and row).
+"""
+
+import ctypes
+import queue
+import signal
+import sys
+import threading
+import traceback
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+PR_SET_PDEATHSIG = 1
+RESULT_POLL_SECONDS = 0.5
+
+
+class WriterError(RuntimeError):
+    """A writer process failed; the message holds its traceback."""
+
+
+class WriterPool:
+    """`size` writer processes for one store; see the module docstring."""
+
+    def __init__(self, size: int, store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard_options: dict):
+        self.committed: list[dict] = []
+        self.error: str | None = None
+        context = mp.get_context("spawn")
+        self.results = context.Queue()
+        self.job_queues = [context.Queue(maxsize=2) for _ in range(size)]
+        self.processes = [
+            context.Process(target=writer_main, name=f"dflash-writer-{i}", daemon=True,
+                            args=(store_path, np.asarray(lengths), np.asarray(row_ids), shard_options, jobs, self.results))
+            for i, jobs in enumerate(self.job_queues)
+        ]
+        for process in self.processes:
+            process.start()
+        self.handoffs = [queue.Queue(maxsize=2) for _ in range(size)]
+        self.threads = [threading.Thread(target=self.hand_off, args=(pending, jobs), daemon=True,
+                                         name=f"dflash-writer-handoff-{i}")
+                        for i, (pending, jobs) in enumerate(zip(self.handoffs, self.job_queues))]
+        for thread in self.threads:
+            thread.start()
+
+    def hand_off(self, pending: queue.Queue, jobs) -> None:
+        while (job := pending.get()) is not None:
+            try:
+                if job[0] == "batch":
+                    job = (*job[:-1], to_shared_memory(job[-1]))
+                jobs.put(job)
+            except BaseException:  # re-raised by the main thread at its next submit or close
+                self.error = self.error or f"writer hand-off:\n{traceback.format_exc()}"
+        jobs.put(None)
+
+    def open_shard(self, key: int, plan) -> None:
+        self._submit(key, ("open", plan))
+
+    def write(self, key: int, shard_name: str, indices, batch, captured) -> None:
+        """Queue one captured batch: `indices` are the samples' kept-sample indices (plan order)."""
+        samples = [(np.asarray(s.input_ids), np.asarray(s.loss_mask)) for s in batch]
+        self._submit(key, ("batch", shard_name, list(indices), samples, captured))
+
+    def commit(self, key: int, shard_name: str) -> None:
+        self._submit(key, ("commit", shard_name))
+
+    def _submit(self, key: int, job: tuple) -> None:
+        self._collect(block=False)
+        self._raise_if_failed()
+        self.handoffs[key % len(self.handoffs)].put(job)
+
+    def close(self) -> list[dict]:
+        """Wait for every queued job; return the commit stats of every shard written."""
+        for pending in self.handoffs:
+            pending.put(None)
+        for thread in self.threads:
+            thread.join()
+        while any(p.is_alive() for p in self.processes):
+            self._collect(block=True)
+        self._collect(block=False)
+        for process in self.processes:
+            process.join()
+            if process.exitcode not in (0, None) and self.error is None:
+                self.error = f"writer process {process.name} exited with code {process.exitcode}"
+        self._raise_if_failed()
+        return self.committed
+
+    def terminate(self) -> None:
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+
+    def _collect(self, block: bool) -> None:
+        while True:
+            try:
+                kind, payload = self.results.get(timeout=RESULT_POLL_SECONDS) if block else self.results.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "committed":
+                self.committed.append(payload)
+            elif self.error is None:
+                self.error = payload
+            block = False
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            self.terminate()
+            raise WriterError(self.error)
+
+
+def to_shared_memory(captured) -> dict:
+    """The batch's host tensors, copied into shared memory once their device copy has landed."""
+    captured.wait()  # sync: hand-off thread only, this batch's device-to-host copy
+    shared = {}
+    for name, tensor in captured.parts.items():
+        shared[name] = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
+        shared[name].copy_(tensor)
+    return shared
+
+
+def die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard_options: dict, jobs, results) -> None:
+    """One writer process: open / batch / commit jobs until None; report commits and the first error."""
+    die_with_parent()
+    import zarr
+
+    from dflash import store
+
+    group = zarr.open_group(store_path, mode="r+")
+    writers: dict[str, store.ShardWriter] = {}
+    failed = False
+    while (job := jobs.get()) is not None:
+        if failed:
+            continue  # drain: the main process raises the reported error
+        try:
+            if job[0] == "open":
+                plan = job[1]
+                writers[plan.name] = store.ShardWriter(group, plan, lengths, row_ids, **shard_options)
+            elif job[0] == "batch":
+                _, name, indices, samples, parts = job
+                write_batch(writers[name], indices, samples, parts)
+            else:
+                stats = writers.pop(job[1]).commit()
+                results.put(("committed", stats))
+        except BaseException:
+            failed = True
+            results.put(("error", f"writer process, shard {job[1] if job[0] != 'open' else job[1].name}:\n"
+                                  f"{traceback.format_exc()}"))
+
+
+def write_batch(shard_writer, indices, samples, parts: dict) -> None:
+    """Each sample's rows of the padded `(B, T, ...)` batch, in plan order."""
+    hidden_BTF = parts["hidden"].numpy()
+    scale_BTn = parts["scale"].numpy() if "scale" in parts else None
+    for row, (index, (input_ids, loss_mask)) in enumerate(zip(indices, samples)):
+        length = len(input_ids)
+        shard_writer.write_sample(index, hidden_BTF[row, :length],
+                                  None if scale_BTn is None else scale_BTn[row, :length], input_ids, loss_mask)

@@ -1,0 +1,77 @@
+"""Stage one's writer processes (stages/writers.py): what they write equals the input, errors surface."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.plan import plan_shards
+from dflash.store import StoreReader, bf16_to_bits, create_or_open_store
+from stages.extract import CapturedBatch
+from stages.writers import WriterError, WriterPool
+from tests.test_store import EDGES, HIDDEN, N_LAYERS, root_attrs
+
+OPTIONS = {"codec": "bf16", "num_layers": N_LAYERS, "hidden_size": HIDDEN, "rows_per_chunk": 8,
+           "rows_per_zarr_shard": 32}
+
+
+def padded_batch(rng, lengths):
+    """A right-padded (B, T, n*H) bf16-bits batch as capture_batch returns it, and its samples."""
+    longest = max(lengths)
+    values = torch.from_numpy(rng.normal(size=(len(lengths), longest, N_LAYERS * HIDDEN)).astype(np.float32))
+    bits = torch.from_numpy(bf16_to_bits(values).astype(np.int16)).view(torch.uint16)
+    samples = [SimpleNamespace(input_ids=rng.integers(0, 50, n).astype(np.int32),
+                               loss_mask=rng.integers(0, 2, n).astype(np.uint8)) for n in lengths]
+    return CapturedBatch(parts={"hidden": bits}, ready=None), samples
+
+
+def write_store(path, rng, lengths, row_ids, processes, poison=None):
+    plans = plan_shards(lengths, row_ids, EDGES, shard_tokens=120)
+    create_or_open_store(str(path), root_attrs("bf16", plans), overwrite=False)
+    expected = {}
+    pool = WriterPool(processes, str(path), lengths, row_ids, OPTIONS)
+    try:
+        for key, plan in enumerate(plans):
+            pool.open_shard(key, plan)
+            indices = list(plan.sample_indices)
+            for start in range(0, len(indices), 3):
+                chunk = indices[start:start + 3]
+                captured, samples = padded_batch(rng, [int(lengths[i]) for i in chunk])
+                if poison is not None and poison in chunk:
+                    row = chunk.index(poison)
+                    captured.parts["hidden"].view(torch.bfloat16)[row, 0, 0] = float("nan")
+                for row, (i, sample) in enumerate(zip(chunk, samples)):
+                    expected[int(row_ids[i])] = (captured.parts["hidden"][row, : lengths[i]].numpy().copy(),
+                                                 sample.input_ids, sample.loss_mask)
+                pool.write(key, plan.name, chunk, samples, captured)
+            pool.commit(key, plan.name)
+        committed = pool.close()
+    except BaseException:
+        pool.terminate()
+        raise
+    return plans, committed, expected
+
+
+def test_writer_processes_write_what_they_are_given(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 64, size=30)
+    row_ids = np.arange(30) * 3 + 7
+    plans, committed, expected = write_store(tmp_path / "store", rng, lengths, row_ids, processes=2)
+    assert len(committed) == len(plans) >= 3
+    reader = StoreReader(str(tmp_path / "store"))
+    assert len(reader) == 30
+    for index in range(len(reader)):
+        sample = reader.read_sample(index)
+        hidden, ids, mask = expected[int(sample["row_id"])]
+        np.testing.assert_array_equal(sample["hidden"], hidden)
+        np.testing.assert_array_equal(sample["input_ids"], ids)
+        np.testing.assert_array_equal(sample["loss_mask"], mask)
+
+
+def test_writer_process_error_names_the_row(tmp_path):
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, 64, size=12)
+    row_ids = np.arange(12) + 100
+    with pytest.raises(WriterError, match=r"row 105: 1 non-finite"):
+        write_store(tmp_path / "store", rng, lengths, row_ids, processes=2, poison=5)
