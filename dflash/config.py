@@ -94,7 +94,9 @@ class TrainConfig:
     keep_last: int = 3
     num_workers: int = 4
     attention: str = "auto"  # "flex" on CUDA, "dense" (SDPA) on CPU
-    compile: bool = True  # torch.compile the drafter layers on CUDA
+    # torch.compile the drafter layers on CUDA. Off: measured eager (BENCHMARKS.md); the compiled
+    # step's warm-up did not finish within 290 s on an H200, so it is unmeasured.
+    compile: bool = False
     activation_checkpointing: bool = False
     skip_corrupt_shards: bool = False
     log_grad_norm: bool = False

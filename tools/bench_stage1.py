@@ -25,6 +25,7 @@ live here; run the tools as scripts so `tools/` is on sys.path.
 import argparse
 import contextlib
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -71,9 +72,11 @@ def format_cell(value) -> str:
 
 def run_metadata(argv: list[str]) -> dict:
     """Command, date, machine and commit, stored beside every result (BENCHMARKS.md needs them)."""
+    # DFLASH_COMMIT: set by whoever copied the tree to a machine whose .git is not this tree's.
+    commit = os.environ.get("DFLASH_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                          cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
@@ -228,9 +231,9 @@ def time_capture_only(target, batches, codec: str, device) -> float:
 
 def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
     """Encoded host rows `(R, ...)` of real captured batches, R >= the largest padded batch."""
-    from stages.extract import capture_batch
+    from stages.extract import capture_batch, pad_multiple
 
-    multiple = 128 if device.type == "cuda" else 1
+    multiple = pad_multiple(device)
     needed = max(len(b) * -(-max(len(s) for s in b) // multiple) * multiple for b in batches)
     parts, rows = [], 0
     for batch in sorted(batches, key=len, reverse=True):
@@ -247,9 +250,9 @@ def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
 def captures_from_pool(pool: dict[str, np.ndarray], device):
     """Make stages.extract.capture_batch return views of `pool` (no forward): the writers alone."""
     import stages.extract as extract
-    from stages.extract import CapturedBatch
+    from stages.extract import CapturedBatch, pad_multiple
 
-    multiple = 128 if device.type == "cuda" else 1
+    multiple = pad_multiple(device)
     original = extract.capture_batch
 
     def capture_batch(target, batch, codec, device):

@@ -50,13 +50,15 @@ def bench_config(args):
     from dflash.config import Config, replace
 
     size = "tiny" if args.quick else "qwen3.6-27b"
-    train = {"compile": not args.no_compile}
+    train = {"compile": args.compile}
     if args.quick:
         train.update(token_budget=256, accum_steps=2, max_anchors=8, loss_chunk=256, num_workers=1)
     if args.token_budget:
         train["token_budget"] = args.token_budget
     if args.accum_steps:
         train["accum_steps"] = args.accum_steps
+    if args.workers:
+        train["num_workers"] = args.workers
     data = {"max_length": min(4096, train.get("token_budget", Config().train.token_budget))}
     return replace(Config(), drafter={"size": size}, train=train, data=data)
 
@@ -329,31 +331,37 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
         writer.commit()
 
 
-def measure_loader(config, ctx, pool: FeaturePool, num_tokens: int, store_dir: Path, seed: int) -> dict:
-    """Tokens/s of the trainer's own DataLoader (stages.train.epoch_loader) over a synthetic store."""
-    from dflash.batch import StoreDataset
+def measure_loader(config, ctx, pool: FeaturePool, num_tokens: int, store_dir: Path, seed: int, epochs: int) -> dict:
+    """Tokens/s of the trainer's own DataLoader (stages.train's dataset, schedule and collate) over
+    a synthetic store, `epochs` epochs in one loader. The batches the workers prefetch while
+    starting are not timed: the rate is the steady state."""
+    from dflash.batch import StoreDataset, build_loader
     from dflash.dist import DistState
-    from dflash.sampler import DataCursor
     from dflash.store import StoreReader
-    from stages.train import epoch_loader, pad_multiple, schedule_for
+    from stages.train import pad_multiple, schedule_for
 
     write_synthetic_store(store_dir, pool, config, ctx.args, num_tokens, seed)
     reader = StoreReader(str(store_dir))
     dist = DistState(rank=0, world_size=1, local_rank=0, device=ctx.device)
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
-    options = {"block_size": ctx.args.block_size, "pad_multiple": pad_multiple(ctx)}
-    schedule = schedule_for(config, reader, np.arange(len(reader)), dist, 0)
-    loader = epoch_loader(config, dataset, options, schedule, dist, DataCursor())
+    batches = []
+    for epoch in range(epochs):
+        schedule = schedule_for(config, reader, np.arange(len(reader)), dist, epoch)
+        batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
+    workers = config.train.num_workers
+    loader = build_loader(dataset, batches, block_size=ctx.args.block_size, pad_multiple=pad_multiple(ctx),
+                          num_workers=workers, pin_memory=ctx.device.type == "cuda")
     iterator = iter(loader)
-    first = next(iterator)  # worker start-up is not throughput
-    start, tokens, batches = time.perf_counter(), 0, 0
+    warm = min(len(batches) // 2, 1 + 2 * workers)  # worker start-up and its prefetch
+    for _ in range(warm):
+        next(iterator)
+    start, tokens, count = time.perf_counter(), 0, 0
     for batch in iterator:
         tokens += int(batch["num_real_tokens"])
-        batches += 1
+        count += 1
     seconds = time.perf_counter() - start
-    del first
-    return {"store_tokens": int(reader.sample_length.sum()), "num_workers": config.train.num_workers,
-            "micro_batches": batches, "tokens": tokens, "seconds": seconds,
+    return {"store_tokens": int(reader.sample_length.sum()), "num_workers": workers, "epochs": epochs,
+            "micro_batches": count, "untimed_warm_micro_batches": warm, "tokens": tokens, "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds > 0 else 0.0}
 
 
@@ -369,10 +377,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--distinct-steps", type=int, default=4, help="distinct synthetic steps cycled through")
     parser.add_argument("--token-budget", type=int, default=0, help="override train.token_budget")
     parser.add_argument("--accum-steps", type=int, default=0, help="override train.accum_steps")
-    parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the drafter layers")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (train.compile)")
     parser.add_argument("--profile", default="", help="directory for a profiler trace of a few default steps")
     parser.add_argument("--loader", action="store_true", help="also measure the DataLoader over a synthetic store")
     parser.add_argument("--loader-tokens", type=int, default=131_072, help="tokens in the synthetic store")
+    parser.add_argument("--loader-epochs", type=int, default=3, help="epochs over that store in the loader run")
+    parser.add_argument("--workers", type=int, default=0, help="override train.num_workers (DataLoader workers)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -435,7 +445,7 @@ def run(args, argv, dist) -> int:
     if args.loader and dist.is_main:
         with tempfile.TemporaryDirectory(prefix="bench-stage2-store-") as store_dir:
             results["loader"] = measure_loader(config, ctx, pool, args.loader_tokens, Path(store_dir) / "store",
-                                               args.seed)
+                                               args.seed, args.loader_epochs)
     if dist.is_main:
         report(args, results)
     return 0
