@@ -220,6 +220,12 @@ def padded_batches(samples, batch_tokens: int):
         start = end
 
 
+def pad_multiple(device: torch.device) -> int:
+    """Batch lengths round up to 16 on CUDA: Triton specialises integer arguments on divisibility
+    by 16, so one compiled variant serves every length (fla's autotune keys hold no length)."""
+    return 16 if device.type == "cuda" else 1
+
+
 ENCODE_ROWS = 8192  # tokens encoded at a time: bounds the float32 temporaries of the fp8 codec
 
 
@@ -241,9 +247,8 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
     Nothing here waits for the device: the copy lands in pinned memory and `CapturedBatch.wait`
     (called by the writer thread) waits for it, so the next forward is queued behind this one.
     """
-    # Pad ids are masked out; lengths round up to 128 on CUDA to bound kernel autotuning.
     cuda = device.type == "cuda"
-    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0, multiple=128 if cuda else 1)
+    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0, multiple=pad_multiple(device))
     if cuda:
         input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
     hidden_BTnH = target.capture(input_ids, attention_mask)
