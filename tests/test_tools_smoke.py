@@ -56,3 +56,16 @@ def test_stage2_flop_formula_matches_issue_5():
     from dflash.drafter import drafter_args
 
     assert step_flops(drafter_args("qwen3.6-27b"), 8192, 512) / 1e12 == pytest.approx(129.3, abs=0.1)
+
+
+def test_gpu_hours_reads_the_bench_results(tool_runs):
+    stage1, stage2 = tool_runs["bench_stage1"][2], tool_runs["bench_stage2"][2]
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_hours.py"), "--stage1", str(stage1),
+                             "--stage2", str(stage2), "--mode", "default"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    rates = json.loads(stage1.read_text())
+    bare, full = rates["bare"]["tokens_per_s"], rates["full"]["fp8"]["tokens_per_s"]
+    # online / offline follows from the rates: 6 bare forwards + 6 epochs of training vs one stage one + 6 epochs
+    train = json.loads(stage2.read_text())["modes"]["default"]["tokens_per_s"]
+    expected = (6 / bare + 6 / train) / (1 / full + 6 / train)
+    assert f"online / offline = {expected:.2f}x" in result.stdout
