@@ -269,7 +269,7 @@ def captures_from_pool(pool: dict[str, np.ndarray], device):
 
 
 def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, writer_processes: int, device,
-                  store_dir: Path, pool: dict | None = None) -> dict:
+                  store_dir: Path, pool: dict | None = None, shard_tokens: int = 0) -> dict:
     """The stage-one writer path into a fresh local store; returns seconds, bytes and writer load.
 
     With `pool` (from `capture_pool`) the target is not run: this measures the writers alone.
@@ -279,8 +279,14 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     from dflash.dist import DistState
     from stages.extract import ExtractResult, write_shards
 
-    config = replace(Config(), store={"codec": codec, "path": str(store_dir), "bucket_edges": tuple(bucket_edges)},
-                     extract={"batch_tokens": batch_tokens, "writer_processes": writer_processes}, data={"max_length": min(batch_tokens, 4096)})
+    # A real run has thousands of shards spread over the writer processes; a short benchmark
+    # with the default 262K-token shards would leave one process writing most of the data.
+    total = sum(len(s) for s in samples)
+    shard_tokens = shard_tokens or max(batch_tokens, total // (4 * writer_processes))
+    config = replace(Config(), store={"codec": codec, "path": str(store_dir), "bucket_edges": tuple(bucket_edges),
+                                      "shard_tokens": shard_tokens},
+                     extract={"batch_tokens": batch_tokens, "writer_processes": writer_processes},
+                     data={"max_length": min(batch_tokens, 4096)})
     lengths = np.array([len(s) for s in samples], dtype=np.int64)
     row_ids = np.array([s.row_id for s in samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(bucket_edges), config.store.shard_tokens)
