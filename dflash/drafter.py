@@ -131,9 +131,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x_float = x.float()
-        x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x_float.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x_float = x.float()
+    x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x_float.to(x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -152,6 +156,8 @@ def apply_rope(x_LND: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor) 
 
 
 class DrafterAttention(nn.Module):
+    """The attention weights of a layer (the computation is `attention_inputs` / `layer_output`)."""
+
     def __init__(self, args: DrafterArgs):
         super().__init__()
         self.num_heads, self.num_kv_heads = args.num_attention_heads, args.num_key_value_heads
@@ -164,36 +170,44 @@ class DrafterAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def forward(self, block_QH, context_TH, rope_q, rope_k, mask) -> torch.Tensor:
-        q, k, v = self.project(block_QH, context_TH, rope_q, rope_k)
-        return self.output(attend(q, k, v, mask))
-
-    def project(self, block_QH, context_TH, rope_q, rope_k):
-        """Queries of the block, keys and values of `[context ; block]`, as `(1, heads, length, head_dim)`."""
-        num_queries = block_QH.shape[0]
-        q_QND = self.q_norm(self.q_proj(block_QH).view(num_queries, self.num_heads, self.head_dim))
-        k_KND = torch.cat([self.k_proj(context_TH), self.k_proj(block_QH)])
-        k_KND = self.k_norm(k_KND.view(-1, self.num_kv_heads, self.head_dim))
-        v_KND = torch.cat([self.v_proj(context_TH), self.v_proj(block_QH)]).view(-1, self.num_kv_heads, self.head_dim)
-        q_QND = apply_rope(q_QND, *rope_q)
-        k_KND = apply_rope(k_KND, *rope_k)
-        # (1, heads, length, head_dim): the layout both flex_attention and SDPA take.
-        return tuple(t.transpose(0, 1).unsqueeze(0) for t in (q_QND, k_KND, v_KND))
-
-    def output(self, out_1NQD: torch.Tensor) -> torch.Tensor:
-        num_queries = out_1NQD.shape[2]
-        return self.o_proj(out_1NQD[0].transpose(0, 1).reshape(num_queries, self.num_heads * self.head_dim))
-
 
 class DrafterMLP(nn.Module):
+    """The SwiGLU weights of a layer."""
+
     def __init__(self, args: DrafterArgs):
         super().__init__()
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+# A layer is `attention_inputs` -> attention kernel -> `layer_output`. The two halves hold every
+# matmul and elementwise op and no mask, and take the weights as arguments: one function (and,
+# under torch.compile, one graph) serves every layer. stages/train.py compiles them apart from
+# flex attention.
+
+
+def attention_inputs(block_QH, context_TH, cos_q, sin_q, cos_k, sin_k, input_norm_w, q_w, k_w, v_w,
+                     q_norm_w, k_norm_w, eps: float, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Queries of the block, keys and values of `[context ; block]`, as `(1, heads, length, head_dim)`."""
+    x_QH = rms_norm(block_QH, input_norm_w, eps)
+    num_queries = x_QH.shape[0]
+    q_QND = rms_norm(F.linear(x_QH, q_w).view(num_queries, num_heads, head_dim), q_norm_w, eps)
+    k_KND = torch.cat([F.linear(context_TH, k_w), F.linear(x_QH, k_w)]).view(-1, num_kv_heads, head_dim)
+    k_KND = rms_norm(k_KND, k_norm_w, eps)
+    v_KND = torch.cat([F.linear(context_TH, v_w), F.linear(x_QH, v_w)]).view(-1, num_kv_heads, head_dim)
+    q_QND = apply_rope(q_QND, cos_q, sin_q)
+    k_KND = apply_rope(k_KND, cos_k, sin_k)
+    # (1, heads, length, head_dim): the layout both flex_attention and SDPA take.
+    return tuple(t.transpose(0, 1).unsqueeze(0) for t in (q_QND, k_KND, v_KND))
+
+
+def layer_output(block_QH, attention_1NQD, o_w, post_norm_w, gate_w, up_w, down_w, eps: float):
+    """Residual + output projection, then residual + SwiGLU MLP."""
+    num_queries = attention_1NQD.shape[2]
+    block_QH = block_QH + F.linear(attention_1NQD[0].transpose(0, 1).reshape(num_queries, -1), o_w)
+    x_QH = rms_norm(block_QH, post_norm_w, eps)
+    return block_QH + F.linear(F.silu(F.linear(x_QH, gate_w)) * F.linear(x_QH, up_w), down_w)
 
 
 class DrafterLayer(nn.Module):
@@ -204,19 +218,24 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        # Replaced by compiled versions (shared by all layers) in stages/train.py.
+        self.halves = (attention_inputs, layer_output)
 
     def forward(self, block_QH, context_TH, rope_q, rope_k, mask) -> torch.Tensor:
-        q, k, v = self.before_attention(block_QH, context_TH, rope_q, rope_k)
-        return self.after_attention(block_QH, attend(q, k, v, mask))
+        attn, mlp, eps = self.self_attn, self.mlp, self.input_layernorm.eps
+        q, k, v = self.halves[0](block_QH, context_TH, *rope_q, *rope_k, self.input_layernorm.weight,
+                                 attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight,
+                                 attn.k_norm.weight, eps, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        return self.halves[1](block_QH, attend(q, k, v, mask), attn.o_proj.weight,
+                              self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                              mlp.down_proj.weight, eps)
 
-    # The two halves around the attention kernel hold every matmul and elementwise op of the
-    # layer and no mask: stages/train.py compiles them (dynamic row counts) apart from flex.
-    def before_attention(self, block_QH, context_TH, rope_q, rope_k):
-        return self.self_attn.project(self.input_layernorm(block_QH), context_TH, rope_q, rope_k)
 
-    def after_attention(self, block_QH, attention_1NQD):
-        block_QH = block_QH + self.self_attn.output(attention_1NQD)
-        return block_QH + self.mlp(self.post_attention_layernorm(block_QH))
+def compile_layers(model: "DFlashDrafter", **compile_options) -> None:
+    """torch.compile the two halves once and give the compiled pair to every layer."""
+    halves = tuple(torch.compile(fn, **compile_options) for fn in (attention_inputs, layer_output))
+    for layer in model.layers:
+        layer.halves = halves
 
 
 class DFlashDrafter(nn.Module):

@@ -26,7 +26,8 @@ from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_check
                                save_checkpoint)
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
-from dflash.drafter import DFlashDrafter, DrafterArgs, block_embeddings, block_positions, drafter_args
+from dflash.drafter import (DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers,
+                            drafter_args)
 from dflash.export import export_drafter, load_exported
 from dflash.loss import block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights
 from dflash.masks import build_masks, default_backend
@@ -191,13 +192,12 @@ def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> 
         for layer in model.layers:
             layer.forward = functools.partial(checkpointed_forward, layer.forward)
     if config.train.compile and dist.device.type == "cuda":
-        # Regional compile of the two mask-free halves of every layer (all matmuls and
-        # elementwise ops); flex attention is compiled on its own (dflash.masks). Row counts
-        # vary per micro-batch: the second distinct shape compiles a shape-generic graph.
+        # Regional compile of the two mask-free halves of a layer (all matmuls and elementwise
+        # ops), one graph shared by every layer; flex attention is compiled on its own
+        # (dflash.masks). Row counts vary per micro-batch: the second distinct shape compiles a
+        # shape-generic graph.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        for layer in model.layers:
-            layer.before_attention = torch.compile(layer.before_attention)
-            layer.after_attention = torch.compile(layer.after_attention)
+        compile_layers(model)
     if not dist.is_distributed:
         return model
     device_ids = [dist.device.index] if dist.device.type == "cuda" else None

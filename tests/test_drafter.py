@@ -89,3 +89,50 @@ def test_bad_args_are_named():
         drafter_args("tiny", layer_types=["full_attention", "linear_attention"])
     with pytest.raises(ValueError, match="smaller than block_size"):
         drafter_args("tiny", sliding_window=8)
+
+
+def compiled_graph_count(num_layers: int) -> int:
+    """Graphs torch.compile makes for `compile_layers` over two input shapes; also checks that the
+    compiled drafter equals the eager one, outputs and gradients."""
+    from dflash.drafter import compile_layers
+
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    args = drafter_args("tiny", num_layers=num_layers,
+                        layer_types=("sliding_attention", "full_attention") * (num_layers // 2))
+    eager = DFlashDrafter(args)
+    compiled = DFlashDrafter(args)
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    compile_layers(compiled, backend=counting_backend)
+    generator = torch.Generator().manual_seed(0)
+    for num_context, num_anchors in ((40, 3), (56, 5)):
+        anchor_pos = torch.sort(torch.randperm(num_context - 1, generator=generator)[:num_anchors] + 1).values
+        meta = {"doc_ids": torch.zeros(num_context, dtype=torch.long), "position_ids": torch.arange(num_context),
+                "anchor_doc": torch.zeros(num_anchors, dtype=torch.long), "anchor_pos": anchor_pos}
+        masks = build_masks(meta, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
+        feature = torch.randn(num_context, args.context_feature_size, generator=generator)
+        block = torch.randn(num_anchors * args.block_size, args.hidden_size, generator=generator)
+        positions = block_positions(anchor_pos, args.block_size)
+        outputs = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            hidden = model(feature, block, meta["position_ids"], positions, masks)
+            hidden.square().mean().backward()
+            outputs.append((hidden.detach(), [p.grad.clone() for p in model.parameters()]))
+        torch.testing.assert_close(outputs[1][0], outputs[0][0])
+        for grad_compiled, grad_eager in zip(outputs[1][1], outputs[0][1]):
+            torch.testing.assert_close(grad_compiled, grad_eager)
+    return len(graphs)
+
+
+def test_compiled_layers_share_one_graph_per_half_and_match_eager():
+    """compile_layers gives every layer the same two compiled functions: the number of graphs
+    does not grow with the layers (per-layer compiles made the 27B warm-up take minutes).
+    Per half: the first layer's input needs no gradient, the others' do; a second shape adds
+    the shape-generic graphs."""
+    assert compiled_graph_count(2) == compiled_graph_count(6) == 8
