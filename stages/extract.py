@@ -238,14 +238,14 @@ class CapturedBatch:
 
     def wait(self) -> None:
         if self.ready is not None:
-            self.ready.synchronize()  # sync: writer thread only; the device copies of this batch
+            self.ready.synchronize()  # sync: writer hand-off thread only; this batch's device copies
 
 
 def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBatch:
     """Forward one right-padded batch, encode it on the device and start the copy to the host.
 
     Nothing here waits for the device: the copy lands in pinned memory and `CapturedBatch.wait`
-    (called by the writer thread) waits for it, so the next forward is queued behind this one.
+    (called by a writer hand-off thread) waits for it, so the next forward is queued behind this one.
     """
     cuda = device.type == "cuda"
     input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0, multiple=pad_multiple(device))

@@ -180,7 +180,7 @@ def progress(message: str) -> None:
 
 
 def warmup_batches(batches: list[list]) -> list[list]:
-    """One batch per distinct padded length (multiples of 128): every kernel shape compiles and
+    """One batch per length class (multiples of 128): every kernel variant compiles and
     autotunes before anything is timed."""
     seen, chosen = set(), []
     for batch in batches:
