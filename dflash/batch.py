@@ -74,8 +74,14 @@ def _pack_tokens(items: list[dict], num_tokens: int) -> dict[str, np.ndarray]:
     """Token-axis arrays of the packed row, padded to `num_tokens`."""
     num_real = sum(len(item["input_ids"]) for item in items)
     hidden_first = items[0]["hidden"]
-    hidden_TF = np.zeros((num_tokens, hidden_first.shape[1]), dtype=hidden_first.dtype)
-    hidden_TF[:num_real] = np.concatenate([item["hidden"] for item in items])
+    # One copy per sample straight into place (the features are most of the bytes); only the
+    # padding rows are zeroed.
+    hidden_TF = np.empty((num_tokens, hidden_first.shape[1]), dtype=hidden_first.dtype)
+    start = 0
+    for item in items:
+        hidden_TF[start:start + len(item["hidden"])] = item["hidden"]
+        start += len(item["hidden"])
+    hidden_TF[num_real:] = 0
     packed = {
         "hidden": hidden_TF,
         "input_ids": np.zeros(num_tokens, dtype=np.int64),
