@@ -53,7 +53,7 @@ class StoreConfig:
 @dataclass(frozen=True)
 class ExtractConfig:
     batch_tokens: int = 32_768  # padded tokens per target forward
-    rows_per_chunk: int = 64  # store rows per compressed chunk
+    rows_per_chunk: int = 64  # feature rows per compressed chunk
     chunks_per_file: int = 64  # chunks per zarr shard file (one file per 4096 rows by default)
     writer_processes: int = 4  # shards compressed and written in parallel, per rank
     device: str = "auto"  # "auto": cuda:<local rank> when available, else cpu

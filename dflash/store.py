@@ -287,9 +287,12 @@ class ShardWriter:
             specs["scale"] = ((T, n), np.dtype(np.float32), _plain_compressors())
         arrays = {}
         for name, (shape, dtype, compressors) in specs.items():
+            # zarr's cost is per chunk, not per byte: the small per-token arrays (a few bytes a
+            # row) are one chunk per file; only the features are cut into readable chunks.
+            layout = ({"chunks": (self.chunk_rows, *shape[1:]), "shards": (self.shard_rows, *shape[1:])}
+                      if name == "hidden" else {"chunks": (self.shard_rows, *shape[1:])})
             arrays[name] = self.group.create_array(
-                name, shape=shape, dtype=dtype, chunks=(self.chunk_rows, *shape[1:]),
-                shards=(self.shard_rows, *shape[1:]), serializer=BytesCodec(), compressors=compressors,
+                name, shape=shape, dtype=dtype, **layout, serializer=BytesCodec(), compressors=compressors,
                 config=WRITE_EVERY_CHUNK,
             )
         for name, size in (("offsets", N + 1), ("row_ids", N)):
