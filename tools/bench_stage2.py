@@ -380,6 +380,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (train.compile)")
     parser.add_argument("--profile", default="", help="directory for a profiler trace of a few default steps")
     parser.add_argument("--loader", action="store_true", help="also measure the DataLoader over a synthetic store")
+    parser.add_argument("--loader-only", action="store_true",
+                        help="only the loader, at the real row shape, no model (fine on a CPU machine)")
     parser.add_argument("--loader-tokens", type=int, default=131_072, help="tokens in the synthetic store")
     parser.add_argument("--loader-epochs", type=int, default=3, help="epochs over that store in the loader run")
     parser.add_argument("--workers", type=int, default=0, help="override train.num_workers (DataLoader workers)")
@@ -410,6 +412,8 @@ def run(args, argv, dist) -> int:
     device = dist.device
     torch.manual_seed(args.seed)
     config = bench_config(args)
+    if args.loader_only:
+        return run_loader_only(args, argv, config, device)
     model, optimizer, wrapped, ctx = build_trainer(config, dist)
     from dflash.drafter import count_parameters
     from stages.train import pad_multiple
@@ -448,6 +452,25 @@ def run(args, argv, dist) -> int:
                                                args.seed, args.loader_epochs)
     if dist.is_main:
         report(args, results)
+    return 0
+
+
+def run_loader_only(args, argv, config, device) -> int:
+    """The loader at the drafter's real row shape with no model (runs on a CPU machine too)."""
+    from types import SimpleNamespace
+
+    from dflash.drafter import drafter_args
+    from dflash.masks import default_backend
+
+    drafter = drafter_args(config.drafter.size)
+    ctx = SimpleNamespace(args=drafter, device=device, backend=default_backend(device))
+    pool = FeaturePool(4_096, len(drafter.target_layer_ids), drafter.hidden_size, device, args.seed)
+    results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
+               "drafter": config.drafter.size, "modes": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-stage2-store-") as store_dir:
+        results["loader"] = measure_loader(config, ctx, pool, args.loader_tokens, Path(store_dir) / "store",
+                                           args.seed, args.loader_epochs)
+    report(args, results)
     return 0
 
 
