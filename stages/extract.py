@@ -183,7 +183,7 @@ def write_shards(config, dist, target, group, samples, lengths, row_ids, shards,
                      "hidden_size": target.hidden_size, "rows_per_chunk": config.extract.rows_per_chunk,
                      "rows_per_zarr_shard": config.extract.rows_per_chunk * config.extract.chunks_per_file}
     writers = WriterPool(min(config.extract.writer_processes, len(shards)), config.store.path,
-                         lengths, row_ids, shard_options)
+                         lengths, row_ids, shard_options, batch_bytes=encoded_batch_bytes(config, target))
     try:
         for key, shard in enumerate(shards):
             writers.open_shard(key, shard)
@@ -204,6 +204,15 @@ def write_shards(config, dist, target, group, samples, lengths, row_ids, shards,
         result.num_samples += stats["num_samples"]
         result.num_tokens += stats["num_tokens"]
         result.stored_bytes += sum(array["stored_bytes"] for array in stats["arrays"].values())
+
+
+def encoded_batch_bytes(config, target) -> int:
+    """Upper bound of one encoded batch on the host: batch_tokens rows plus 25% for the
+    padding of short sequences, of `n*H` codec values (and n fp32 scales)."""
+    num_layers = len(target.layer_ids)
+    per_row = num_layers * target.hidden_size * (1 if config.store.codec == "fp8" else 2)
+    per_row += 4 * num_layers if config.store.codec == "fp8" else 0
+    return int(1.25 * config.extract.batch_tokens) * per_row
 
 
 def padded_batches(samples, batch_tokens: int):

@@ -17,11 +17,14 @@ the main process with the process's traceback (it names the shard and row).
 """
 
 import ctypes
+import os
 import queue
+import shutil
 import signal
 import sys
 import threading
 import traceback
+import warnings
 
 import numpy as np
 import torch
@@ -31,14 +34,38 @@ PR_SET_PDEATHSIG = 1
 RESULT_POLL_SECONDS = 0.5
 
 
+SHARED_MEMORY_DIR = "/dev/shm"
+BATCHES_IN_FLIGHT = 4  # per writer process: being written, two queued, one in its hand-off thread
+
+
 class WriterError(RuntimeError):
     """A writer process failed; the message holds its traceback."""
+
+
+def check_shared_memory(size: int, batch_bytes: int, where: str = SHARED_MEMORY_DIR) -> bool:
+    """Warn when `where` may not hold the batches in flight (a container's default /dev/shm is
+    64 MB); the estimate is a worst case, so this warns instead of refusing. Returns whether it fits."""
+    if not os.path.isdir(where) or batch_bytes <= 0:
+        return True
+    needed = size * BATCHES_IN_FLIGHT * batch_bytes
+    free = shutil.disk_usage(where).free
+    if needed > free:
+        warnings.warn(
+            f"stage one may need up to {needed / 2**30:.1f} GiB of shared memory in {where} "
+            f"({size} writer process(es) x {BATCHES_IN_FLIGHT} batches of {batch_bytes / 2**20:,.0f} MiB) and "
+            f"{free / 2**30:.1f} GiB are free; if a writer fails with 'No space left on device', lower "
+            f"extract.writer_processes or extract.batch_tokens, or give the container more (--shm-size)",
+            stacklevel=3)
+        return False
+    return True
 
 
 class WriterPool:
     """`size` writer processes for one store; see the module docstring."""
 
-    def __init__(self, size: int, store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard_options: dict):
+    def __init__(self, size: int, store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard_options: dict,
+                 batch_bytes: int = 0):
+        check_shared_memory(size, batch_bytes)
         self.committed: list[dict] = []
         self.error: str | None = None
         context = mp.get_context("spawn")

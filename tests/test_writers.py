@@ -75,3 +75,11 @@ def test_writer_process_error_names_the_row(tmp_path):
     row_ids = np.arange(12) + 100
     with pytest.raises(WriterError, match=r"row 105: 1 non-finite"):
         write_store(tmp_path / "store", rng, lengths, row_ids, processes=2, poison=5)
+
+
+def test_shared_memory_shortfall_is_announced(tmp_path):
+    from stages.writers import check_shared_memory
+
+    assert check_shared_memory(4, 1 << 20, where=str(tmp_path))  # 16 MiB fits any test disk
+    with pytest.warns(UserWarning, match=r"extract.writer_processes or extract.batch_tokens"):
+        assert not check_shared_memory(4, 1 << 60, where=str(tmp_path))
