@@ -7,7 +7,8 @@ process k % size, which opens the shard, writes its batches in order and commits
 
 Data path: the main thread queues a `CapturedBatch` (pinned host tensors whose device copy
 may still be in flight) with no wait; one hand-off thread per process waits for the copy's
-CUDA event and puts the job on the process's queue, which moves the tensors to shared memory.
+CUDA event, copies the tensors into shared memory (/dev/shm) and puts the job on the process's
+queue.
 Queues hold two batches each, so the main thread blocks (back-pressure) when the writers
 fall behind, and host memory stays bounded.
 
@@ -32,8 +33,6 @@ import torch.multiprocessing as mp
 
 PR_SET_PDEATHSIG = 1
 RESULT_POLL_SECONDS = 0.5
-
-
 SHARED_MEMORY_DIR = "/dev/shm"
 BATCHES_IN_FLIGHT = 4  # per writer process: being written, two queued, one in its hand-off thread
 
