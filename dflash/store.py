@@ -304,13 +304,9 @@ class ShardWriter:
 
     def write_sample(
         self, i: int, hidden: np.ndarray, scale: np.ndarray | None,
-        input_ids: np.ndarray, loss_mask: np.ndarray, num_nonfinite: int | None = None,
+        input_ids: np.ndarray, loss_mask: np.ndarray,
     ) -> None:
-        """Add kept sample `i` (the next one of the plan): hidden (len, n*H), scale (len, n) for fp8.
-
-        `num_nonfinite`: the sample's NaN/Inf count when the caller already has it (stage one
-        counts on the GPU before encoding); otherwise the encoded bits are checked here.
-        """
+        """Add kept sample `i` (the next one of the plan): hidden (len, n*H), scale (len, n) for fp8."""
         local = self._next_sample
         if local >= len(self.sample_lengths) or self.plan.sample_indices[local] != i:
             expected = self.plan.sample_indices[local] if local < len(self.sample_lengths) else None
@@ -321,14 +317,14 @@ class ShardWriter:
             rows["scale"] = scale
         elif scale is not None:
             raise ValueError(f"shard {self.plan.name}: bf16 codec takes no scale (sample {i})")
-        self._check_sample(local, rows, num_nonfinite)
+        self._check_sample(local, rows)
         for name, value in rows.items():
             self._buffers[name].append(value)
         self._next_sample += 1
         self._buffered_rows += int(self.sample_lengths[local])
         self._flush(final=False)
 
-    def _check_sample(self, local: int, rows: dict[str, np.ndarray], num_nonfinite: int | None) -> None:
+    def _check_sample(self, local: int, rows: dict[str, np.ndarray]) -> None:
         length, row_id = int(self.sample_lengths[local]), int(self.sample_row_ids[local])
         where = f"shard {self.plan.name}, row {row_id}"
         for name, value in rows.items():
@@ -338,7 +334,7 @@ class ShardWriter:
                 got = None if value is None else (tuple(value.shape), str(value.dtype))
                 raise ValueError(f"{where}: {name} must be {expected_shape} {array.dtype}, got {got}")
         # a NaN/Inf would poison training; fail at the source, naming the row
-        bad = count_nonfinite(rows["hidden"], self.codec) if num_nonfinite is None else int(num_nonfinite)
+        bad = count_nonfinite(rows["hidden"], self.codec)
         if "scale" in rows:
             bad += int((~np.isfinite(rows["scale"])).sum())
         if bad:

@@ -77,7 +77,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     if needs_weights:
         store.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
     start = time.perf_counter()
-    write_shards(config, dist, target, group, tokenized.samples, lengths, row_ids, mine, result)
+    write_shards(config, dist, target, tokenized.samples, lengths, row_ids, mine, result)
     result.seconds = time.perf_counter() - start
     dist.barrier()
     summarize(dist, attrs, result)
@@ -167,8 +167,9 @@ def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int) -
     print(f"plan: {num_shards} shards, {num_done} already complete")
 
 
-def write_shards(config, dist, target, group, samples, lengths, row_ids, shards, result: ExtractResult) -> None:
-    """Capture every shard on the device; writer processes (stages/writers.py) compress and commit.
+def write_shards(config, dist, target, samples, lengths, row_ids, shards, result: ExtractResult) -> None:
+    """Capture every shard on the device; writer processes (stages/writers.py) compress and commit
+    into the store at config.store.path, which must exist.
 
     `lengths` and `row_ids` are indexed like `samples` (the kept-sample list the plan uses).
     Shard k goes to writer k % extract.writer_processes, so a shard's batches and its commit
@@ -263,13 +264,13 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
     hidden_BTnH = target.capture(input_ids, attention_mask)
     batch_size, seq_len, num_layers, hidden_size = hidden_BTnH.shape
     rows_RnH = hidden_BTnH.view(batch_size * seq_len, num_layers, hidden_size)
-    encoded = [codecs.encode(rows_RnH[start:start + ENCODE_ROWS], codec)
-               for start in range(0, rows_RnH.shape[0], ENCODE_ROWS)]
     parts = {}
-    for name in encoded[0]:
-        joined = torch.cat([chunk[name] for chunk in encoded]) if len(encoded) > 1 else encoded[0][name]
-        joined = joined.view(batch_size, seq_len, *joined.shape[1:])
-        parts[name] = joined.to("cpu", non_blocking=True) if cuda else joined
+    for start in range(0, rows_RnH.shape[0], ENCODE_ROWS):
+        for name, chunk in codecs.encode(rows_RnH[start:start + ENCODE_ROWS], codec).items():
+            if name not in parts:  # host buffers for the whole batch, filled chunk by chunk
+                parts[name] = torch.empty((rows_RnH.shape[0], *chunk.shape[1:]), dtype=chunk.dtype, pin_memory=cuda)
+            parts[name][start:start + chunk.shape[0]].copy_(chunk, non_blocking=cuda)
+    parts = {name: part.view(batch_size, seq_len, *part.shape[1:]) for name, part in parts.items()}
     ready = None
     if cuda:
         ready = torch.cuda.Event()

@@ -291,13 +291,13 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     row_ids = np.array([s.row_id for s in samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(bucket_edges), config.store.shard_tokens)
     attrs = synthetic_store_attrs(target, codec, bucket_edges, shards)
-    group = store.create_or_open_store(str(store_dir), attrs, overwrite=True)
+    store.create_or_open_store(str(store_dir), attrs, overwrite=True)
     dist = DistState(rank=0, world_size=1, local_rank=0, device=device)
     result = ExtractResult(store_path=str(store_dir))
     synchronize(device)
     start = time.perf_counter()
     with captures_from_pool(pool, device) if pool else contextlib.nullcontext():
-        write_shards(config, dist, target, group, samples, lengths, row_ids, shards, result)
+        write_shards(config, dist, target, samples, lengths, row_ids, shards, result)
     seconds = time.perf_counter() - start
     stats = store.store_stats(str(store_dir))
     return {"seconds": seconds, "stored_bytes": stats["total"]["stored_bytes"], "tokens": stats["total"]["tokens"],
@@ -430,15 +430,17 @@ def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params
         numbers["tokens_per_s"] = numbers["tokens"] / numbers["seconds"]
         numbers["write_mb_per_s"] = numbers["stored_bytes"] / numbers["seconds"] / 1e6
     print_table("writer processes", ["codec", "processes", "writers alone tokens/s", "writers alone x bare"],
-                [[c, n["writer_processes"], writers_only[c]["tokens_per_s"], writers_only[c]["tokens_per_s"] / bare_rate]
-                 for c, n in full.items()])
+                [[c, n["writer_processes"], writers_only[c]["tokens_per_s"],
+                  writers_only[c]["tokens_per_s"] / bare_rate] for c, n in full.items()])
     write_results(args.out, {
         "meta": run_metadata(["tools/bench_stage1.py", *argv]), "quick": args.quick,
         "target": {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                    "layer_ids": layer_ids, "layer_params": all_params, "layer_params_run": cut_params},
-        "tokens": real_tokens, "padded_tokens": padded_tokens, "tflop": {k: v / 1e12 for k, v in flops.items()}, "raw_bf16_bytes_per_token": raw_bytes,
+        "tokens": real_tokens, "padded_tokens": padded_tokens, "tflop": {k: v / 1e12 for k, v in flops.items()},
+        "raw_bf16_bytes_per_token": raw_bytes,
         "bare": {"seconds": bare_seconds, "tokens_per_s": bare_rate, "mfu": mfu(flops["bare"], bare_seconds)},
-        "capture_only": {"codec": capture_codec, "seconds": capture_seconds, "tokens_per_s": real_tokens / capture_seconds,
+        "capture_only": {"codec": capture_codec, "seconds": capture_seconds,
+                         "tokens_per_s": real_tokens / capture_seconds,
                          "ratio_to_bare": real_tokens / capture_seconds / bare_rate,
                          "mfu": mfu(flops["cut"], capture_seconds)},
         "full": full, "writers_only": writers_only,
