@@ -37,6 +37,8 @@ class ExtractResult:
     shards_written: int = 0
     shards_skipped: int = 0
     bad_rows: dict = field(default_factory=dict)
+    writer_wait_seconds: float = 0.0  # the target's thread blocked on full writer queues (back-pressure)
+    drain_seconds: float = 0.0  # after the last forward, waiting for the writers to finish
 
     @property
     def tokens_per_second(self) -> float:
@@ -194,12 +196,15 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, result
                 writers.write(key, shard.name, shard.sample_indices[first:first + len(batch)], batch, captured)
                 bar.update(sum(len(s.input_ids) for s in batch))
             writers.commit(key, shard.name)
+        drain_start = time.perf_counter()
         committed = writers.close()
+        result.drain_seconds += time.perf_counter() - drain_start
     except BaseException:
         writers.terminate()
         raise
     finally:
         bar.close()
+    result.writer_wait_seconds += writers.blocked_seconds
     for stats in committed:
         result.shards_written += 1
         result.num_samples += stats["num_samples"]
@@ -280,7 +285,8 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
 
 def summarize(dist: DistState, attrs: dict, result: ExtractResult) -> None:
     totals = all_reduce_sum(dist, [result.num_samples, result.num_tokens, result.stored_bytes,
-                                   result.shards_written, result.seconds])
+                                   result.shards_written, result.seconds, result.writer_wait_seconds,
+                                   result.drain_seconds])
     if not dist.is_main:
         return
     samples, tokens, stored, written = (int(v) for v in totals[:4])
@@ -291,3 +297,7 @@ def summarize(dist: DistState, attrs: dict, result: ExtractResult) -> None:
           f"{stored / 1e6:,.1f} MB stored ({stored / max(tokens, 1):,.0f} B/token, "
           f"{ratio:.2f}x smaller than bf16), {seconds:.1f} s, "
           f"{tokens / max(seconds, 1e-9):,.0f} tokens/s over {dist.world_size} rank(s)")
+    waited, drained = totals[5] / dist.world_size, totals[6] / dist.world_size
+    if seconds > 0 and waited + drained > 0.05 * seconds:
+        print(f"  the target waited {waited:.1f} s on full writer queues and {drained:.1f} s for the last writes "
+              f"(mean per rank): raise extract.writer_processes if cores allow")

@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import traceback
 import warnings
 
@@ -67,6 +68,7 @@ class WriterPool:
         check_shared_memory(size, batch_bytes)
         self.committed: list[dict] = []
         self.error: str | None = None
+        self.blocked_seconds = 0.0  # the caller's time blocked on full queues (back-pressure)
         context = mp.get_context("spawn")
         self.results = context.Queue()
         self.job_queues = [context.Queue(maxsize=2) for _ in range(size)]
@@ -108,7 +110,13 @@ class WriterPool:
     def _submit(self, key: int, job: tuple) -> None:
         self._collect(block=False)
         self._raise_if_failed()
-        self.handoffs[key % len(self.handoffs)].put(job)
+        pending = self.handoffs[key % len(self.handoffs)]
+        try:
+            pending.put_nowait(job)
+        except queue.Full:
+            start = time.perf_counter()
+            pending.put(job)
+            self.blocked_seconds += time.perf_counter() - start
 
     def close(self) -> list[dict]:
         """Wait for every queued job; return the commit stats of every shard written."""

@@ -301,7 +301,8 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     seconds = time.perf_counter() - start
     stats = store.store_stats(str(store_dir))
     return {"seconds": seconds, "stored_bytes": stats["total"]["stored_bytes"], "tokens": stats["total"]["tokens"],
-            "bytes_per_token": stats["total"]["bytes_per_token"], "writer_processes": writer_processes}
+            "bytes_per_token": stats["total"]["bytes_per_token"], "writer_processes": writer_processes,
+            "writer_wait_seconds": result.writer_wait_seconds, "drain_seconds": result.drain_seconds}
 
 
 def synthetic_store_attrs(target, codec: str, bucket_edges, shards) -> dict:
@@ -396,7 +397,9 @@ def main(argv: list[str]) -> int:
                                         device, store_root / f"store-{codec}")
             shutil.rmtree(store_root / f"store-{codec}", ignore_errors=True)
             progress(f"full stage one, {codec}: {full[codec]['tokens'] / full[codec]['seconds']:,.0f} tokens/s, "
-                     f"{full[codec]['bytes_per_token']:,.0f} B/token")
+                     f"{full[codec]['bytes_per_token']:,.0f} B/token; of {full[codec]['seconds']:.1f} s, "
+                     f"{full[codec]['writer_wait_seconds']:.1f} s blocked on writer queues, "
+                     f"{full[codec]['drain_seconds']:.1f} s draining the writers after the last forward")
     finally:
         if not args.store_dir:
             shutil.rmtree(store_root, ignore_errors=True)

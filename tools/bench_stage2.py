@@ -16,7 +16,8 @@ After a warm-up over every distinct step (compile, autotune), N steps are timed 
 events. Reported: ms/step, source tokens/s, anchor-slots/s, MFU by the issue-5 formula,
 peak memory; `--profile DIR` adds a torch.profiler trace and counts host-device syncs;
 `--loader` writes a small synthetic store with dflash.store and measures the DataLoader's
-own throughput against what the trainer consumes.
+own throughput against what the trainer consumes; `--fed-epochs N` then trains N epochs over
+that store fed by the loader, as stages.train does, and reports the data-wait fraction.
 
     python tools/bench_stage2.py --out bench/stage2.json --loader --profile bench/trace   # H200
     python tools/bench_stage2.py --quick --loader --out /tmp/stage2.json                  # CPU
@@ -331,16 +332,13 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
         writer.commit()
 
 
-def measure_loader(config, ctx, pool: FeaturePool, num_tokens: int, store_dir: Path, seed: int, epochs: int) -> dict:
-    """Tokens/s of the trainer's own DataLoader (stages.train's dataset, schedule and collate) over
-    a synthetic store, `epochs` epochs in one loader. The batches the workers prefetch while
-    starting are not timed: the rate is the steady state."""
+def loader_over_store(config, ctx, store_dir: Path, epochs: int):
+    """The trainer's DataLoader (dataset, schedule, collate) over `epochs` epochs of the store, in one loader."""
     from dflash.batch import StoreDataset, build_loader
     from dflash.dist import DistState
     from dflash.store import StoreReader
     from stages.train import pad_multiple, schedule_for
 
-    write_synthetic_store(store_dir, pool, config, ctx.args, num_tokens, seed)
     reader = StoreReader(str(store_dir))
     dist = DistState(rank=0, world_size=1, local_rank=0, device=ctx.device)
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
@@ -348,9 +346,52 @@ def measure_loader(config, ctx, pool: FeaturePool, num_tokens: int, store_dir: P
     for epoch in range(epochs):
         schedule = schedule_for(config, reader, np.arange(len(reader)), dist, epoch)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
-    workers = config.train.num_workers
     loader = build_loader(dataset, batches, block_size=ctx.args.block_size, pad_multiple=pad_multiple(ctx),
-                          num_workers=workers, pin_memory=ctx.device.type == "cuda")
+                          num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
+    return reader, batches, loader
+
+
+def measure_fed(config, ctx, wrapped, optimizer, store_dir: Path, epochs: int, warm_steps: int = 2) -> dict:
+    """Optimizer steps fed by the real loader, as stages.train.loop runs them: the data-wait fraction is
+    the host time blocked in `next(loader)` over the wall time of the timed steps (the first
+    `warm_steps` steps, worker start-up and new shapes, are not timed)."""
+    from stages.train import to_device, train_step
+
+    _, batches, loader = loader_over_store(config, ctx, store_dir, epochs)
+    accum = config.train.accum_steps
+    num_steps = len(batches) // accum
+    if num_steps <= warm_steps:
+        raise SystemExit(f"--loader-tokens x --loader-epochs gives {num_steps} optimizer steps; need more than "
+                         f"{warm_steps}")
+    iterator = iter(loader)
+    wait, tokens, anchors = 0.0, 0, 0
+    start = time.perf_counter()
+    for step in range(num_steps):
+        if step == warm_steps:
+            synchronize(ctx.device)
+            wait, tokens, anchors, start = 0.0, 0, 0, time.perf_counter()
+        wait_start = time.perf_counter()
+        micro_batches = [next(iterator) for _ in range(accum)]
+        wait += time.perf_counter() - wait_start
+        tokens += sum(int(b["num_real_tokens"]) for b in micro_batches)
+        anchors += sum(int(b["num_real_anchors"]) for b in micro_batches)
+        micro_batches = [to_device(b, ctx.device) for b in micro_batches]
+        train_step(wrapped, ctx, micro_batches, optimizer, config.train.lr, config.train.clip)
+    synchronize(ctx.device)
+    seconds = time.perf_counter() - start
+    timed = num_steps - warm_steps
+    return {"num_workers": config.train.num_workers, "timed_steps": timed, "untimed_warm_steps": warm_steps,
+            "seconds": seconds, "data_wait_seconds": wait, "data_wait": wait / seconds,
+            "ms_per_step": seconds / timed * 1e3, "tokens_per_s": tokens / seconds,
+            "anchor_slots_per_s": anchors * ctx.args.block_size / seconds}
+
+
+def measure_loader(config, ctx, store_dir: Path, epochs: int) -> dict:
+    """Tokens/s of the trainer's own DataLoader (stages.train's dataset, schedule and collate) over
+    the synthetic store, `epochs` epochs in one loader. The batches the workers prefetch while
+    starting are not timed: the rate is the steady state."""
+    reader, batches, loader = loader_over_store(config, ctx, store_dir, epochs)
+    workers = config.train.num_workers
     iterator = iter(loader)
     warm = min(len(batches) // 2, 1 + 2 * workers)  # worker start-up and its prefetch
     for _ in range(warm):
@@ -385,6 +426,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--loader-tokens", type=int, default=131_072, help="tokens in the synthetic store")
     parser.add_argument("--loader-epochs", type=int, default=3, help="epochs over that store in the loader run")
     parser.add_argument("--workers", type=int, default=0, help="override train.num_workers (DataLoader workers)")
+    parser.add_argument("--fed-epochs", type=int, default=0,
+                        help="with --loader: also train this many epochs over the synthetic store fed by the "
+                             "loader, as stages.train does, and report the data-wait fraction")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -448,8 +492,11 @@ def run(args, argv, dist) -> int:
                                            1 if args.quick else 3)
     if args.loader and dist.is_main:
         with tempfile.TemporaryDirectory(prefix="bench-stage2-store-") as store_dir:
-            results["loader"] = measure_loader(config, ctx, pool, args.loader_tokens, Path(store_dir) / "store",
-                                               args.seed, args.loader_epochs)
+            store_path = Path(store_dir) / "store"
+            write_synthetic_store(store_path, pool, config, ctx.args, args.loader_tokens, args.seed)
+            results["loader"] = measure_loader(config, ctx, store_path, args.loader_epochs)
+            if args.fed_epochs:
+                results["fed"] = measure_fed(config, ctx, wrapped, optimizer, store_path, args.fed_epochs)
     if dist.is_main:
         report(args, results)
     return 0
@@ -468,8 +515,9 @@ def run_loader_only(args, argv, config, device) -> int:
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "drafter": config.drafter.size, "modes": {}}
     with tempfile.TemporaryDirectory(prefix="bench-stage2-store-") as store_dir:
-        results["loader"] = measure_loader(config, ctx, pool, args.loader_tokens, Path(store_dir) / "store",
-                                           args.seed, args.loader_epochs)
+        store_path = Path(store_dir) / "store"
+        write_synthetic_store(store_path, pool, config, ctx.args, args.loader_tokens, args.seed)
+        results["loader"] = measure_loader(config, ctx, store_path, args.loader_epochs)
     report(args, results)
     return 0
 
@@ -515,6 +563,12 @@ def report(args, results: dict) -> None:
                     ["workers", "micro-batches", "tokens/s", "trainer consumes tokens/s", "headroom"],
                     [[loader["num_workers"], loader["micro_batches"], loader["tokens_per_s"], consumed,
                       loader["headroom"] if loader["headroom"] is not None else "n/a"]])
+    if "fed" in results:
+        fed = results["fed"]
+        print_table("steps fed by the loader (stages.train's loop: next(loader), to_device, train_step)",
+                    ["workers", "timed steps", "ms/step", "tokens/s", "data wait"],
+                    [[fed["num_workers"], fed["timed_steps"], fed["ms_per_step"], fed["tokens_per_s"],
+                      fed["data_wait"]]])
     write_results(args.out, results)
 
 
