@@ -485,18 +485,27 @@ def run(args, argv, dist) -> int:
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
         if dist.is_distributed:
             scale_to_world(numbers, dist)
+        say(f"{mode}: {numbers['ms_per_step_median']:,.1f} ms/step, {numbers['tokens_per_s']:,.0f} tokens/s, "
+            f"MFU {numbers['mfu']:.3f}, peak {numbers['peak_allocated_gib'] or 0:.1f} GiB allocated", flush=True)
         del steps
-    if args.profile and dist.is_main:
-        steps = default_data or pin(default_steps(pool, config, ctx.args, 1, seed, pad_multiple(ctx)))
-        results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
-                                           1 if args.quick else 3)
+    # Loader and fed steps before the profile: a cut-short run keeps what it measured (JSON after each part).
     if args.loader and dist.is_main:
+        write_results(args.out, results)
         with tempfile.TemporaryDirectory(prefix="bench-stage2-store-") as store_dir:
             store_path = Path(store_dir) / "store"
             write_synthetic_store(store_path, pool, config, ctx.args, args.loader_tokens, args.seed)
             results["loader"] = measure_loader(config, ctx, store_path, args.loader_epochs)
+            say(f"loader: {results['loader']['tokens_per_s']:,.0f} tokens/s with {results['loader']['num_workers']} "
+                f"workers", flush=True)
             if args.fed_epochs:
-                results["fed"] = measure_fed(config, ctx, wrapped, optimizer, store_path, args.fed_epochs)
+                results["fed"] = fed = measure_fed(config, ctx, wrapped, optimizer, store_path, args.fed_epochs)
+                say(f"fed by the loader: {fed['ms_per_step']:,.1f} ms/step, {fed['tokens_per_s']:,.0f} tokens/s, "
+                    f"data wait {fed['data_wait']:.2%}", flush=True)
+    if args.profile and dist.is_main:
+        write_results(args.out, results)
+        steps = default_data or pin(default_steps(pool, config, ctx.args, 1, seed, pad_multiple(ctx)))
+        results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
+                                           1 if args.quick else 2)
     if dist.is_main:
         report(args, results)
     return 0

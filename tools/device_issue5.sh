@@ -7,7 +7,9 @@
 #   part b:  GPU 0: default budget, profile, loader with 8 workers, steps fed by the loader
 #            (data wait); GPU 1 at the same time: the eager peers' step (one-GPU reference);
 #            then DDP over both GPUs
-# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b
+#   part c:  what part b could not finish cold (each process compiles flex attention for ~3 min):
+#            DDP over both GPUs, then the default budget with loader, fed steps and profile
+# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c
 set -uo pipefail
 LOGS=${LOGS:-/tmp/dflash-logs}
 mkdir -p "$LOGS"
@@ -39,8 +41,18 @@ case "${1:-}" in
     echo "ddp: rc=$?"
     tail -n 14 "$LOGS"/s2_*.log
     ;;
+  c)
+    timeout 230 torchrun --nproc-per-node 2 tools/bench_stage2.py --modes peer --steps 10 --distinct-steps 1 \
+      --out "$LOGS/s2_ddp.json" > "$LOGS/s2_ddp.log" 2>&1
+    echo "ddp: rc=$?"
+    CUDA_VISIBLE_DEVICES=0 timeout 330 python3 tools/bench_stage2.py --modes default --steps 4 --distinct-steps 2 \
+      --loader --workers 8 --fed-epochs 4 --profile /tmp/trace --out "$LOGS/s2_default.json" \
+      > "$LOGS/s2_default.log" 2>&1
+    echo "default: rc=$?"
+    tail -n 14 "$LOGS"/s2_*.log
+    ;;
   *)
-    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b" >&2
+    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c" >&2
     exit 2
     ;;
 esac
