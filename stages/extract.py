@@ -298,6 +298,8 @@ def summarize(dist: DistState, attrs: dict, result: ExtractResult) -> None:
           f"{ratio:.2f}x smaller than bf16), {seconds:.1f} s, "
           f"{tokens / max(seconds, 1e-9):,.0f} tokens/s over {dist.world_size} rank(s)")
     waited, drained = totals[5] / dist.world_size, totals[6] / dist.world_size
-    if seconds > 0 and waited + drained > 0.05 * seconds:
-        print(f"  the target waited {waited:.1f} s on full writer queues and {drained:.1f} s for the last writes "
-              f"(mean per rank): raise extract.writer_processes if cores allow")
+    print(f"  writers (mean per rank): the target waited {waited:.1f} s on full writer queues, then "
+          f"{drained:.1f} s for the last shards after its last batch")
+    if seconds > 0 and waited > 0.05 * seconds:
+        print(f"  the writers held the target back for {waited / seconds:.0%} of the run: raise "
+              f"extract.writer_processes if the host has idle cores")

@@ -18,6 +18,8 @@ peak memory; `--profile DIR` adds a torch.profiler trace and counts host-device 
 `--loader` writes a small synthetic store with dflash.store and measures the DataLoader's
 own throughput against what the trainer consumes; `--fed-epochs N` then trains N epochs over
 that store fed by the loader, as stages.train does, and reports the data-wait fraction.
+`--loader-only --stand-in-tokens-per-s R` does the same on any machine with a stand-in step that
+busies the main thread as long as a trainer at R tokens/s would (R from a GPU run).
 
     python tools/bench_stage2.py --out bench/stage2.json --loader --profile bench/trace   # H200
     python tools/bench_stage2.py --quick --loader --out /tmp/stage2.json                  # CPU
@@ -351,17 +353,15 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     return reader, batches, loader
 
 
-def measure_fed(config, ctx, wrapped, optimizer, store_dir: Path, epochs: int, warm_steps: int = 2) -> dict:
-    """Optimizer steps fed by the real loader, as stages.train.loop runs them: the data-wait fraction is
-    the host time blocked in `next(loader)` over the wall time of the timed steps (the first
-    `warm_steps` steps, worker start-up and new shapes, are not timed)."""
-    from stages.train import to_device, train_step
-
+def measure_fed(config, ctx, store_dir: Path, epochs: int, step_fn, warm_steps: int = 2) -> dict:
+    """Optimizer steps fed by the real loader, as stages.train.loop runs them: `step_fn(micro_batches)`
+    is the step. The data-wait fraction is the host time blocked in `next(loader)` over the wall
+    time of the timed steps (the first `warm_steps` steps, worker start-up and new shapes, are not timed)."""
     _, batches, loader = loader_over_store(config, ctx, store_dir, epochs)
     accum = config.train.accum_steps
     num_steps = len(batches) // accum
     if num_steps <= warm_steps:
-        raise SystemExit(f"--loader-tokens x --loader-epochs gives {num_steps} optimizer steps; need more than "
+        raise SystemExit(f"--loader-tokens x --fed-epochs gives {num_steps} optimizer steps; need more than "
                          f"{warm_steps}")
     iterator = iter(loader)
     wait, tokens, anchors = 0.0, 0, 0
@@ -375,8 +375,7 @@ def measure_fed(config, ctx, wrapped, optimizer, store_dir: Path, epochs: int, w
         wait += time.perf_counter() - wait_start
         tokens += sum(int(b["num_real_tokens"]) for b in micro_batches)
         anchors += sum(int(b["num_real_anchors"]) for b in micro_batches)
-        micro_batches = [to_device(b, ctx.device) for b in micro_batches]
-        train_step(wrapped, ctx, micro_batches, optimizer, config.train.lr, config.train.clip)
+        step_fn(micro_batches)
     synchronize(ctx.device)
     seconds = time.perf_counter() - start
     timed = num_steps - warm_steps
@@ -384,6 +383,25 @@ def measure_fed(config, ctx, wrapped, optimizer, store_dir: Path, epochs: int, w
             "seconds": seconds, "data_wait_seconds": wait, "data_wait": wait / seconds,
             "ms_per_step": seconds / timed * 1e3, "tokens_per_s": tokens / seconds,
             "anchor_slots_per_s": anchors * ctx.args.block_size / seconds}
+
+
+def train_step_fn(wrapped, ctx, optimizer, config):
+    from stages.train import to_device, train_step
+
+    def step(micro_batches):
+        train_step(wrapped, ctx, [to_device(b, ctx.device) for b in micro_batches], optimizer, config.train.lr,
+                   config.train.clip)
+    return step
+
+
+def stand_in_step_fn(tokens_per_s: float):
+    """A stand-in for the GPU step: keeps the main thread busy (as eager kernel launches do) for as
+    long as a trainer consuming `tokens_per_s` real tokens per second would take on these micro-batches."""
+    def step(micro_batches):
+        until = time.perf_counter() + sum(int(b["num_real_tokens"]) for b in micro_batches) / tokens_per_s
+        while time.perf_counter() < until:
+            pass
+    return step
 
 
 def measure_loader(config, ctx, store_dir: Path, epochs: int) -> dict:
@@ -429,6 +447,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fed-epochs", type=int, default=0,
                         help="with --loader: also train this many epochs over the synthetic store fed by the "
                              "loader, as stages.train does, and report the data-wait fraction")
+    parser.add_argument("--stand-in-tokens-per-s", type=float, default=0.0,
+                        help="with --loader-only: feed a stand-in step that keeps the main thread busy for as long "
+                             "as a trainer at this rate (e.g. a measured GPU rate) and report the data wait")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -498,7 +519,8 @@ def run(args, argv, dist) -> int:
             say(f"loader: {results['loader']['tokens_per_s']:,.0f} tokens/s with {results['loader']['num_workers']} "
                 f"workers", flush=True)
             if args.fed_epochs:
-                results["fed"] = fed = measure_fed(config, ctx, wrapped, optimizer, store_path, args.fed_epochs)
+                results["fed"] = fed = measure_fed(config, ctx, store_path, args.fed_epochs,
+                                                   train_step_fn(wrapped, ctx, optimizer, config))
                 say(f"fed by the loader: {fed['ms_per_step']:,.1f} ms/step, {fed['tokens_per_s']:,.0f} tokens/s, "
                     f"data wait {fed['data_wait']:.2%}", flush=True)
     if args.profile and dist.is_main:
@@ -527,6 +549,10 @@ def run_loader_only(args, argv, config, device) -> int:
         store_path = Path(store_dir) / "store"
         write_synthetic_store(store_path, pool, config, ctx.args, args.loader_tokens, args.seed)
         results["loader"] = measure_loader(config, ctx, store_path, args.loader_epochs)
+        if args.stand_in_tokens_per_s:
+            results["fed"] = measure_fed(config, ctx, store_path, args.fed_epochs or args.loader_epochs,
+                                         stand_in_step_fn(args.stand_in_tokens_per_s))
+            results["fed"]["stand_in_tokens_per_s"] = args.stand_in_tokens_per_s
     report(args, results)
     return 0
 
@@ -566,6 +592,7 @@ def report(args, results: dict) -> None:
     if "loader" in results:
         loader = results["loader"]
         consumed = results["modes"].get("default", next(iter(results["modes"].values()), {})).get("tokens_per_s", 0.0)
+        consumed = consumed or results.get("fed", {}).get("stand_in_tokens_per_s", 0.0)
         loader["trainer_tokens_per_s"] = consumed
         loader["headroom"] = loader["tokens_per_s"] / consumed if consumed else None
         print_table("loader (stages.train.epoch_loader over a synthetic fp8 store)",
@@ -574,7 +601,9 @@ def report(args, results: dict) -> None:
                       loader["headroom"] if loader["headroom"] is not None else "n/a"]])
     if "fed" in results:
         fed = results["fed"]
-        print_table("steps fed by the loader (stages.train's loop: next(loader), to_device, train_step)",
+        print_table("steps fed by the loader (stages.train's loop: next(loader), to_device, train_step)"
+                    + (f"; stand-in step at {fed['stand_in_tokens_per_s']:,.0f} tokens/s" if "stand_in_tokens_per_s" in fed
+                       else ""),
                     ["workers", "timed steps", "ms/step", "tokens/s", "data wait"],
                     [[fed["num_workers"], fed["timed_steps"], fed["ms_per_step"], fed["tokens_per_s"],
                       fed["data_wait"]]])

@@ -2,7 +2,7 @@
 
 From measured rates (the JSON files of bench_stage1.py and bench_stage2.py):
   offline: stage one runs the target once over the data (full stage-one path, tokens/s per
-           GPU), stage two trains `epochs` epochs from the store (tokens/s per GPU);
+           GPU, before the writers' final drain, whose seconds are added once), stage two trains `epochs` epochs from the store (tokens/s per GPU);
   online:  every epoch runs the target forward again (the bare forward's tokens/s per GPU;
            the online trainer needs the hidden states but not the store) and trains the drafter
            on the same GPUs at the same stage-two rate.
@@ -29,13 +29,17 @@ def rates(stage1: dict, stage2: dict, codec: str, mode: str) -> dict:
         raise SystemExit(f"--stage2: no result for mode {mode!r} (have {list(stage2.get('modes', {}))})")
     train = stage2["modes"][mode]
     per_gpu = train["tokens_per_s"] / stage2.get("world_size", 1)
-    return {"bare_forward": stage1["bare"]["tokens_per_s"], "stage_one": stage1["full"][codec]["tokens_per_s"],
+    full = stage1["full"][codec]
+    # A long run pays the writers' final drain once: rate before it, plus its seconds.
+    return {"bare_forward": stage1["bare"]["tokens_per_s"],
+            "stage_one": full.get("tokens_per_s_before_drain", full["tokens_per_s"]),
+            "stage_one_drain_seconds": full.get("drain_seconds", 0.0) if "tokens_per_s_before_drain" in full else 0.0,
             "stage_two": per_gpu}
 
 
 def gpu_hours(rate: dict, tokens: float, epochs: int) -> dict:
     hours = {
-        "offline_stage_one": tokens / rate["stage_one"] / 3600,
+        "offline_stage_one": (tokens / rate["stage_one"] + rate.get("stage_one_drain_seconds", 0.0)) / 3600,
         "offline_stage_two": epochs * tokens / rate["stage_two"] / 3600,
         "online_target": epochs * tokens / rate["bare_forward"] / 3600,
         "online_drafter": epochs * tokens / rate["stage_two"] / 3600,
@@ -51,7 +55,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--stage1", required=True, help="bench_stage1.py JSON")
     parser.add_argument("--stage2", required=True, help="bench_stage2.py JSON")
     parser.add_argument("--codec", default="fp8")
-    parser.add_argument("--mode", default="peer", help="bench_stage2 mode whose tokens/s is used")
+    parser.add_argument("--mode", default="default",
+                        help="bench_stage2 mode whose tokens/s is used: default (the real length mix, anchor-dense "
+                             "short sequences) or peer (one 8,192-token sequence, 512 anchors)")
     parser.add_argument("--tokens", type=float, default=1e9)
     parser.add_argument("--epochs", type=int, default=6)
     args = parser.parse_args(argv)
