@@ -30,6 +30,7 @@ import argparse
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -226,17 +227,77 @@ def time_steps(wrapped, ctx, optimizer, steps, config, num_steps: int) -> list[f
     return [events[i].elapsed_time(events[i + 1]) for i in range(num_steps)]
 
 
+COMPILE_PHASES = {  # torch._dynamo.utils.compile_times() keys -> what they time (seconds, summed)
+    "_compile.compile_inner": "dynamo, whole frames",
+    "compile_fx_inner": "inductor graphs (fwd + bwd)",
+    "async_compile.wait": "waiting for Triton kernel compiles",
+    "PyCodeCache.load_by_key_path": "loading generated modules",
+}
+
+
+def compile_summary() -> dict:
+    """Seconds per compile phase so far and the number of graphs compiled (torch._dynamo counters)."""
+    from torch._dynamo import utils
+
+    try:
+        names, values = utils.compile_times(repr="csv", aggregate=True)
+    except Exception:  # noqa: BLE001 - diagnostics only; the table can change while a compile runs
+        return {}
+    seconds = {name: float(value) for name, value in zip(names, values) if name in COMPILE_PHASES}
+    return {"seconds": seconds, "unique_graphs": int(utils.counters["stats"].get("unique_graphs", 0))}
+
+
+class CompileMonitor:
+    """Prints the compile time so far every `every` seconds while a warm-up runs, so a run cut
+    short by its time limit still shows where its warm-up went."""
+
+    def __init__(self, name: str, every: float = 30.0):
+        self.name, self.every, self.done = name, every, threading.Event()
+        self.thread = threading.Thread(target=self.report, daemon=True, name="compile-monitor")
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def report(self) -> None:
+        if os.environ.get("RANK", "0") != "0":
+            return
+        while not self.done.wait(self.every):
+            summary = compile_summary()
+            phases = ", ".join(f"{COMPILE_PHASES[k]} {v:.0f} s" for k, v in summary.get("seconds", {}).items())
+            print(f"{self.name}: {time.perf_counter() - self.start:.0f} s into warm-up; compiled so far: "
+                  f"{summary.get('unique_graphs', 0)} graphs; {phases or 'no compile finished yet'}", flush=True)
+
+
 def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -> dict:
     warmup_s = []
+    with CompileMonitor(name):
+        warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s)
+    compiled = compile_summary()
+    if compiled and os.environ.get("RANK", "0") == "0":
+        print(f"{name}: compile totals after warm-up: {compiled['unique_graphs']} graphs; "
+              + ", ".join(f"{COMPILE_PHASES[k]} {v:.1f} s" for k, v in compiled["seconds"].items()), flush=True)
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    times_ms = time_steps(wrapped, ctx, optimizer, steps, config, num_steps)
+    return summarize_mode(name, ctx, steps, times_ms, num_steps, warmup_s, compiled)
+
+
+def warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s: list) -> None:
     for step in steps:  # warm-up: every distinct shape compiles and autotunes once
         start = time.perf_counter()
         run_step(wrapped, ctx, optimizer, step, config)
         synchronize(ctx.device)
         warmup_s.append(time.perf_counter() - start)
         print(f"{name}: warm-up step {len(warmup_s)} of {len(steps)} took {warmup_s[-1]:.1f} s", flush=True)
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-    times_ms = time_steps(wrapped, ctx, optimizer, steps, config, num_steps)
+
+
+def summarize_mode(name, ctx, steps, times_ms, num_steps: int, warmup_s: list, compiled: dict) -> dict:
     used = [steps[i % len(steps)] for i in range(num_steps)]
     tokens = sum(int(b["num_real_tokens"]) for step in used for b in step)
     anchors = sum(int(b["num_real_anchors"]) for step in used for b in step)
@@ -246,6 +307,7 @@ def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -
     cuda = ctx.device.type == "cuda"
     return {
         "mode": name, "steps": num_steps, "distinct_steps": len(steps), "warmup_seconds": warmup_s,
+        "warmup_compile": compiled,
         "micro_batches_per_step": len(steps[0]),
         "ms_per_step_mean": float(np.mean(times_ms)), "ms_per_step_median": float(np.median(times_ms)),
         "source_tokens_per_step": tokens / num_steps, "anchors_per_step": anchors / num_steps,

@@ -9,7 +9,12 @@
 #            then DDP over both GPUs
 #   part c:  what part b could not finish cold (each process compiles flex attention for ~3 min):
 #            DDP over both GPUs, then the default budget with loader, fed steps and profile
-# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c
+# Parts a-c ran on 2026-11-30 (BENCHMARKS.md); d and e are what they could not finish, each
+# with a whole call's time (bench_stage2 prints its compile time so far every 30 s):
+#   part d:  DDP over both GPUs, the peers' step (against the one-GPU 303.4 ms)
+#   part e:  GPU 0: default budget, loader, steps fed by the loader (data wait), profile;
+#            GPU 1 at the same time: the compiled peers' step
+# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e
 set -uo pipefail
 LOGS=${LOGS:-/tmp/dflash-logs}
 mkdir -p "$LOGS"
@@ -51,8 +56,23 @@ case "${1:-}" in
     echo "default: rc=$?"
     tail -n 14 "$LOGS"/s2_*.log
     ;;
+  d)
+    timeout 540 torchrun --nproc-per-node 2 tools/bench_stage2.py --modes peer --steps 10 --distinct-steps 1 \
+      --out "$LOGS/s2_ddp.json" > "$LOGS/s2_ddp.log" 2>&1
+    echo "ddp: rc=$?"
+    tail -n 14 "$LOGS/s2_ddp.log"
+    ;;
+  e)
+    CUDA_VISIBLE_DEVICES=0 timeout 560 python3 tools/bench_stage2.py --modes default --steps 4 --distinct-steps 2 \
+      --loader --workers 8 --fed-epochs 4 --profile /tmp/trace --out "$LOGS/s2_default.json" \
+      > "$LOGS/s2_default.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout 560 python3 tools/bench_stage2.py --compile --modes peer --steps 6 \
+      --distinct-steps 1 --out "$LOGS/s2_compiled.json" > "$LOGS/s2_compiled.log" 2>&1 &
+    wait
+    tail -n 24 "$LOGS"/s2_*.log
+    ;;
   *)
-    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c" >&2
+    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e" >&2
     exit 2
     ;;
 esac
