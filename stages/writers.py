@@ -7,10 +7,12 @@ process k % size, which opens the shard, writes its batches in order and commits
 
 Data path: the main thread queues a `CapturedBatch` (pinned host tensors whose device copy
 may still be in flight) with no wait; one hand-off thread per process waits for the copy's
-CUDA event, copies the tensors into shared memory (/dev/shm) and puts the job on the process's
-queue.
-Queues hold two batches each, so the main thread blocks (back-pressure) when the writers
-fall behind, and host memory stays bounded.
+CUDA event, copies the tensors into one of the process's shared-memory slots (/dev/shm) and
+puts the job on the process's queue; the process copies the batch's real rows out of the
+slot (its shard writer may hold rows until a zarr shard file is full) and hands the slot back. The slots are made once: a fresh shared tensor per batch cost up to a second of page
+faults per GiB, part of it holding the GIL that the target's thread needs (a batch that does
+not fit a slot still goes that way). Slots and queues are bounded, so the main thread blocks
+(back-pressure) when the writers fall behind, and host memory stays bounded.
 
 A writer process dies with its parent (PR_SET_PDEATHSIG), so a killed run leaves no process
 that could touch the store while a rerun repairs it. A failure in a process is re-raised in
@@ -35,7 +37,8 @@ import torch.multiprocessing as mp
 PR_SET_PDEATHSIG = 1
 RESULT_POLL_SECONDS = 0.5
 SHARED_MEMORY_DIR = "/dev/shm"
-BATCHES_IN_FLIGHT = 4  # per writer process: being written, two queued, one in its hand-off thread
+SLOTS_PER_WRITER = 3  # shared-memory batch buffers per writer process: one being written, two queued
+SLOT_ALIGN = 64  # bytes; each part of a batch starts at a multiple of it inside its slot
 
 
 class WriterError(RuntimeError):
@@ -47,12 +50,12 @@ def check_shared_memory(size: int, batch_bytes: int, where: str = SHARED_MEMORY_
     64 MB); the estimate is a worst case, so this warns instead of refusing. Returns whether it fits."""
     if not os.path.isdir(where) or batch_bytes <= 0:
         return True
-    needed = size * BATCHES_IN_FLIGHT * batch_bytes
+    needed = size * SLOTS_PER_WRITER * batch_bytes
     free = shutil.disk_usage(where).free
     if needed > free:
         warnings.warn(
             f"stage one may need up to {needed / 2**30:.1f} GiB of shared memory in {where} "
-            f"({size} writer process(es) x {BATCHES_IN_FLIGHT} batches of {batch_bytes / 2**20:,.0f} MiB) and "
+            f"({size} writer process(es) x {SLOTS_PER_WRITER} batches of {batch_bytes / 2**20:,.0f} MiB) and "
             f"{free / 2**30:.1f} GiB are free; if a writer fails with 'No space left on device', lower "
             f"extract.writer_processes or extract.batch_tokens, or give the container more (--shm-size)",
             stacklevel=3)
@@ -72,29 +75,63 @@ class WriterPool:
         context = mp.get_context("spawn")
         self.results = context.Queue()
         self.job_queues = [context.Queue(maxsize=2) for _ in range(size)]
+        self.free_slots = [context.Queue() for _ in range(size)]  # slot numbers, handed back by the process
+        self.slots = [[new_shared_bytes(batch_bytes) for _ in range(SLOTS_PER_WRITER if batch_bytes > 0 else 0)]
+                      for _ in range(size)]
         self.processes = [
             context.Process(target=writer_main, name=f"dflash-writer-{i}", daemon=True,
-                            args=(store_path, np.asarray(lengths), np.asarray(row_ids), shard_options, jobs, self.results))
+                            args=(store_path, np.asarray(lengths), np.asarray(row_ids), shard_options, jobs, self.results,
+                                  self.slots[i], self.free_slots[i]))
             for i, jobs in enumerate(self.job_queues)
         ]
         for process in self.processes:
             process.start()
+        for free, slots in zip(self.free_slots, self.slots):
+            for number in range(len(slots)):
+                free.put(number)
         self.handoffs = [queue.Queue(maxsize=2) for _ in range(size)]
-        self.threads = [threading.Thread(target=self.hand_off, args=(pending, jobs), daemon=True,
-                                         name=f"dflash-writer-handoff-{i}")
-                        for i, (pending, jobs) in enumerate(zip(self.handoffs, self.job_queues))]
+        self.threads = [threading.Thread(target=self.hand_off, args=(i,), daemon=True, name=f"dflash-writer-handoff-{i}")
+                        for i in range(size)]
         for thread in self.threads:
             thread.start()
 
-    def hand_off(self, pending: queue.Queue, jobs) -> None:
+    def hand_off(self, index: int) -> None:
+        pending, jobs = self.handoffs[index], self.job_queues[index]
         while (job := pending.get()) is not None:
             try:
                 if job[0] == "batch":
-                    job = (*job[:-1], to_shared_memory(job[-1]))
+                    job = (*job[:-1], self.to_slot(index, job[-1]))
                 jobs.put(job)
             except BaseException:  # re-raised by the main thread at its next submit or close
                 self.error = self.error or f"writer hand-off:\n{traceback.format_exc()}"
         jobs.put(None)
+
+    def to_slot(self, index: int, captured) -> tuple[int | None, dict]:
+        """Wait for the batch's device copy, then copy it into a free slot of process `index`
+        (waiting while the process holds them all): `(slot, layout)`. A batch larger than a slot
+        goes into fresh shared tensors: `(None, tensors)`."""
+        captured.wait()  # sync: hand-off thread only, this batch's device-to-host copy
+        slots = self.slots[index]
+        layout, offset = {}, 0
+        for name, tensor in captured.parts.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            layout[name] = (offset, tensor.dtype, tuple(tensor.shape))
+            offset += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+        if not slots or offset > slots[0].numel():
+            return None, to_shared_memory(captured)
+        slot = self.wait_free_slot(index)
+        for name, tensor in captured.parts.items():
+            slot_view(slots[slot], *layout[name]).copy_(tensor)
+        return slot, layout
+
+    def wait_free_slot(self, index: int) -> int:
+        while True:
+            try:
+                return self.free_slots[index].get(timeout=RESULT_POLL_SECONDS)
+            except queue.Empty:
+                if not self.processes[index].is_alive():
+                    raise WriterError(f"writer process {self.processes[index].name} exited with code "
+                                      f"{self.processes[index].exitcode}") from None
 
     def open_shard(self, key: int, plan) -> None:
         self._submit(key, ("open", plan))
@@ -157,9 +194,19 @@ class WriterPool:
             raise WriterError(self.error)
 
 
+def new_shared_bytes(nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor in shared memory; its pages are only allocated when first written."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+
+
+def slot_view(slot: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """The part of `slot` that holds one tensor of `dtype` and `shape` from byte `offset`."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    return slot[offset:offset + nbytes].view(dtype).view(shape)
+
+
 def to_shared_memory(captured) -> dict:
-    """The batch's host tensors, copied into shared memory once their device copy has landed."""
-    captured.wait()  # sync: hand-off thread only, this batch's device-to-host copy
+    """The batch's host tensors, copied into fresh shared tensors (the device copy has landed)."""
     shared = {}
     for name, tensor in captured.parts.items():
         shared[name] = torch.empty(tensor.shape, dtype=tensor.dtype).share_memory_()
@@ -172,8 +219,10 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard_options: dict, jobs, results) -> None:
-    """One writer process: open / batch / commit jobs until None; report commits and the first error."""
+def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard_options: dict, jobs, results,
+                slots: list, free_slots) -> None:
+    """One writer process: open / batch / commit jobs until None; report commits and the first error.
+    A batch that came in a slot hands the slot back once written (or skipped after a failure)."""
     die_with_parent()
     import zarr
 
@@ -183,15 +232,18 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
     writers: dict[str, store.ShardWriter] = {}
     failed = False
     while (job := jobs.get()) is not None:
-        if failed:
-            continue  # drain: the main process raises the reported error
+        slot, parts = job[-1] if job[0] == "batch" else (None, None)
+        if slot is not None:
+            parts = {name: slot_view(slots[slot], *where) for name, where in parts.items()}
         try:
+            if failed:
+                continue  # drain: the main process raises the reported error
             if job[0] == "open":
                 plan = job[1]
                 writers[plan.name] = store.ShardWriter(group, plan, lengths, row_ids, **shard_options)
             elif job[0] == "batch":
-                _, name, indices, samples, parts = job
-                write_batch(writers[name], indices, samples, parts)
+                _, name, indices, samples, _ = job
+                write_batch(writers[name], indices, samples, parts, copy=slot is not None)
             else:
                 stats = writers.pop(job[1]).commit()
                 results.put(("committed", stats))
@@ -199,13 +251,21 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
             failed = True
             results.put(("error", f"writer process, shard {job[1] if job[0] != 'open' else job[1].name}:\n"
                                   f"{traceback.format_exc()}"))
+        finally:
+            if slot is not None:
+                free_slots.put(slot)
 
 
-def write_batch(shard_writer, indices, samples, parts: dict) -> None:
-    """Each sample's rows of the padded `(B, T, ...)` batch, in plan order."""
+def write_batch(shard_writer, indices, samples, parts: dict, copy: bool) -> None:
+    """Each sample's rows of the padded `(B, T, ...)` batch, in plan order. The shard writer keeps
+    rows until a zarr shard file is full, so rows from a slot (reused once this returns) are
+    copied out first (`copy`): the real rows only, in this process."""
     hidden_BTF = parts["hidden"].numpy()
     scale_BTn = parts["scale"].numpy() if "scale" in parts else None
     for row, (index, (input_ids, loss_mask)) in enumerate(zip(indices, samples)):
         length = len(input_ids)
-        shard_writer.write_sample(index, hidden_BTF[row, :length],
-                                  None if scale_BTn is None else scale_BTn[row, :length], input_ids, loss_mask)
+        hidden = hidden_BTF[row, :length]
+        scale = None if scale_BTn is None else scale_BTn[row, :length]
+        if copy:
+            hidden, scale = hidden.copy(), None if scale is None else scale.copy()
+        shard_writer.write_sample(index, hidden, scale, input_ids, loss_mask)

@@ -1,5 +1,5 @@
 """Smoke test of the benchmark tools: each runs with --quick on the CPU, prints its table and
-writes its JSON. The three run in parallel (they are independent processes). No timing asserts."""
+writes its JSON. They run in parallel (they are independent processes). No timing asserts."""
 
 import json
 import os
@@ -16,6 +16,7 @@ TOOLS = {
     "bench_stage2": (["--quick", "--loader", "--fed-epochs", "3", "--profile", "{tmp}/trace"],
                      "## stage two training step", ("modes", "loader", "fed", "profile")),
     "bench_codecs": (["--quick", "--sources", "random-target"], "## codecs", ("sources",)),
+    "bench_handoff": (["--quick"], "## hand-off", ("fresh", "slots")),
 }
 
 

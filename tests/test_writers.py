@@ -26,11 +26,15 @@ def padded_batch(rng, lengths):
     return CapturedBatch(parts={"hidden": bits}, ready=None), samples
 
 
-def write_store(path, rng, lengths, row_ids, processes, poison=None):
-    plans = plan_shards(lengths, row_ids, EDGES, shard_tokens=120)
+ROW_BYTES = N_LAYERS * HIDDEN * 2  # bf16 bits per token
+
+
+def write_store(path, rng, lengths, row_ids, processes, poison=None, batch_bytes=0, shard_tokens=120,
+                options=OPTIONS):
+    plans = plan_shards(lengths, row_ids, EDGES, shard_tokens=shard_tokens)
     create_or_open_store(str(path), root_attrs("bf16", plans), overwrite=False)
     expected = {}
-    pool = WriterPool(processes, str(path), lengths, row_ids, OPTIONS)
+    pool = WriterPool(processes, str(path), lengths, row_ids, options, batch_bytes=batch_bytes)
     try:
         for key, plan in enumerate(plans):
             pool.open_shard(key, plan)
@@ -53,11 +57,24 @@ def write_store(path, rng, lengths, row_ids, processes, poison=None):
     return plans, committed, expected
 
 
-def test_writer_processes_write_what_they_are_given(tmp_path):
+@pytest.mark.parametrize("slot_rows", [0, 64, 4096], ids=["no-slots", "some-batches-too-big", "slots"])
+def test_writer_processes_write_what_they_are_given(tmp_path, monkeypatch, slot_rows):
+    """Batches travel in reused shared-memory slots, or in fresh shared tensors when larger than a
+    slot (batches here hold 3 to 189 rows); either way every row lands as given."""
+    import stages.writers as writers
+
+    fresh = []
+    monkeypatch.setattr(writers, "to_shared_memory",
+                        lambda captured, original=writers.to_shared_memory: fresh.append(1) or original(captured))
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 64, size=30)
     row_ids = np.arange(30) * 3 + 7
-    plans, committed, expected = write_store(tmp_path / "store", rng, lengths, row_ids, processes=2)
+    plans, committed, expected = write_store(tmp_path / "store", rng, lengths, row_ids, processes=2,
+                                             batch_bytes=slot_rows * ROW_BYTES)
+    num_batches = sum(-(-len(plan.sample_indices) // 3) for plan in plans)
+    assert len(fresh) == {0: num_batches, 4096: 0}.get(slot_rows, len(fresh))
+    if slot_rows == 64:
+        assert 0 < len(fresh) < num_batches
     assert len(committed) == len(plans) >= 3
     reader = StoreReader(str(tmp_path / "store"))
     assert len(reader) == 30
@@ -69,12 +86,28 @@ def test_writer_processes_write_what_they_are_given(tmp_path):
         np.testing.assert_array_equal(sample["loss_mask"], mask)
 
 
+def test_slots_are_reused_only_after_their_rows_are_copied(tmp_path):
+    """A shard writer holds rows until a whole zarr shard file is full: with files far larger than
+    a shard, nothing is written before the commit, while every slot is reused many times over."""
+    rng = np.random.default_rng(2)
+    lengths = rng.integers(1, 64, size=60)
+    row_ids = np.arange(60)
+    options = dict(OPTIONS, rows_per_zarr_shard=4096)
+    plans, committed, expected = write_store(tmp_path / "store", rng, lengths, row_ids, processes=1,
+                                             batch_bytes=256 * ROW_BYTES, shard_tokens=10_000, options=options)
+    assert len(plans) < 10 < sum(-(-len(plan.sample_indices) // 3) for plan in plans)
+    reader = StoreReader(str(tmp_path / "store"))
+    for index in range(len(reader)):
+        sample = reader.read_sample(index)
+        np.testing.assert_array_equal(sample["hidden"], expected[int(sample["row_id"])][0])
+
+
 def test_writer_process_error_names_the_row(tmp_path):
     rng = np.random.default_rng(1)
     lengths = rng.integers(1, 64, size=12)
     row_ids = np.arange(12) + 100
     with pytest.raises(WriterError, match=r"row 105: 1 non-finite"):
-        write_store(tmp_path / "store", rng, lengths, row_ids, processes=2, poison=5)
+        write_store(tmp_path / "store", rng, lengths, row_ids, processes=2, poison=5, batch_bytes=4096 * ROW_BYTES)
 
 
 def test_shared_memory_shortfall_is_announced(tmp_path):
