@@ -96,15 +96,28 @@ class WriterPool:
             thread.start()
 
     def hand_off(self, index: int) -> None:
-        pending, jobs = self.handoffs[index], self.job_queues[index]
-        while (job := pending.get()) is not None:
+        """Jobs of process `index` from the main thread to the process, batches through a slot.
+        Never blocks on a dead process: a job for one becomes the pool's error."""
+        pending = self.handoffs[index]
+        while True:
+            job = pending.get()
             try:
-                if job[0] == "batch":
+                if job is not None and job[0] == "batch":
                     job = (*job[:-1], self.to_slot(index, job[-1]))
-                jobs.put(job)
+                self.put_while_alive(index, job)
+            except WriterError as error:
+                self.error = self.error or str(error)
             except BaseException:  # re-raised by the main thread at its next submit or close
                 self.error = self.error or f"writer hand-off:\n{traceback.format_exc()}"
-        jobs.put(None)
+            if job is None:
+                return
+
+    def put_while_alive(self, index: int, job) -> None:
+        while True:
+            try:
+                return self.job_queues[index].put(job, timeout=RESULT_POLL_SECONDS)
+            except queue.Full:
+                self.raise_if_dead(index)
 
     def to_slot(self, index: int, captured) -> tuple[int | None, dict]:
         """Wait for the batch's device copy, then copy it into a free slot of process `index`
@@ -129,9 +142,14 @@ class WriterPool:
             try:
                 return self.free_slots[index].get(timeout=RESULT_POLL_SECONDS)
             except queue.Empty:
-                if not self.processes[index].is_alive():
-                    raise WriterError(f"writer process {self.processes[index].name} exited with code "
-                                      f"{self.processes[index].exitcode}") from None
+                self.raise_if_dead(index)
+
+    def raise_if_dead(self, index: int) -> None:
+        process = self.processes[index]
+        if not process.is_alive():
+            raise WriterError(f"writer process {process.name} died (exit code {process.exitcode}; -9 is SIGKILL, "
+                              f"e.g. the out-of-memory killer) before taking all its batches; the shards it "
+                              f"had not committed are redone by a rerun")
 
     def open_shard(self, key: int, plan) -> None:
         self._submit(key, ("open", plan))

@@ -116,3 +116,47 @@ def test_shared_memory_shortfall_is_announced(tmp_path):
     assert check_shared_memory(4, 1 << 20, where=str(tmp_path))  # 16 MiB fits any test disk
     with pytest.warns(UserWarning, match=r"extract.writer_processes or extract.batch_tokens"):
         assert not check_shared_memory(4, 1 << 60, where=str(tmp_path))
+
+
+def test_a_killed_writer_process_is_an_error_not_a_hang(tmp_path):
+    """A writer killed from outside (say, by the out-of-memory killer) holds no queue or slot
+    hostage: the next submits raise WriterError naming the process."""
+    import os
+    import signal
+    import threading
+    import time
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(8, 64, size=40)
+    row_ids = np.arange(40)
+    plans = plan_shards(lengths, row_ids, EDGES, shard_tokens=10_000)
+    create_or_open_store(str(tmp_path / "store"), root_attrs("bf16", plans), overwrite=False)
+    pool = WriterPool(1, str(tmp_path / "store"), lengths, row_ids, OPTIONS, batch_bytes=256 * ROW_BYTES)
+    outcome = []
+
+    def run():
+        try:
+            plan = plans[0]
+            pool.open_shard(0, plan)
+            os.kill(pool.processes[0].pid, signal.SIGKILL)
+            pool.processes[0].join()
+            indices = list(plan.sample_indices)
+            for start in range(0, len(indices), 2):  # more batches than the queues and slots hold
+                chunk = indices[start:start + 2]
+                captured, samples = padded_batch(rng, [int(lengths[i]) for i in chunk])
+                pool.write(0, plan.name, chunk, samples, captured)
+            pool.commit(0, plan.name)
+            pool.close()
+            outcome.append("no error")
+        except WriterError as error:
+            outcome.append(str(error))
+        finally:
+            pool.terminate()
+
+    thread = threading.Thread(target=run, daemon=True)
+    start = time.perf_counter()
+    thread.start()
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "stage one hung on a dead writer process"
+    assert len(outcome) == 1 and "dflash-writer-0 died (exit code -9" in outcome[0], outcome
+    assert time.perf_counter() - start < 60
