@@ -9,7 +9,8 @@ Data path: the main thread queues a `CapturedBatch` (pinned host tensors whose d
 may still be in flight) with no wait; one hand-off thread per process waits for the copy's
 CUDA event, copies the tensors into one of the process's shared-memory slots (/dev/shm) and
 puts the job on the process's queue; the process copies the batch's real rows out of the
-slot (its shard writer may hold rows until a zarr shard file is full) and hands the slot back. The slots are made once: a fresh shared tensor per batch cost up to a second of page
+slot (its shard writer may hold rows until a zarr shard file is full) and hands the slot
+back. The slots are made once: a fresh shared tensor per batch cost up to a second of page
 faults per GiB, part of it holding the GIL that the target's thread needs (a batch that does
 not fit a slot still goes that way). Slots and queues are bounded, so the main thread blocks
 (back-pressure) when the writers fall behind, and host memory stays bounded.
@@ -76,12 +77,12 @@ class WriterPool:
         self.results = context.Queue()
         self.job_queues = [context.Queue(maxsize=2) for _ in range(size)]
         self.free_slots = [context.Queue() for _ in range(size)]  # slot numbers, handed back by the process
-        self.slots = [[new_shared_bytes(batch_bytes) for _ in range(SLOTS_PER_WRITER if batch_bytes > 0 else 0)]
-                      for _ in range(size)]
+        num_slots = SLOTS_PER_WRITER if batch_bytes > 0 else 0
+        self.slots = [[new_shared_bytes(batch_bytes) for _ in range(num_slots)] for _ in range(size)]
         self.processes = [
             context.Process(target=writer_main, name=f"dflash-writer-{i}", daemon=True,
-                            args=(store_path, np.asarray(lengths), np.asarray(row_ids), shard_options, jobs, self.results,
-                                  self.slots[i], self.free_slots[i]))
+                            args=(store_path, np.asarray(lengths), np.asarray(row_ids), shard_options, jobs,
+                                  self.results, self.slots[i], self.free_slots[i]))
             for i, jobs in enumerate(self.job_queues)
         ]
         for process in self.processes:
@@ -90,8 +91,8 @@ class WriterPool:
             for number in range(len(slots)):
                 free.put(number)
         self.handoffs = [queue.Queue(maxsize=2) for _ in range(size)]
-        self.threads = [threading.Thread(target=self.hand_off, args=(i,), daemon=True, name=f"dflash-writer-handoff-{i}")
-                        for i in range(size)]
+        self.threads = [threading.Thread(target=self.hand_off, args=(i,), daemon=True,
+                                         name=f"dflash-writer-handoff-{i}") for i in range(size)]
         for thread in self.threads:
             thread.start()
 

@@ -663,9 +663,9 @@ def report(args, results: dict) -> None:
                       loader["headroom"] if loader["headroom"] is not None else "n/a"]])
     if "fed" in results:
         fed = results["fed"]
+        stand_in = fed.get("stand_in_tokens_per_s")
         print_table("steps fed by the loader (stages.train's loop: next(loader), to_device, train_step)"
-                    + (f"; stand-in step at {fed['stand_in_tokens_per_s']:,.0f} tokens/s" if "stand_in_tokens_per_s" in fed
-                       else ""),
+                    + (f"; stand-in step at {stand_in:,.0f} tokens/s" if stand_in else ""),
                     ["workers", "timed steps", "ms/step", "tokens/s", "data wait"],
                     [[fed["num_workers"], fed["timed_steps"], fed["ms_per_step"], fed["tokens_per_s"],
                       fed["data_wait"]]])

@@ -2,7 +2,8 @@
 
 From measured rates (the JSON files of bench_stage1.py and bench_stage2.py):
   offline: stage one runs the target once over the data (full stage-one path, tokens/s per
-           GPU, before the writers' final drain, whose seconds are added once), stage two trains `epochs` epochs from the store (tokens/s per GPU);
+           GPU, before the writers' final drain, whose seconds are added once), stage two
+           trains `epochs` epochs from the store (tokens/s per GPU);
   online:  every epoch runs the target forward again (the bare forward's tokens/s per GPU;
            the online trainer needs the hidden states but not the store) and trains the drafter
            on the same GPUs at the same stage-two rate.
