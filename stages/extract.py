@@ -216,7 +216,7 @@ def encoded_batch_bytes(config, target) -> int:
     """Upper bound of one encoded batch on the host: batch_tokens rows plus 25% for the
     padding of short sequences, of `n*H` codec values (and n fp32 scales)."""
     num_layers = len(target.layer_ids)
-    per_row = num_layers * target.hidden_size * (1 if config.store.codec == "fp8" else 2)
+    per_row = num_layers * target.hidden_size * store.HIDDEN_DTYPES[config.store.codec].itemsize
     per_row += 4 * num_layers if config.store.codec == "fp8" else 0
     return int(1.25 * config.extract.batch_tokens) * per_row
 

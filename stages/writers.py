@@ -128,9 +128,8 @@ class WriterPool:
         slots = self.slots[index]
         layout, offset = {}, 0
         for name, tensor in captured.parts.items():
-            nbytes = tensor.numel() * tensor.element_size()
             layout[name] = (offset, tensor.dtype, tuple(tensor.shape))
-            offset += -(-nbytes // SLOT_ALIGN) * SLOT_ALIGN
+            offset += -(-tensor.nbytes // SLOT_ALIGN) * SLOT_ALIGN
         if not slots or offset > slots[0].numel():
             return None, to_shared_memory(captured)
         slot = self.wait_free_slot(index)
@@ -220,7 +219,7 @@ def new_shared_bytes(nbytes: int) -> torch.Tensor:
 
 def slot_view(slot: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
     """The part of `slot` that holds one tensor of `dtype` and `shape` from byte `offset`."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     return slot[offset:offset + nbytes].view(dtype).view(shape)
 
 

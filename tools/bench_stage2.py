@@ -247,6 +247,11 @@ def compile_summary() -> dict:
     return {"seconds": seconds, "unique_graphs": int(utils.counters["stats"].get("unique_graphs", 0))}
 
 
+def describe_compile(summary: dict) -> str:
+    phases = ", ".join(f"{COMPILE_PHASES[k]} {v:.1f} s" for k, v in summary.get("seconds", {}).items())
+    return f"{summary.get('unique_graphs', 0)} graphs; {phases or 'no compile finished yet'}"
+
+
 class CompileMonitor:
     """Prints the compile time so far every `every` seconds while a warm-up runs, so a run cut
     short by its time limit still shows where its warm-up went."""
@@ -268,10 +273,8 @@ class CompileMonitor:
         if os.environ.get("RANK", "0") != "0":
             return
         while not self.done.wait(self.every):
-            summary = compile_summary()
-            phases = ", ".join(f"{COMPILE_PHASES[k]} {v:.0f} s" for k, v in summary.get("seconds", {}).items())
             print(f"{self.name}: {time.perf_counter() - self.start:.0f} s into warm-up; compiled so far: "
-                  f"{summary.get('unique_graphs', 0)} graphs; {phases or 'no compile finished yet'}", flush=True)
+                  f"{describe_compile(compile_summary())}", flush=True)
 
 
 def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -> dict:
@@ -280,8 +283,7 @@ def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -
         warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s)
     compiled = compile_summary()
     if compiled and os.environ.get("RANK", "0") == "0":
-        print(f"{name}: compile totals after warm-up: {compiled['unique_graphs']} graphs; "
-              + ", ".join(f"{COMPILE_PHASES[k]} {v:.1f} s" for k, v in compiled["seconds"].items()), flush=True)
+        print(f"{name}: compile totals after warm-up: {describe_compile(compiled)}", flush=True)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
     times_ms = time_steps(wrapped, ctx, optimizer, steps, config, num_steps)
