@@ -14,11 +14,24 @@
 #   part d:  DDP over both GPUs, the peers' step (against the one-GPU 303.4 ms)
 #   part e:  GPU 0: default budget, loader, steps fed by the loader (data wait), profile;
 #            GPU 1 at the same time: the compiled peers' step
-# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e
+#   part f:  part e with the host's cores split in half between the two GPUs' processes (so the
+#            data wait is measured with a single-GPU host's 16 cores, not under the other GPU's
+#            compile), and the compile caches packed into $LOGS/inductor-cache.tgz.* for part g
+#   part g:  DDP over both GPUs (compile caches from part f unpacked first if carried in
+#            .cache-carry/), then stage one on both GPUs at once with the time left (the writer
+#            hand-off slots on the GPU)
+# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g
 set -uo pipefail
 LOGS=${LOGS:-/tmp/dflash-logs}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=offline
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
+START=$SECONDS
+half_cores() {  # half_cores 0|1: the first or second half of this host's cores, for taskset
+  local n; n=$(nproc); local h=$((n / 2))
+  if [ "$1" = 0 ]; then echo "0-$((h - 1))"; else echo "$h-$((n - 1))"; fi
+}
+pin_to() { if command -v taskset > /dev/null; then taskset -c "$(half_cores "$1")" "${@:2}"; else "${@:2}"; fi; }
 case "${1:-}" in
   a)
     CUDA_VISIBLE_DEVICES=0 timeout 300 python3 tools/bench_stage1.py --codecs fp8 --out "$LOGS/s1_one.json" \
@@ -71,8 +84,42 @@ case "${1:-}" in
     wait
     tail -n 24 "$LOGS"/s2_*.log
     ;;
+  f)
+    echo "cores: $(nproc); GPU 0 process on $(half_cores 0), GPU 1 process on $(half_cores 1)"
+    CUDA_VISIBLE_DEVICES=0 pin_to 0 timeout 555 python3 tools/bench_stage2.py --modes default --steps 4 \
+      --distinct-steps 2 --loader --workers 8 --fed-epochs 4 --profile /tmp/trace --out "$LOGS/s2_default.json" \
+      > "$LOGS/s2_default.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 pin_to 1 timeout 555 python3 tools/bench_stage2.py --compile --modes peer --steps 6 \
+      --distinct-steps 1 --out "$LOGS/s2_compiled.json" > "$LOGS/s2_compiled.log" 2>&1 &
+    wait
+    tar czf /tmp/inductor-cache.tgz -C "$TORCHINDUCTOR_CACHE_DIR" . && du -h /tmp/inductor-cache.tgz
+    split -b 15M -d -a 1 /tmp/inductor-cache.tgz "$LOGS/inductor-cache.tgz."
+    ls "$LOGS"/inductor-cache.tgz.* | wc -l | awk '$1 > 3 {print "cache too large to carry back"}'
+    tail -n 24 "$LOGS"/s2_*.log
+    ;;
+  g)
+    if ls .cache-carry/inductor-cache.tgz.* > /dev/null 2>&1; then
+      mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && cat .cache-carry/inductor-cache.tgz.* | tar xzf - -C "$TORCHINDUCTOR_CACHE_DIR"
+      echo "compile cache from part f unpacked: $(du -sh "$TORCHINDUCTOR_CACHE_DIR" | cut -f1)"
+    fi
+    timeout 400 torchrun --nproc-per-node 2 tools/bench_stage2.py --modes peer --steps 10 --distinct-steps 1 \
+      --out "$LOGS/s2_ddp.json" > "$LOGS/s2_ddp.log" 2>&1
+    echo "ddp: rc=$? after $((SECONDS - START)) s"
+    left=$((575 - (SECONDS - START)))
+    if [ "$left" -gt 150 ]; then
+      for gpu in 0 1; do
+        CUDA_VISIBLE_DEVICES=$gpu pin_to $gpu timeout "$left" python3 tools/bench_stage1.py --codecs fp8 \
+          --out "$LOGS/s1_two_$gpu.json" --store-dir "/tmp/s1-two-$gpu" > "$LOGS/s1_two_$gpu.log" 2>&1 &
+      done
+      wait
+      grep -h '^\[' "$LOGS"/s1_*.log
+    else
+      echo "stage one skipped: ${left} s left"
+    fi
+    tail -n 14 "$LOGS/s2_ddp.log"
+    ;;
   *)
-    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e" >&2
+    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g" >&2
     exit 2
     ;;
 esac
