@@ -73,3 +73,50 @@ def test_gpu_hours_reads_the_bench_results(tool_runs):
     train = json.loads(stage2.read_text())["modes"]["default"]["tokens_per_s"]
     expected = (6 / bare + 6 / train) / (stage_one + 6 / train)
     assert f"online / offline = {expected:.2f}x" in result.stdout
+
+
+def test_profile_names_who_called_the_synchronising_line():
+    """bench_stage2's sync report keeps the stack above a warned sync (the line alone is only the
+    library function that synchronised), counts per site, and ignores other warnings, also
+    set_sync_debug_mode's own notice (which mentions "synchronizing operations")."""
+    import warnings
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_stage2 import warning_sites
+
+    def library_sync():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    def caller_in_a_step():
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                      "synchronizing operations")
+        library_sync()
+        library_sync()
+        warnings.warn("an unrelated warning")
+
+    sites = warning_sites(caller_in_a_step, "called a synchronizing CUDA operation")
+    assert len(sites) == 1
+    (site, found), = sites.items()
+    assert site.endswith(".py:" + str(library_sync.__code__.co_firstlineno + 1))
+    assert found["count"] == 2
+    assert any("in caller_in_a_step" in frame for frame in found["stack"])
+    assert found["stack"][-1].endswith("in library_sync")
+
+
+def test_profile_counts_only_syncs_inside_the_steps():
+    """The bench's closing synchronize and torch.profiler's own on exit lie outside the steps."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_stage2 import count_sync_events
+
+    def event(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    events = [event("cudaDeviceSynchronize", 10, 12), event("cudaStreamSynchronize", 20, 21),
+              event("aten::mm", 22, 30), event("cudaDeviceSynchronize", 101, 102),
+              event("cudaDeviceSynchronize", 110, 111)]
+    counts = count_sync_events(events, [(0, 50), (50, 100)])
+    assert counts["cudaDeviceSynchronize"] == 1 and counts["cudaStreamSynchronize"] == 1
+    assert count_sync_events(events, None)["cudaDeviceSynchronize"] == 3
+    assert count_sync_events(events, [])["cudaDeviceSynchronize"] == 0

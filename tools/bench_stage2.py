@@ -322,44 +322,84 @@ def summarize_mode(name, ctx, steps, times_ms, num_steps: int, warmup_s: list, c
 
 
 def profile_steps(wrapped, ctx, optimizer, steps, config, out_dir: Path, num_steps: int) -> dict:
-    """A torch.profiler trace of `num_steps` steps and the sync events per step; then the Python
-    lines that synchronise, from `torch.cuda.set_sync_debug_mode` warnings."""
-    from torch.profiler import ProfilerActivity, profile
+    """A torch.profiler trace of `num_steps` steps and the sync events inside the steps (each step
+    runs under a `record_function` label; the bench's closing synchronize and the one torch.profiler
+    makes on exit fall outside them and are not counted); then the Python lines that synchronise,
+    with the calls that led there, from `torch.cuda.set_sync_debug_mode` warnings."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     out_dir.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         for index in range(num_steps):
-            run_step(wrapped, ctx, optimizer, steps[index % len(steps)], config)
+            with record_function(f"{STEP_LABEL} {index}"):
+                run_step(wrapped, ctx, optimizer, steps[index % len(steps)], config)
         synchronize(ctx.device)
     trace = out_dir / "stage2_trace.json"
     prof.export_chrome_trace(str(trace))
-    counts = Counter()
-    for event in prof.events():
-        for name in SYNC_EVENT_NAMES:
-            if name in event.name:
-                counts[name] += 1
+    events = list(prof.events())
+    step_ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith(STEP_LABEL)]
+    counts = count_sync_events(events, step_ranges)
     return {"trace": str(trace), "profiled_steps": num_steps,
             "sync_events_per_step": {name: counts[name] / num_steps for name in SYNC_EVENT_NAMES},
+            "sync_events_outside_steps": {name: n - counts[name] for name, n in count_sync_events(events, None).items()
+                                          if n > counts[name]},
             "sync_sites": sync_sites(wrapped, ctx, optimizer, steps, config)}
 
 
+STEP_LABEL = "bench_stage2: profiled step"
+
+
+def count_sync_events(events, step_ranges) -> Counter:
+    """Profiler events per name in SYNC_EVENT_NAMES that lie inside one of `step_ranges` (all of
+    them when `step_ranges` is None): `events` need `.name` and `.time_range.start/.end`."""
+    counts = Counter()
+    for event in events:
+        start, end = event.time_range.start, event.time_range.end
+        if step_ranges is not None and not any(low <= start and end <= high for low, high in step_ranges):
+            continue
+        for name in SYNC_EVENT_NAMES:
+            if name in event.name:
+                counts[name] += 1
+    return counts
+
+
 def sync_sites(wrapped, ctx, optimizer, steps, config) -> dict:
-    """`file:line` of every synchronising call in one step (CUDA only), with counts."""
+    """Every synchronising call in one step (CUDA only): `{file:line: {count, stack}}`."""
     if ctx.device.type != "cuda":
         return {}
-    sites = Counter()
-    with warnings.catch_warnings(record=True) as caught:
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        # The text of c10's sync warning; set_sync_debug_mode's own "prototype feature ... synchronizing
+        # operations" notice is not a sync.
+        return warning_sites(lambda: run_step(wrapped, ctx, optimizer, steps[0], config),
+                             "called a synchronizing CUDA operation")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def warning_sites(fn, match: str, depth: int = 12) -> dict:
+    """Run `fn` and collect the warnings whose message contains `match`: per `file:line` the count
+    and, for the first one, the innermost `depth` frames of the Python stack that raised it (the
+    line alone names only the library function that synchronised, not who called it)."""
+    import traceback
+
+    found: dict[str, dict] = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if match not in str(message):
+            return
+        site = found.setdefault(f"{filename}:{lineno}", {"count": 0, "stack": []})
+        site["count"] += 1
+        if not site["stack"]:
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+            site["stack"] = [f"{f.filename}:{f.lineno} in {f.name}" for f in frames[-depth:]]
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            run_step(wrapped, ctx, optimizer, steps[0], config)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    for warning in caught:
-        if "synchroniz" in str(warning.message):
-            sites[f"{warning.filename}:{warning.lineno}"] += 1
-    return dict(sites.most_common())
+        warnings.showwarning = record
+        fn()
+    return found
 
 
 # --------------------------------------------------------------------------- loader
@@ -647,11 +687,17 @@ def report(args, results: dict) -> None:
                                             "peak GiB"], rows)
     if "profile" in results:
         profile = results["profile"]
-        print_table("host-device syncs per step (profiler)", ["event", "per step"],
+        print_table("host-device syncs per step (profiler, inside the profiled steps)", ["event", "per step"],
                     [[name, count] for name, count in profile["sync_events_per_step"].items()])
+        outside = profile.get("sync_events_outside_steps") or {}
+        if outside:
+            print("outside the steps (the bench's closing synchronize, torch.profiler's own on exit): "
+                  + ", ".join(f"{name} x{count}" for name, count in outside.items()))
         if profile["sync_sites"]:
             print_table("synchronising lines (set_sync_debug_mode, one step)", ["site", "count"],
-                        [[site, count] for site, count in profile["sync_sites"].items()])
+                        [[site, found["count"]] for site, found in profile["sync_sites"].items()])
+            for site, found in profile["sync_sites"].items():
+                print(f"called from (innermost last) for {site}:\n  " + "\n  ".join(found["stack"]))
         print(f"trace: {profile['trace']}")
     if "loader" in results:
         loader = results["loader"]
