@@ -343,6 +343,9 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
     timer = {"start": time.perf_counter(), "wait": 0.0}
     loss_history = torch.zeros(total_steps, dtype=torch.float64, device=ctx.device)
     first_step = step
+    notice = first_step_notice(ctx, dist)
+    if notice:
+        bar.set_postfix_str(notice)
     while step < total_steps and not stop.requested:
         schedule = schedules[cursor.epoch]
         if schedule.num_steps == 0:
@@ -364,6 +367,8 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
             if cursor.step == schedule.num_steps:
                 cursor = DataCursor(epoch=cursor.epoch + 1, step=0)
             loss_history[step - 1] = stats.values[0] / stats.micro_batches
+            if notice and step == first_step + 1:
+                bar.set_postfix_str("")
             bar.update(1)
             if step % config.train.log_every == 0 or step == total_steps:
                 log_window(config, dist, window, lr, timer, logger, step, bar, result)
@@ -379,6 +384,20 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
     result.losses = loss_history[first_step:step].tolist()  # sync: end of run
     if stop.requested and dist.is_main:
         print(f"SIGTERM: saved checkpoint {result.checkpoint} at step {step}; resume with --resume")
+
+
+def first_step_notice(ctx: TrainContext, dist: DistState) -> str:
+    """What the progress bar says while the first step compiles (CUDA only): minutes on a cold
+    compile cache, during which nothing else moves (under DDP the ranks wait for the slowest)."""
+    if ctx.device.type != "cuda":
+        return ""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # private; for the notice only
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    except ImportError:
+        cache = "the inductor cache"
+    ranks = f"; each of the {dist.world_size} ranks compiles for its own GPU" if dist.is_distributed else ""
+    return f"first step: compiling kernels, minutes on a cold cache ({cache}){ranks}"
 
 
 def pad_multiple(ctx: TrainContext) -> int:

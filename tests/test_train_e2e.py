@@ -172,3 +172,19 @@ def test_sigterm_saves_a_final_checkpoint(config_path, tmp_path):
     step = load_checkpoint(latest_checkpoint(run_dir)).step
     assert 0 < step < 8, "SIGTERM must land mid-run"
     assert "SIGTERM: saved checkpoint" in stdout
+
+
+def test_first_step_notice_names_the_compile_cache_on_cuda_only(monkeypatch):
+    """The bar says why the first CUDA step takes minutes (and where the cache lives); not on CPU."""
+    from types import SimpleNamespace
+
+    from dflash.dist import DistState
+
+    one = DistState(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    assert train.first_step_notice(SimpleNamespace(device=torch.device("cpu")), one) == ""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/inductor")
+    cuda = SimpleNamespace(device=torch.device("cuda", 1))
+    notice = train.first_step_notice(cuda, one)
+    assert "compiling" in notice and "/scratch/inductor" in notice and "ranks" not in notice
+    three = DistState(rank=1, world_size=3, local_rank=1, device=torch.device("cuda", 1))
+    assert "each of the 3 ranks compiles for its own GPU" in train.first_step_notice(cuda, three)

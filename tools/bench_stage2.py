@@ -253,8 +253,8 @@ def describe_compile(summary: dict) -> str:
 
 
 class CompileMonitor:
-    """Prints the compile time so far every `every` seconds while a warm-up runs, so a run cut
-    short by its time limit still shows where its warm-up went."""
+    """Prints the compile time so far every `every` seconds while a warm-up runs (every rank under
+    DDP), so a run cut short by its time limit still shows where its warm-up went."""
 
     def __init__(self, name: str, every: float = 30.0):
         self.name, self.every, self.done = name, every, threading.Event()
@@ -270,10 +270,10 @@ class CompileMonitor:
         self.thread.join()
 
     def report(self) -> None:
-        if os.environ.get("RANK", "0") != "0":
-            return
+        # Every rank reports under DDP: the first step waits for the slowest rank's compile.
+        rank = f"rank {os.environ['RANK']}, " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         while not self.done.wait(self.every):
-            print(f"{self.name}: {time.perf_counter() - self.start:.0f} s into warm-up; compiled so far: "
+            print(f"{self.name}: {rank}{time.perf_counter() - self.start:.0f} s into warm-up; compiled so far: "
                   f"{describe_compile(compile_summary())}", flush=True)
 
 
