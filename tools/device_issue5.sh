@@ -22,8 +22,9 @@
 #            device index, and rank 1 (cuda:1) compiles cold, ~290 s, while rank 0 waits in NCCL
 #   part h:  stage one on both GPUs at once, each with half the cores (the writer hand-off slots
 #            on the GPU; ~5 min cold: flash-linear-attention autotunes first)
+#   part i:  GPU 0: the compiled default budget and its profile; GPU 1: stage one (one rank)
 # Parts f and g ran on 2026-11-30 (g's DDP step came from the same torchrun command given 450 s).
-# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g|h
+# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g|h|i
 set -uo pipefail
 LOGS=${LOGS:-/tmp/dflash-logs}
 mkdir -p "$LOGS"
@@ -119,8 +120,25 @@ case "${1:-}" in
     wait
     grep -h '^\[' "$LOGS"/s1_*.log
     ;;
+  i)
+    # What issue 5 still lacks, in one call: the compiled default budget (with the profile's
+    # per-step sync count since a0f05e6) on GPU 0, stage one with the hand-off slots on GPU 1.
+    # Part f's compile cache, if carried in .cache-carry/, spares the graphs both share (both on cuda:0).
+    if ls .cache-carry/inductor-cache.tgz.* > /dev/null 2>&1; then
+      mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+      cat .cache-carry/inductor-cache.tgz.* | tar xzf - -C "$TORCHINDUCTOR_CACHE_DIR"
+    fi
+    CUDA_VISIBLE_DEVICES=0 pin_to 0 timeout 570 python3 tools/bench_stage2.py --compile --modes default --steps 4 \
+      --distinct-steps 2 --profile /tmp/trace --out "$LOGS/s2_default_compiled.json" \
+      > "$LOGS/s2_default_compiled.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 pin_to 1 timeout 570 python3 tools/bench_stage1.py --codecs fp8 --out "$LOGS/s1_one.json" \
+      --store-dir /tmp/s1-one > "$LOGS/s1_one.log" 2>&1 &
+    wait
+    grep -h '^\[' "$LOGS"/s1_one.log
+    tail -n 30 "$LOGS/s2_default_compiled.log"
+    ;;
   *)
-    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g|h" >&2
+    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g|h|i" >&2
     exit 2
     ;;
 esac
