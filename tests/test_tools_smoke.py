@@ -104,7 +104,8 @@ def test_profile_names_who_called_the_synchronising_line():
 
 
 def test_profile_counts_only_syncs_inside_the_steps():
-    """The bench's closing synchronize and torch.profiler's own on exit lie outside the steps."""
+    """The bench's closing synchronize and torch.profiler's own on exit lie outside the steps and
+    are not counted; device-to-host copies count wherever their GPU time falls."""
     from types import SimpleNamespace
 
     sys.path.insert(0, str(REPO / "tools"))
@@ -115,8 +116,9 @@ def test_profile_counts_only_syncs_inside_the_steps():
 
     events = [event("cudaDeviceSynchronize", 10, 12), event("cudaStreamSynchronize", 20, 21),
               event("aten::mm", 22, 30), event("cudaDeviceSynchronize", 101, 102),
-              event("cudaDeviceSynchronize", 110, 111)]
+              event("cudaDeviceSynchronize", 110, 111), event("Memcpy DtoH (Device -> Pinned)", 105, 106)]
     counts = count_sync_events(events, [(0, 50), (50, 100)])
     assert counts["cudaDeviceSynchronize"] == 1 and counts["cudaStreamSynchronize"] == 1
+    assert counts["Memcpy DtoH"] == 1  # on the GPU's timeline, which lags the host's step ranges
     assert count_sync_events(events, None)["cudaDeviceSynchronize"] == 3
     assert count_sync_events(events, [])["cudaDeviceSynchronize"] == 0
