@@ -490,15 +490,6 @@ def measure_fed(config, ctx, store_dir: Path, epochs: int, step_fn, warm_steps: 
             "anchor_slots_per_s": anchors * ctx.args.block_size / seconds}
 
 
-def train_step_fn(wrapped, ctx, optimizer, config):
-    from stages.train import to_device, train_step
-
-    def step(micro_batches):
-        train_step(wrapped, ctx, [to_device(b, ctx.device) for b in micro_batches], optimizer, config.train.lr,
-                   config.train.clip)
-    return step
-
-
 def stand_in_step_fn(tokens_per_s: float):
     """A stand-in for the GPU step: keeps the main thread busy (as eager kernel launches do) for as
     long as a trainer consuming `tokens_per_s` real tokens per second would take on these micro-batches."""
@@ -617,17 +608,9 @@ def run(args, argv, dist) -> int:
     # Loader and fed steps before the profile: a cut-short run keeps what it measured (JSON after each part).
     if args.loader and dist.is_main:
         write_results(args.out, results)
-        with tempfile.TemporaryDirectory(prefix="bench-stage2-store-") as store_dir:
-            store_path = Path(store_dir) / "store"
-            write_synthetic_store(store_path, pool, config, ctx.args, args.loader_tokens, args.seed)
-            results["loader"] = measure_loader(config, ctx, store_path, args.loader_epochs)
-            say(f"loader: {results['loader']['tokens_per_s']:,.0f} tokens/s with {results['loader']['num_workers']} "
-                f"workers", flush=True)
-            if args.fed_epochs:
-                results["fed"] = fed = measure_fed(config, ctx, store_path, args.fed_epochs,
-                                                   train_step_fn(wrapped, ctx, optimizer, config))
-                say(f"fed by the loader: {fed['ms_per_step']:,.1f} ms/step, {fed['tokens_per_s']:,.0f} tokens/s, "
-                    f"data wait {fed['data_wait']:.2%}", flush=True)
+        step_fn = (lambda micro_batches: run_step(wrapped, ctx, optimizer, micro_batches, config)) \
+            if args.fed_epochs else None
+        measure_loading(args, config, ctx, pool, results, step_fn, args.fed_epochs, say)
     if args.profile and dist.is_main:
         write_results(args.out, results)
         steps = default_data or pin(default_steps(pool, config, ctx.args, 1, seed, pad_multiple(ctx)))
@@ -650,16 +633,26 @@ def run_loader_only(args, argv, config, device) -> int:
     pool = FeaturePool(4_096, len(drafter.target_layer_ids), drafter.hidden_size, device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "drafter": config.drafter.size, "modes": {}}
+    step_fn = stand_in_step_fn(args.stand_in_tokens_per_s) if args.stand_in_tokens_per_s else None
+    measure_loading(args, config, ctx, pool, results, step_fn, args.fed_epochs or args.loader_epochs)
+    if "fed" in results:
+        results["fed"]["stand_in_tokens_per_s"] = args.stand_in_tokens_per_s
+    report(args, results)
+    return 0
+
+
+def measure_loading(args, config, ctx, pool, results: dict, step_fn, fed_epochs: int, say=lambda *a, **k: None):
+    """A synthetic store of `--loader-tokens` tokens, the loader's own rate over it (`results["loader"]`)
+    and, given a `step_fn`, `fed_epochs` epochs of steps fed by the loader (`results["fed"]`)."""
     with tempfile.TemporaryDirectory(prefix="bench-stage2-store-") as store_dir:
         store_path = Path(store_dir) / "store"
         write_synthetic_store(store_path, pool, config, ctx.args, args.loader_tokens, args.seed)
-        results["loader"] = measure_loader(config, ctx, store_path, args.loader_epochs)
-        if args.stand_in_tokens_per_s:
-            results["fed"] = measure_fed(config, ctx, store_path, args.fed_epochs or args.loader_epochs,
-                                         stand_in_step_fn(args.stand_in_tokens_per_s))
-            results["fed"]["stand_in_tokens_per_s"] = args.stand_in_tokens_per_s
-    report(args, results)
-    return 0
+        results["loader"] = loader = measure_loader(config, ctx, store_path, args.loader_epochs)
+        say(f"loader: {loader['tokens_per_s']:,.0f} tokens/s with {loader['num_workers']} workers", flush=True)
+        if step_fn is not None:
+            results["fed"] = fed = measure_fed(config, ctx, store_path, fed_epochs, step_fn)
+            say(f"fed by the loader: {fed['ms_per_step']:,.1f} ms/step, {fed['tokens_per_s']:,.0f} tokens/s, "
+                f"data wait {fed['data_wait']:.2%}", flush=True)
 
 
 def scale_to_world(numbers: dict, dist) -> None:
