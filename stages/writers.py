@@ -78,7 +78,7 @@ class WriterPool:
         self.job_queues = [context.Queue(maxsize=2) for _ in range(size)]
         self.free_slots = [context.Queue() for _ in range(size)]  # slot numbers, handed back by the process
         num_slots = SLOTS_PER_WRITER if batch_bytes > 0 else 0
-        self.slots = [[new_shared_bytes(batch_bytes) for _ in range(num_slots)] for _ in range(size)]
+        self.slots = [make_slots(batch_bytes, num_slots, free) for free in self.free_slots]
         self.processes = [
             context.Process(target=writer_main, name=f"dflash-writer-{i}", daemon=True,
                             args=(store_path, np.asarray(lengths), np.asarray(row_ids), shard_options, jobs,
@@ -87,9 +87,6 @@ class WriterPool:
         ]
         for process in self.processes:
             process.start()
-        for free, slots in zip(self.free_slots, self.slots):
-            for number in range(len(slots)):
-                free.put(number)
         self.handoffs = [queue.Queue(maxsize=2) for _ in range(size)]
         self.threads = [threading.Thread(target=self.hand_off, args=(i,), daemon=True,
                                          name=f"dflash-writer-handoff-{i}") for i in range(size)]
@@ -215,6 +212,14 @@ class WriterPool:
 def new_shared_bytes(nbytes: int) -> torch.Tensor:
     """A flat uint8 tensor in shared memory; its pages are only allocated when first written."""
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+
+
+def make_slots(batch_bytes: int, count: int, free) -> list[torch.Tensor]:
+    """`count` shared-memory slots of `batch_bytes` each, their numbers put on the queue `free`."""
+    slots = [new_shared_bytes(batch_bytes) for _ in range(count)]
+    for number in range(count):
+        free.put(number)
+    return slots
 
 
 def slot_view(slot: torch.Tensor, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:

@@ -37,13 +37,11 @@ class AliveProcess:
 
 def hand_off_pool(batch_bytes: int, num_slots: int):
     """A WriterPool's hand-off state alone (no processes): `num_slots` slots of `batch_bytes`."""
-    from stages.writers import WriterPool, new_shared_bytes
+    from stages.writers import WriterPool, make_slots
 
     pool = WriterPool.__new__(WriterPool)
-    pool.slots = [[new_shared_bytes(batch_bytes) for _ in range(num_slots)]]
     pool.free_slots = [queue.Queue()]
-    for number in range(num_slots):
-        pool.free_slots[0].put(number)
+    pool.slots = [make_slots(batch_bytes, num_slots, pool.free_slots[0])]
     pool.processes = [AliveProcess()]
     return pool
 
