@@ -239,6 +239,15 @@ class TargetModel:
 
         Rows at padded positions hold whatever the model computed there; callers keep only
         the first `attention_mask_BT[b].sum()` rows of each sequence.
+
+        The model runs without the mask. In a causal LM a position only sees the positions
+        before it, so right padding cannot change a real row (tests compare every row with the
+        same sequence run alone, Qwen3.5 and Llama). The mask would only change the padded
+        rows. Passing it costs host-device syncs in transformers: for Qwen3.5, 3 per forward (the
+        `padding_mask.all()` checks of masking_utils and of the linear-attention layers) instead
+        of the one left without it (its packed-sequence check of the position ids). Each sync
+        idles the GPU until this thread launches again. The mask also keeps SDPA off its
+        causal kernels.
         """
         if input_ids_BT.ndim != 2 or input_ids_BT.shape != attention_mask_BT.shape:
             raise ValueError(f"capture: input_ids {tuple(input_ids_BT.shape)} and attention_mask "
@@ -253,11 +262,7 @@ class TargetModel:
         )
         self._filled_slots = set()
         try:
-            self.base_model(
-                input_ids=input_ids_BT.to(self.device, non_blocking=True),
-                attention_mask=attention_mask_BT.to(self.device, non_blocking=True),
-                use_cache=False,
-            )
+            self.base_model(input_ids=input_ids_BT.to(self.device, non_blocking=True), use_cache=False)
             captured_BTnH = self._capture_BTnH
         finally:
             self._capture_BTnH = None

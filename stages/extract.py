@@ -39,6 +39,7 @@ class ExtractResult:
     bad_rows: dict = field(default_factory=dict)
     writer_wait_seconds: float = 0.0  # the target's thread blocked on full writer queues (back-pressure)
     drain_seconds: float = 0.0  # after the last forward, waiting for the writers to finish
+    handoff: dict = field(default_factory=dict)  # the writer hand-off threads' seconds (WriterPool.handoff)
 
     @property
     def tokens_per_second(self) -> float:
@@ -205,6 +206,7 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, result
     finally:
         bar.close()
     result.writer_wait_seconds += writers.blocked_seconds
+    result.handoff = dict(writers.handoff)
     for stats in committed:
         result.shards_written += 1
         result.num_samples += stats["num_samples"]

@@ -155,6 +155,26 @@ def test_batched_right_padded_capture_equals_single_rows(qwen35_target):
                                    msg=f"row {row} (length {len(seq)})")
 
 
+def test_capture_reads_no_scalar_from_the_model(qwen35_target, llama):
+    """A scalar read of a device tensor is a host-device sync. Capture makes the right-padding
+    check on the host mask and at most one in the model (transformers' packed-sequence check);
+    a forward given the mask makes more (Qwen3.5: 3), each idling the GPU between batches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llama_target = load_target(llama[0], "cpu", dtype=torch.float32, layer_ids=[0, 2])
+    for target, vocab_size in ((qwen35_target, 248320), (llama_target, 512)):
+        batch = pad_batch(random_seqs([12, 30, 7], vocab_size, seed=8), pad_id=0)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            target.capture(*batch)
+        reads = sum(e.name == "aten::_local_scalar_dense" for e in prof.events())
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with torch.no_grad():
+                target.base_model(input_ids=batch[0], attention_mask=batch[1], use_cache=False)
+        masked = sum(e.name == "aten::_local_scalar_dense" for e in prof.events())
+        assert reads <= 2, f"{target.model_type}: {reads} scalar reads in capture"
+        assert reads - 1 < masked, f"{target.model_type}: capture's forward reads {reads - 1}, masked {masked}"
+
+
 def test_layers_after_last_id_and_lm_head_never_run(qwen35_target):
     layers = qwen35_target.base_model.layers
     assert len(layers) == QWEN_LAYER_IDS[-1] + 1  # 6 of 8 kept

@@ -122,3 +122,36 @@ def test_profile_counts_only_syncs_inside_the_steps():
     assert counts["Memcpy DtoH"] == 1  # on the GPU's timeline, which lags the host's step ranges
     assert count_sync_events(events, None)["cudaDeviceSynchronize"] == 3
     assert count_sync_events(events, [])["cudaDeviceSynchronize"] == 0
+
+
+def test_gpu_timeline_finds_the_idle_gaps_and_what_the_launching_thread_did():
+    """bench_stage1's reading of a profiler trace, on a hand-made one: overlapping kernels merge,
+    a copy counts as busy, gaps >= 1 ms are listed with the annotation thread's events in them,
+    and events outside the annotation or on other threads are not blamed."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_stage1 import gpu_timeline
+
+    label = "bench_stage1 full path"
+    events = [
+        {"cat": "user_annotation", "name": label, "ts": 0.0, "dur": 100_000.0, "tid": 1},
+        {"cat": "kernel", "name": "gemm", "ts": 10_000.0, "dur": 10_000.0},
+        {"cat": "kernel", "name": "gemm", "ts": 15_000.0, "dur": 15_000.0},  # overlaps: busy 10-30 ms
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH", "ts": 30_000.0, "dur": 5_000.0},  # busy to 35 ms
+        {"cat": "kernel", "name": "gemm", "ts": 35_500.0, "dur": 4_500.0},  # a 0.5 ms gap: not listed
+        {"cat": "kernel", "name": "gemm", "ts": 60_000.0, "dur": 20_000.0},  # the 20 ms gap 40-60 ms
+        {"cat": "kernel", "name": "late", "ts": 200_000.0, "dur": 1_000.0},  # outside the annotation
+        {"cat": "cpu_op", "name": "aten::pin_memory", "ts": 38_000.0, "dur": 12_000.0, "tid": 1},  # 10 ms in gap
+        {"cat": "cuda_runtime", "name": "cudaHostAlloc", "ts": 39_000.0, "dur": 6_000.0, "tid": 1},  # 5 ms in gap
+        {"cat": "cpu_op", "name": "aten::copy_", "ts": 40_000.0, "dur": 20_000.0, "tid": 2},  # another thread
+    ]
+    summary = gpu_timeline({"traceEvents": events}, label)
+    assert summary["span_s"] == pytest.approx(0.070)  # 10 ms .. 80 ms
+    assert summary["busy_s"] == pytest.approx(0.0495)  # 25 + 4.5 + 20 ms
+    assert summary["idle_s"] == pytest.approx(0.0205)
+    assert summary["kernel_s"] == pytest.approx(0.0495)  # kernels only (no copy), overlaps counted twice
+    assert summary["gaps_over_1ms"] == 1 and summary["gap_seconds_over_1ms"] == pytest.approx(0.020)
+    (gap,) = summary["longest_gaps"]
+    assert gap["at_s"] == pytest.approx(0.030) and gap["main_thread_in"] == ["aten::pin_memory", "cudaHostAlloc"]
+    assert summary["main_thread_during_gaps_s"] == pytest.approx({"aten::pin_memory": 0.010, "cudaHostAlloc": 0.005})
+    assert summary["host_calls"]["cudaHostAlloc (main)"]["count"] == 1
+    assert summary["host_calls"]["aten::copy_ (other threads)"]["seconds"] == pytest.approx(0.020)

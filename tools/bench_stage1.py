@@ -4,7 +4,8 @@ Builds a Qwen3.5-27B-shaped target from a config with random bf16 weights direct
 GPU (no download), draws a realistic length mix, and runs the same right-padded,
 length-bucketed batches through
   1. the bare transformers forward, `model(input_ids, attention_mask, logits_to_keep=1)`
-     with nothing kept (the reference),
+     with nothing kept (the reference), and the same without the padding mask (capture runs
+     the model without it: right padding cannot change a real row of a causal LM),
   2. `capture only`: `TargetModel.capture` (layers after the last captured id dropped) +
      `codecs.encode` on the GPU + copy to host, nothing written,
   3. the writers alone: the same path fed with already captured batches (no forward), the
@@ -16,6 +17,10 @@ shards after the last forward): that tail is paid once per rank per run, so the 
 is what a long run converges to. It prints tokens/s, the ratio to the bare forward, MFU (2 x params of the layers run x
 tokens, plus the causal score FLOPs of the full-attention layers run, over 790 TFLOP/s),
 stored bytes/token per codec and the write rate, and writes the numbers as JSON to `--out`.
+
+`--profile DIR` then runs the capture-only and the full pass once more under torch.profiler
+and reads the GPU's timeline: how long the GPU sat idle inside each pass, its longest gaps,
+and what the target's thread was doing meanwhile (the explanation of any gap between them).
 
     python tools/bench_stage1.py --out bench/stage1.json            # H200
     python tools/bench_stage1.py --quick --out /tmp/stage1.json     # tiny target on CPU
@@ -204,8 +209,9 @@ def attention_flops(config, layers_run: int, lengths) -> float:
 # --------------------------------------------------------------------------- passes
 
 
-def time_bare_forward(model, batches, device) -> float:
-    """Seconds for `model(..., logits_to_keep=1)` over every batch; outputs are dropped."""
+def time_bare_forward(model, batches, device, mask: bool = True) -> float:
+    """Seconds for `model(..., logits_to_keep=1)` over every batch (with or without the padding
+    mask); outputs are dropped."""
     from dflash.target import pad_batch
 
     synchronize(device)
@@ -214,7 +220,8 @@ def time_bare_forward(model, batches, device) -> float:
         for batch in batches:
             input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0)
             model(input_ids=input_ids.to(device, non_blocking=True),
-                  attention_mask=attention_mask.to(device, non_blocking=True), logits_to_keep=1, use_cache=False)
+                  attention_mask=attention_mask.to(device, non_blocking=True) if mask else None, logits_to_keep=1,
+                  use_cache=False)
     synchronize(device)
     return time.perf_counter() - start
 
@@ -304,7 +311,108 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     stats = store.store_stats(str(store_dir))
     return {"seconds": seconds, "stored_bytes": stats["total"]["stored_bytes"], "tokens": stats["total"]["tokens"],
             "bytes_per_token": stats["total"]["bytes_per_token"], "writer_processes": writer_processes,
-            "writer_wait_seconds": result.writer_wait_seconds, "drain_seconds": result.drain_seconds}
+            "writer_wait_seconds": result.writer_wait_seconds, "drain_seconds": result.drain_seconds,
+            "handoff": result.handoff}
+
+
+# --------------------------------------------------------------------------- GPU timeline
+
+GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_EVENT_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+GAP_SECONDS = 1e-3  # GPU idle stretches at least this long are listed one by one
+HOST_CALLS = ("cudaHostAlloc", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize",
+              "cudaMemcpyAsync", "cudaLaunchKernel", "aten::copy_", "aten::pin_memory", "aten::_local_scalar_dense")
+
+
+def profiled_pass(label: str, out_dir: Path, device, fn) -> dict:
+    """Run `fn()` under torch.profiler inside a `label` annotation (the device synchronised
+    before the annotation closes), write the Chrome trace and summarise it (`gpu_timeline`)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        with record_function(label):
+            fn()
+            synchronize(device)
+    trace = out_dir / f"{label.replace(' ', '_').replace(':', '')}.json"
+    prof.export_chrome_trace(str(trace))
+    summary = gpu_timeline(json.loads(trace.read_text()), label)
+    summary["trace"] = str(trace)
+    return summary
+
+
+def gpu_timeline(trace: dict, label: str) -> dict:
+    """The GPU's busy and idle time inside the `label` annotation of a torch.profiler Chrome
+    trace, from its first to its last device event (kernels, copies, memsets), and what the
+    annotation's thread (the one that launches the target's kernels) was in during the idle
+    stretches: seconds of overlap per event name (nested events each count), the longest gaps,
+    and every thread's time in the host calls that can hold the launching thread back."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    window = next(e for e in events if e.get("cat") == "user_annotation" and e.get("name") == label)
+    low, high, main_tid = window["ts"], window["ts"] + window["dur"], window["tid"]
+    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                 if e.get("cat") in GPU_EVENT_CATEGORIES and low <= e["ts"] <= high)
+    busy, merged = 0.0, []
+    for start, end in gpu:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    busy = sum(end - start for start, end in merged)
+    span = merged[-1][1] - merged[0][0] if merged else 0.0
+    gaps = [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)
+            if merged[i + 1][0] - merged[i][1] >= GAP_SECONDS * 1e6]
+    host = [e for e in events if e.get("cat") in HOST_EVENT_CATEGORIES and e.get("name") != label
+            and low <= e["ts"] <= high]
+    main = [e for e in host if e["tid"] == main_tid]
+    in_gaps: dict[str, float] = {}
+    listed = []
+    for start, end in gaps:
+        overlapping = []
+        for e in main:
+            overlap = min(end, e["ts"] + e.get("dur", 0)) - max(start, e["ts"])
+            if overlap > 0:
+                in_gaps[e["name"]] = in_gaps.get(e["name"], 0.0) + overlap / 1e6
+                overlapping.append((overlap, e["name"]))
+        listed.append({"at_s": (start - merged[0][0]) / 1e6, "seconds": (end - start) / 1e6,
+                       "main_thread_in": [name for _, name in sorted(overlapping, reverse=True)[:4]]})
+    calls: dict[str, dict] = {}
+    for e in host:
+        for name in HOST_CALLS:
+            if e["name"] == name:
+                thread = "main" if e["tid"] == main_tid else "other threads"
+                entry = calls.setdefault(f"{name} ({thread})", {"count": 0, "seconds": 0.0, "longest_s": 0.0})
+                entry["count"] += 1
+                entry["seconds"] += e.get("dur", 0) / 1e6
+                entry["longest_s"] = max(entry["longest_s"], e.get("dur", 0) / 1e6)
+    kernel_seconds = sum(e.get("dur", 0) for e in events
+                         if e.get("cat") == "kernel" and low <= e["ts"] <= high) / 1e6
+    return {
+        "span_s": span / 1e6, "busy_s": busy / 1e6, "idle_s": (span - busy) / 1e6,
+        "busy_fraction": busy / span if span else 0.0, "kernel_s": kernel_seconds,
+        "gaps_over_1ms": len(gaps), "gap_seconds_over_1ms": sum(end - start for start, end in gaps) / 1e6,
+        "longest_gaps": sorted(listed, key=lambda g: -g["seconds"])[:8],
+        "main_thread_during_gaps_s": dict(sorted(in_gaps.items(), key=lambda kv: -kv[1])[:12]),
+        "host_calls": calls,
+    }
+
+
+def profile_passes(target, batches, samples, bucket_edges, codec: str, args, device, store_root: Path) -> dict:
+    """The capture-only and the full pass once more, each under the profiler (`profiled_pass`)."""
+    out_dir = Path(args.profile)
+    capture = profiled_pass("bench_stage1 capture only", out_dir, device,
+                            lambda: time_capture_only(target, batches, codec, device))
+    full_numbers = {}
+
+    def full_pass():
+        full_numbers.update(run_full_path(target, samples, bucket_edges, codec, args.batch_tokens,
+                                          args.writer_processes, device, store_root / "profiled"))
+
+    full = profiled_pass("bench_stage1 full path", out_dir, device, full_pass)
+    shutil.rmtree(store_root / "profiled", ignore_errors=True)
+    full["run"] = full_numbers
+    return {"codec": codec, "capture_only": capture, "full": full}
 
 
 def synthetic_store_attrs(target, codec: str, bucket_edges, shards) -> dict:
@@ -334,6 +442,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--writer-processes", type=int, default=4, help="extract.writer_processes of the full path")
     parser.add_argument("--store-dir", default="", help="where the temporary stores go (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", default="", help="directory for profiler traces of the capture-only and full "
+                                                      "passes, run once more after the timed ones")
+    parser.add_argument("--without-prefault", action="store_true",
+                        help="also time the full path with the writer slots faulted in on first use instead of "
+                             "ahead (stages.writers.PREFAULT_SLOTS off), for comparison")
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.batch_tokens = min(args.tokens, 600), min(args.batch_tokens, 512)
@@ -379,6 +492,9 @@ def main(argv: list[str]) -> int:
     time_bare_forward(model, warmup, device)
     bare_seconds = time_bare_forward(model, batches, device)
     progress(f"bare forward: {real_tokens / bare_seconds:,.0f} tokens/s")
+    time_bare_forward(model, warmup, device, mask=False)
+    unmasked_seconds = time_bare_forward(model, batches, device, mask=False)
+    progress(f"bare forward without the padding mask: {real_tokens / unmasked_seconds:,.0f} tokens/s")
     target = TargetModel(model, layer_ids, config_hash="random-init", model_type=config.model_type)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     time_capture_only(target, warmup, codecs[0], device)
@@ -398,10 +514,21 @@ def main(argv: list[str]) -> int:
             full[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens, args.writer_processes,
                                         device, store_root / f"store-{codec}")
             shutil.rmtree(store_root / f"store-{codec}", ignore_errors=True)
-            progress(f"full stage one, {codec}: {full[codec]['tokens'] / full[codec]['seconds']:,.0f} tokens/s, "
-                     f"{full[codec]['bytes_per_token']:,.0f} B/token; of {full[codec]['seconds']:.1f} s, "
-                     f"{full[codec]['writer_wait_seconds']:.1f} s blocked on writer queues, "
-                     f"{full[codec]['drain_seconds']:.1f} s draining the writers after the last forward")
+            say_full(f"full stage one, {codec}", full[codec])
+        if args.without_prefault:
+            import stages.writers as writers
+
+            writers.PREFAULT_SLOTS = False
+            try:
+                codec = f"{codecs[0]}, slots not prefaulted"
+                full[codec] = run_full_path(target, samples, bucket_edges, codecs[0], args.batch_tokens,
+                                            args.writer_processes, device, store_root / "store-no-prefault")
+                shutil.rmtree(store_root / "store-no-prefault", ignore_errors=True)
+                say_full(f"full stage one, {codec}", full[codec])
+            finally:
+                writers.PREFAULT_SLOTS = True
+        profiled = profile_passes(target, batches, samples, bucket_edges, codecs[0], args, device,
+                                  store_root) if args.profile else None
     finally:
         if not args.store_dir:
             shutil.rmtree(store_root, ignore_errors=True)
@@ -409,15 +536,28 @@ def main(argv: list[str]) -> int:
     flops = {"bare": 2 * all_params * real_tokens + attention_flops(config, config.num_hidden_layers, lengths),
              "cut": 2 * cut_params * real_tokens + attention_flops(config, layer_ids[-1] + 1, lengths)}
     report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,
-           bare_seconds, capture_seconds, codecs[0], full, writers_only)
+           bare_seconds, unmasked_seconds, capture_seconds, codecs[0], full, writers_only, profiled)
     return 0
 
 
+def say_full(name: str, numbers: dict) -> None:
+    handoff = numbers["handoff"]
+    progress(f"{name}: {numbers['tokens'] / numbers['seconds']:,.0f} tokens/s, {numbers['bytes_per_token']:,.0f} "
+             f"B/token; of {numbers['seconds']:.1f} s, {numbers['writer_wait_seconds']:.1f} s blocked on writer "
+             f"queues, {numbers['drain_seconds']:.1f} s draining the writers after the last forward; hand-off "
+             f"threads: {handoff.get('prefault', 0):.1f} s prefaulting slots, {handoff.get('slot_copy', 0):.2f} s "
+             f"copying {handoff.get('batches', 0)} batches into slots (longest {handoff.get('slot_copy_max', 0):.2f} s)")
+
+
 def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,
-           bare_seconds, capture_seconds, capture_codec, full, writers_only) -> None:
+           bare_seconds, unmasked_seconds, capture_seconds, capture_codec, full, writers_only,
+           profiled=None) -> None:
     raw_bytes = REAL_LAYER_COUNT * config.hidden_size * 2
     bare_rate = real_tokens / bare_seconds
     rows = [["bare forward (logits_to_keep=1)", bare_rate, 1.0, mfu(flops["bare"], bare_seconds), "", "", ""]]
+    rate = real_tokens / unmasked_seconds
+    rows.append(["  same without the padding mask (as capture runs)", rate, rate / bare_rate,
+                 mfu(flops["bare"], unmasked_seconds), "", "", ""])
     rate = real_tokens / capture_seconds
     rows.append([f"capture + encode {capture_codec} + copy to host", rate, rate / bare_rate,
                  mfu(flops["cut"], capture_seconds), "", "", ""])
@@ -440,21 +580,42 @@ def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params
         numbers["tokens_per_s"] = numbers["tokens"] / numbers["seconds"]
         numbers["write_mb_per_s"] = numbers["stored_bytes"] / numbers["seconds"] / 1e6
     print_table("writer processes", ["codec", "processes", "writers alone tokens/s", "writers alone x bare"],
-                [[c, n["writer_processes"], writers_only[c]["tokens_per_s"],
-                  writers_only[c]["tokens_per_s"] / bare_rate] for c, n in full.items()])
+                [[c, n["writer_processes"], n["tokens_per_s"], n["tokens_per_s"] / bare_rate]
+                 for c, n in writers_only.items()])
+    if profiled:
+        report_profile(profiled)
     write_results(args.out, {
-        "meta": run_metadata(["tools/bench_stage1.py", *argv]), "quick": args.quick,
+        "meta": run_metadata(["tools/bench_stage1.py", *argv]), "quick": args.quick, "profile": profiled,
         "target": {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                    "layer_ids": layer_ids, "layer_params": all_params, "layer_params_run": cut_params},
         "tokens": real_tokens, "padded_tokens": padded_tokens, "tflop": {k: v / 1e12 for k, v in flops.items()},
         "raw_bf16_bytes_per_token": raw_bytes,
         "bare": {"seconds": bare_seconds, "tokens_per_s": bare_rate, "mfu": mfu(flops["bare"], bare_seconds)},
+        "bare_unmasked": {"seconds": unmasked_seconds, "tokens_per_s": real_tokens / unmasked_seconds,
+                          "ratio_to_bare": bare_seconds / unmasked_seconds,
+                          "mfu": mfu(flops["bare"], unmasked_seconds)},
         "capture_only": {"codec": capture_codec, "seconds": capture_seconds,
                          "tokens_per_s": real_tokens / capture_seconds,
                          "ratio_to_bare": real_tokens / capture_seconds / bare_rate,
                          "mfu": mfu(flops["cut"], capture_seconds)},
         "full": full, "writers_only": writers_only,
     })
+
+
+def report_profile(profiled: dict) -> None:
+    passes = {"capture only": profiled["capture_only"], f"full path, {profiled['codec']}": profiled["full"]}
+    print_table("GPU timeline (profiler)", ["pass", "span s", "GPU busy s", "busy", "kernel s", "idle s",
+                                            "gaps >= 1 ms", "in those gaps s"],
+                [[name, p["span_s"], p["busy_s"], p["busy_fraction"], p["kernel_s"], p["idle_s"], p["gaps_over_1ms"],
+                  p["gap_seconds_over_1ms"]] for name, p in passes.items()])
+    for name, p in passes.items():
+        print(f"\n{name}: the target's thread during the GPU's gaps >= 1 ms (s, nested events each count): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in p["main_thread_during_gaps_s"].items()))
+        for gap in p["longest_gaps"][:4]:
+            print(f"  gap of {gap['seconds'] * 1e3:.1f} ms at {gap['at_s']:.2f} s: {', '.join(gap['main_thread_in'])}")
+        print("  host calls: " + ", ".join(f"{k} x{v['count']} {v['seconds']:.3f} s (longest {v['longest_s']:.3f})"
+                                           for k, v in sorted(p["host_calls"].items())))
+        print(f"  trace: {p['trace']}")
 
 
 if __name__ == "__main__":

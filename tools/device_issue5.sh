@@ -23,8 +23,10 @@
 #   part h:  stage one on both GPUs at once, each with half the cores (the writer hand-off slots
 #            on the GPU; ~5 min cold: flash-linear-attention autotunes first)
 #   part i:  GPU 0: the compiled default budget and its profile; GPU 1: stage one (one rank)
+#   part j:  part i again after the stage-one host fixes (mask-free capture, one-core hand-off copies,
+#            niced writers), stage one with its profiler timeline; stage two adds the loader-fed steps
 # Parts f and g ran on 2026-11-30 (g's DDP step came from the same torchrun command given 450 s).
-# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g|h|i
+# Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g|h|i|j
 set -uo pipefail
 LOGS=${LOGS:-/tmp/dflash-logs}
 mkdir -p "$LOGS"
@@ -137,8 +139,23 @@ case "${1:-}" in
     grep -h '^\[' "$LOGS"/s1_one.log
     tail -n 30 "$LOGS/s2_default_compiled.log"
     ;;
+  j)
+    if ls .cache-carry/inductor-cache.tgz.* > /dev/null 2>&1; then
+      mkdir -p "$TORCHINDUCTOR_CACHE_DIR"
+      cat .cache-carry/inductor-cache.tgz.* | tar xzf - -C "$TORCHINDUCTOR_CACHE_DIR"
+    fi
+    CUDA_VISIBLE_DEVICES=0 pin_to 0 timeout 570 python3 tools/bench_stage2.py --compile --modes default --steps 4 \
+      --distinct-steps 2 --loader --workers 8 --fed-epochs 4 --out "$LOGS/s2_default_compiled_fed.json" \
+      > "$LOGS/s2_default_compiled_fed.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 pin_to 1 timeout 570 python3 tools/bench_stage1.py --codecs fp8 --profile /tmp/s1-profile \
+      --out "$LOGS/s1_one.json" --store-dir /tmp/s1-one > "$LOGS/s1_one.log" 2>&1 &
+    wait
+    grep -h '^\[' "$LOGS"/s1_one.log
+    sed -n '/## stage one/,$p' "$LOGS/s1_one.log"
+    tail -n 30 "$LOGS/s2_default_compiled_fed.log"
+    ;;
   *)
-    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g|h|i" >&2
+    echo "usage: LOGS=DIR DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g|h|i|j" >&2
     exit 2
     ;;
 esac
