@@ -80,9 +80,7 @@ class WriterPool:
         self.blocked_seconds = 0.0  # the caller's time blocked on full queues (back-pressure)
         # Hand-off threads' seconds: faulting the slots' pages in, waiting for device copies, waiting
         # for a free slot, copying into slots (and the longest such copy): where a batch's time goes.
-        self.handoff = {"prefault": 0.0, "device_copy_wait": 0.0, "slot_wait": 0.0, "slot_copy": 0.0,
-                        "slot_copy_max": 0.0, "batches": 0}
-        self.handoff_lock = threading.Lock()
+        self.handoff, self.handoff_lock = new_handoff_stats(), threading.Lock()
         context = mp.get_context("spawn")
         self.results = context.Queue()
         self.job_queues = [context.Queue(maxsize=2) for _ in range(size)]
@@ -241,6 +239,11 @@ class WriterPool:
         if self.error is not None:
             self.terminate()
             raise WriterError(self.error)
+
+
+def new_handoff_stats() -> dict:
+    return {"prefault": 0.0, "device_copy_wait": 0.0, "slot_wait": 0.0, "slot_copy": 0.0, "slot_copy_max": 0.0,
+            "batches": 0}
 
 
 def new_shared_bytes(nbytes: int) -> torch.Tensor:

@@ -67,9 +67,10 @@ def test_gpu_hours_reads_the_bench_results(tool_runs):
     rates = json.loads(stage1.read_text())
     bare, full = rates["bare"]["tokens_per_s"], rates["full"]["fp8"]
     # online / offline follows from the rates: 6 bare forwards + 6 epochs of training vs one stage one
-    # (at its rate before the final drain, plus the drain once) + 6 epochs
-    assert full["tokens_per_s_before_drain"] >= full["tokens_per_s"]
-    stage_one = 1 / full["tokens_per_s_before_drain"] + full["drain_seconds"] / 1e9
+    # (at its rate over the forward span, plus the seconds outside it once) + 6 epochs
+    assert full["tokens_per_s_steady"] >= full["tokens_per_s_before_drain"] >= full["tokens_per_s"]
+    assert full["fixed_seconds"] >= full["drain_seconds"]
+    stage_one = 1 / full["tokens_per_s_steady"] + full["fixed_seconds"] / 1e9
     train = json.loads(stage2.read_text())["modes"]["default"]["tokens_per_s"]
     expected = (6 / bare + 6 / train) / (stage_one + 6 / train)
     assert f"online / offline = {expected:.2f}x" in result.stdout
@@ -153,5 +154,8 @@ def test_gpu_timeline_finds_the_idle_gaps_and_what_the_launching_thread_did():
     (gap,) = summary["longest_gaps"]
     assert gap["at_s"] == pytest.approx(0.030) and gap["main_thread_in"] == ["aten::pin_memory", "cudaHostAlloc"]
     assert summary["main_thread_during_gaps_s"] == pytest.approx({"aten::pin_memory": 0.010, "cudaHostAlloc": 0.005})
+    assert summary["before_first_gpu_event_s"] == pytest.approx(0.010)
+    assert summary["after_last_gpu_event_s"] == pytest.approx(0.020)
+    assert summary["main_thread_before_gpu_s"] == {}
     assert summary["host_calls"]["cudaHostAlloc (main)"]["count"] == 1
     assert summary["host_calls"]["aten::copy_ (other threads)"]["seconds"] == pytest.approx(0.020)

@@ -37,9 +37,10 @@ class AliveProcess:
 
 def hand_off_pool(batch_bytes: int, num_slots: int):
     """A WriterPool's hand-off state alone (no processes): `num_slots` slots of `batch_bytes`."""
-    from stages.writers import WriterPool, make_slots
+    from stages.writers import WriterPool, make_slots, new_handoff_stats
 
     pool = WriterPool.__new__(WriterPool)
+    pool.handoff, pool.handoff_lock = new_handoff_stats(), threading.Lock()
     pool.free_slots = [queue.Queue()]
     pool.slots = [make_slots(batch_bytes, num_slots, pool.free_slots[0])]
     pool.processes = [AliveProcess()]

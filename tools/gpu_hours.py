@@ -2,7 +2,7 @@
 
 From measured rates (the JSON files of bench_stage1.py and bench_stage2.py):
   offline: stage one runs the target once over the data (full stage-one path, tokens/s per
-           GPU, before the writers' final drain, whose seconds are added once), stage two
+           GPU over its forward span, plus the writer pool's start and final drain once), stage two
            trains `epochs` epochs from the store (tokens/s per GPU);
   online:  every epoch runs the target forward again (the bare forward's tokens/s per GPU;
            the online trainer needs the hidden states but not the store) and trains the drafter
@@ -31,11 +31,16 @@ def rates(stage1: dict, stage2: dict, codec: str, mode: str) -> dict:
     train = stage2["modes"][mode]
     per_gpu = train["tokens_per_s"] / stage2.get("world_size", 1)
     full = stage1["full"][codec]
-    # A long run pays the writers' final drain once: rate before it, plus its seconds.
-    return {"bare_forward": stage1["bare"]["tokens_per_s"],
-            "stage_one": full.get("tokens_per_s_before_drain", full["tokens_per_s"]),
-            "stage_one_drain_seconds": full.get("drain_seconds", 0.0) if "tokens_per_s_before_drain" in full else 0.0,
-            "stage_two": per_gpu}
+    # A long run pays the writer pool's start and final drain once: the rate over the forward
+    # span plus those seconds (older results: the rate before the drain plus the drain).
+    if "tokens_per_s_steady" in full:
+        stage_one, fixed = full["tokens_per_s_steady"], full["fixed_seconds"]
+    elif "tokens_per_s_before_drain" in full:
+        stage_one, fixed = full["tokens_per_s_before_drain"], full.get("drain_seconds", 0.0)
+    else:
+        stage_one, fixed = full["tokens_per_s"], 0.0
+    return {"bare_forward": stage1["bare"]["tokens_per_s"], "stage_one": stage_one,
+            "stage_one_drain_seconds": fixed, "stage_two": per_gpu}
 
 
 def gpu_hours(rate: dict, tokens: float, epochs: int) -> dict:
