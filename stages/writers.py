@@ -10,10 +10,10 @@ may still be in flight) with no wait; one hand-off thread per process waits for 
 CUDA event, copies the tensors into one of the process's shared-memory slots (/dev/shm) and
 puts the job on the process's queue; the process copies the batch's real rows out of the
 slot (its shard writer may hold rows until a zarr shard file is full) and hands the slot
-back. The slots are made once, and each hand-off thread writes its slots' pages once before
-its first batch: a fresh shared tensor per batch cost up to a second of page faults per GiB,
-part of it holding the GIL that the target's thread needs (a batch that does not fit a slot
-still goes that way). Slots and queues are bounded, so the main thread blocks
+back. The slots are made once: a fresh shared tensor per batch cost up to a second of page
+faults per GiB, part of it holding the GIL that the target's thread needs (a batch that does
+not fit a slot still goes that way). Writing every slot's pages ahead, while the first
+forwards run, measured slower (BENCHMARKS.md): each slot faults in on its first batch instead. Slots and queues are bounded, so the main thread blocks
 (back-pressure) when the writers fall behind, and host memory stays bounded. Writer
 processes run at a lower CPU priority (nice +10) and the hand-off copies use one core each:
 the one thread whose delay idles the GPU is the one launching the target's kernels.
@@ -44,7 +44,6 @@ SHARED_MEMORY_DIR = "/dev/shm"
 SLOTS_PER_WRITER = 3  # shared-memory batch buffers per writer process: one being written, two queued
 SLOT_ALIGN = 64  # bytes; each part of a batch starts at a multiple of it inside its slot
 WRITER_NICENESS = 10  # writer processes yield the CPU to the thread that launches the target's kernels
-PREFAULT_SLOTS = True  # hand-off threads write every slot's pages once before the first batch arrives
 
 
 class WriterError(RuntimeError):
@@ -78,8 +77,8 @@ class WriterPool:
         self.committed: list[dict] = []
         self.error: str | None = None
         self.blocked_seconds = 0.0  # the caller's time blocked on full queues (back-pressure)
-        # Hand-off threads' seconds: faulting the slots' pages in, waiting for device copies, waiting
-        # for a free slot, copying into slots (and the longest such copy): where a batch's time goes.
+        # Hand-off threads' seconds: waiting for device copies, waiting for a free slot, copying into
+        # slots (and the longest such copy, a slot's first with its page faults): where a batch's time goes.
         self.handoff, self.handoff_lock = new_handoff_stats(), threading.Lock()
         context = mp.get_context("spawn")
         self.results = context.Queue()
@@ -105,8 +104,6 @@ class WriterPool:
         """Jobs of process `index` from the main thread to the process, batches through a slot.
         Never blocks on a dead process: a job for one becomes the pool's error."""
         pending = self.handoffs[index]
-        if PREFAULT_SLOTS:
-            self.prefault(index)
         while True:
             job = pending.get()
             try:
@@ -119,15 +116,6 @@ class WriterPool:
                 self.error = self.error or f"writer hand-off:\n{traceback.format_exc()}"
             if job is None:
                 return
-
-    def prefault(self, index: int) -> None:
-        """Write every page of process `index`'s slots once, while the first forwards run: a
-        slot's first copy would otherwise fault ~250K pages per GiB in the middle of the run.
-        numpy's fill releases the GIL, so the target's thread keeps launching meanwhile."""
-        start = time.perf_counter()
-        for slot in self.slots[index]:
-            slot.numpy().fill(0)
-        self.add_handoff(prefault=time.perf_counter() - start)
 
     def add_handoff(self, **seconds: float) -> None:
         with self.handoff_lock:
@@ -242,7 +230,7 @@ class WriterPool:
 
 
 def new_handoff_stats() -> dict:
-    return {"prefault": 0.0, "device_copy_wait": 0.0, "slot_wait": 0.0, "slot_copy": 0.0, "slot_copy_max": 0.0,
+    return {"device_copy_wait": 0.0, "slot_wait": 0.0, "slot_copy": 0.0, "slot_copy_max": 0.0,
             "batches": 0}
 
 

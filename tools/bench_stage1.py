@@ -502,9 +502,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="", help="directory for profiler traces of the capture-only and full "
                                                       "passes, run once more after the timed ones")
-    parser.add_argument("--without-prefault", action="store_true",
-                        help="also time the full path with the writer slots faulted in on first use instead of "
-                             "ahead (stages.writers.PREFAULT_SLOTS off), for comparison")
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens, args.batch_tokens = min(args.tokens, 600), min(args.batch_tokens, 512)
@@ -573,18 +570,6 @@ def main(argv: list[str]) -> int:
                                         device, store_root / f"store-{codec}")
             shutil.rmtree(store_root / f"store-{codec}", ignore_errors=True)
             say_full(f"full stage one, {codec}", full[codec])
-        if args.without_prefault:
-            import stages.writers as writers
-
-            writers.PREFAULT_SLOTS = False
-            try:
-                codec = f"{codecs[0]}, slots not prefaulted"
-                full[codec] = run_full_path(target, samples, bucket_edges, codecs[0], args.batch_tokens,
-                                            args.writer_processes, device, store_root / "store-no-prefault")
-                shutil.rmtree(store_root / "store-no-prefault", ignore_errors=True)
-                say_full(f"full stage one, {codec}", full[codec])
-            finally:
-                writers.PREFAULT_SLOTS = True
         profiled = profile_passes(target, batches, samples, bucket_edges, codecs[0], args, device,
                                   store_root) if args.profile else None
     finally:
@@ -603,8 +588,7 @@ def say_full(name: str, numbers: dict) -> None:
     progress(f"{name}: {numbers['tokens'] / numbers['seconds']:,.0f} tokens/s, {numbers['bytes_per_token']:,.0f} "
              f"B/token; of {numbers['seconds']:.1f} s, {numbers['writer_wait_seconds']:.1f} s blocked on writer "
              f"queues, {numbers['drain_seconds']:.1f} s draining the writers after the last forward; hand-off "
-             f"threads: {handoff.get('prefault', 0):.1f} s prefaulting slots, {handoff.get('slot_copy', 0):.2f} s "
-             f"copying {handoff.get('batches', 0)} batches into slots (longest {handoff.get('slot_copy_max', 0):.2f} s)")
+             f"threads: {handoff.get('slot_copy', 0):.2f} s copying {handoff.get('batches', 0)} batches into slots (longest {handoff.get('slot_copy_max', 0):.2f} s)")
 
 
 def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,

@@ -26,7 +26,8 @@
 #   part j:  part i again after the stage-one host fixes (mask-free capture, one-core hand-off copies,
 #            niced writers), stage one with its profiler timeline; stage two adds the loader-fed steps
 #   part k:  stage one alone on a one-GPU H200 host (16 cores): its rate over the forward span, the full path
-#            without prefaulted slots for comparison, and the profiler timeline (full-path trace gzipped to $LOGS)
+#            without prefaulted slots for comparison (a flag of 0496679, since removed: prefaulting was slower),
+#            and the profiler timeline (full-path trace gzipped to $LOGS)
 # Parts f and g ran on 2026-11-30 (g's DDP step came from the same torchrun command given 450 s).
 # Usage: LOGS=$OUT DFLASH_COMMIT=<hash> bash tools/device_issue5.sh a|b|c|d|e|f|g|h|i|j|k
 set -uo pipefail
@@ -157,7 +158,7 @@ case "${1:-}" in
     tail -n 30 "$LOGS/s2_default_compiled_fed.log"
     ;;
   k)
-    timeout 560 python3 tools/bench_stage1.py --codecs fp8 --profile /tmp/s1-profile --without-prefault \
+    timeout 560 python3 tools/bench_stage1.py --codecs fp8 --profile /tmp/s1-profile \
       --out "$LOGS/s1_one.json" --store-dir /tmp/s1-one > "$LOGS/s1_one.log" 2>&1
     gzip -c /tmp/s1-profile/bench_stage1_full_path.json > "$LOGS/s1_full_trace.json.gz"
     grep -h '^\[' "$LOGS"/s1_one.log
