@@ -12,11 +12,12 @@ puts the job on the process's queue; the process copies the batch's real rows ou
 slot (its shard writer may hold rows until a zarr shard file is full) and hands the slot
 back. The slots are made once: a fresh shared tensor per batch cost up to a second of page
 faults per GiB, part of it holding the GIL that the target's thread needs (a batch that does
-not fit a slot still goes that way). Writing every slot's pages ahead, while the first
-forwards run, measured slower (BENCHMARKS.md): each slot faults in on its first batch instead. Slots and queues are bounded, so the main thread blocks
-(back-pressure) when the writers fall behind, and host memory stays bounded. Writer
-processes run at a lower CPU priority (nice +10) and the hand-off copies use one core each:
-the one thread whose delay idles the GPU is the one launching the target's kernels.
+not fit a slot still goes that way). Each slot faults its pages in on its first batch:
+writing them all ahead, while the first forwards ran, measured slower (BENCHMARKS.md).
+Slots and queues are bounded, so the main thread blocks (back-pressure) when the writers
+fall behind, and host memory stays bounded. Writer processes run at a lower CPU priority
+(nice +10) and the hand-off copies use one core each: the one thread whose delay idles the
+GPU is the one launching the target's kernels.
 
 A writer process dies with its parent (PR_SET_PDEATHSIG), so a killed run leaves no process
 that could touch the store while a rerun repairs it. A failure in a process is re-raised in

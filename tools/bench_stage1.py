@@ -15,9 +15,10 @@ length-bucketed batches through
 The full path is also reported over its forward span alone, from the first batch's forward to
 the end of the last batch's device copies: starting the writer pool before it and the writers
 finishing the last shards after it are paid once per rank per run, so the rate over the span
-is what a long run converges to (the seconds outside it are reported beside it). It prints tokens/s, the ratio to the bare forward, MFU (2 x params of the layers run x
-tokens, plus the causal score FLOPs of the full-attention layers run, over 790 TFLOP/s),
-stored bytes/token per codec and the write rate, and writes the numbers as JSON to `--out`.
+is what a long run converges to (the seconds outside it are reported beside it). It prints
+tokens/s, the ratio to the bare forward, MFU (2 x params of the layers run x tokens, plus the
+causal score FLOPs of the full-attention layers run, over 790 TFLOP/s), stored bytes/token
+per codec and the write rate, and writes the numbers as JSON to `--out`.
 
 `--profile DIR` then runs the capture-only and the full pass once more under torch.profiler
 and reads the GPU's timeline: how long the GPU sat idle inside each pass, its longest gaps,
@@ -402,7 +403,7 @@ def gpu_timeline(trace: dict, label: str) -> dict:
     low, high, main_tid = window["ts"], window["ts"] + window["dur"], window["tid"]
     gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                  if e.get("cat") in GPU_EVENT_CATEGORIES and low <= e["ts"] <= high)
-    busy, merged = 0.0, []
+    merged = []
     for start, end in gpu:
         if merged and start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
@@ -588,7 +589,8 @@ def say_full(name: str, numbers: dict) -> None:
     progress(f"{name}: {numbers['tokens'] / numbers['seconds']:,.0f} tokens/s, {numbers['bytes_per_token']:,.0f} "
              f"B/token; of {numbers['seconds']:.1f} s, {numbers['writer_wait_seconds']:.1f} s blocked on writer "
              f"queues, {numbers['drain_seconds']:.1f} s draining the writers after the last forward; hand-off "
-             f"threads: {handoff.get('slot_copy', 0):.2f} s copying {handoff.get('batches', 0)} batches into slots (longest {handoff.get('slot_copy_max', 0):.2f} s)")
+             f"threads: {handoff.get('slot_copy', 0):.2f} s copying {handoff.get('batches', 0)} batches into slots "
+             f"(longest {handoff.get('slot_copy_max', 0):.2f} s)")
 
 
 def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,
