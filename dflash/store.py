@@ -80,6 +80,7 @@ def create_or_open_store(path: Any, root_attrs: dict, overwrite: bool) -> zarr.G
     if overwrite:
         root = zarr.open_group(path, mode="w")
         root.attrs[ATTRS_KEY] = _json_normalized(root_attrs)
+        shards_group(root)
         return root
     root = zarr.open_group(path, mode="a")
     existing = root.attrs.get(ATTRS_KEY)
@@ -90,6 +91,7 @@ def create_or_open_store(path: Any, root_attrs: dict, overwrite: bool) -> zarr.G
                 "pass overwrite (--overwrite) to replace it"
             )
         root.attrs[ATTRS_KEY] = _json_normalized(root_attrs)
+        shards_group(root)
         return root
     differences = diff_attrs(existing, root_attrs)
     if differences:
@@ -99,7 +101,17 @@ def create_or_open_store(path: Any, root_attrs: dict, overwrite: bool) -> zarr.G
             + "\n".join(lines)
             + "\npass overwrite (CLI flag --overwrite) to delete and replace the store"
         )
+    shards_group(root)
     return root
+
+
+def shards_group(root: zarr.Group) -> zarr.Group:
+    """The store's `shards` group, made if missing. Writer processes open their shards at the
+    same time: when another made the group between our look and our create, open theirs."""
+    try:
+        return root.require_group("shards")
+    except zarr.errors.ContainsGroupError:
+        return root["shards"]
 
 
 # ---------------------------------------------------------------- codecs and bit views
@@ -258,7 +270,7 @@ class ShardWriter:
         self._buffered_rows = 0
 
     def _fresh_group(self, root: zarr.Group) -> zarr.Group:
-        shards = root.require_group("shards")
+        shards = shards_group(root)
         if is_complete(root, self.plan.name):
             raise ValueError(f"shard {self.plan.name} is already complete; refusing to rewrite it")
         if self._exists(shards):

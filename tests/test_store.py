@@ -13,7 +13,7 @@ import zarr
 from dflash.plan import plan_shards
 from dflash.store import (
     CorruptShardError, ShardWriter, StoreMismatchError, StoreReader, bf16_to_bits,
-    completed_shards, create_or_open_store, diff_attrs, is_complete, store_stats,
+    completed_shards, create_or_open_store, diff_attrs, is_complete, shards_group, store_stats,
     verify_store, write_frozen_weights,
 )
 
@@ -123,7 +123,23 @@ def test_attrs_mismatch_names_keys_and_overwrite_replaces(tmp_path):
     root = create_or_open_store(path, changed, overwrite=True)
     assert root.attrs["dflash"]["codec"] == "fp8"
     assert completed_shards(root) == set()
-    assert not (path / "shards").exists()
+    assert list(root["shards"].group_keys()) == []  # the old shards are gone; the empty group is made up front
+
+
+def test_shards_group_made_up_front_and_a_lost_create_race_opens_the_winners():
+    """Writer processes open their first shards at the same moment. The store is created with
+    its `shards` group, and a writer whose create loses the race opens the group the other made."""
+    root = zarr.open_group(zarr.storage.MemoryStore(), mode="w")
+    assert "shards" in create_or_open_store(root.store, root_attrs(), overwrite=False)
+
+    class LostRace:  # `shards` did not exist when looked up, and did when created
+        def require_group(self, name):
+            raise zarr.errors.ContainsGroupError(f"a group exists at path {name!r}")
+
+        def __getitem__(self, name):
+            return root[name]
+
+    assert shards_group(LostRace()).path == "shards"
 
 
 def test_reopen_with_same_attrs_keeps_shards(tmp_path):
