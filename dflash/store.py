@@ -77,30 +77,24 @@ def create_or_open_store(path: Any, root_attrs: dict, overwrite: bool) -> zarr.G
     An existing store must hold the same content (CONTENT_KEYS) or this raises
     StoreMismatchError; `overwrite=True` deletes it and starts afresh.
     """
-    if overwrite:
-        root = zarr.open_group(path, mode="w")
-        root.attrs[ATTRS_KEY] = _json_normalized(root_attrs)
-        shards_group(root)
-        return root
-    root = zarr.open_group(path, mode="a")
-    existing = root.attrs.get(ATTRS_KEY)
+    root = zarr.open_group(path, mode="w" if overwrite else "a")
+    existing = None if overwrite else root.attrs.get(ATTRS_KEY)
     if existing is None:
-        if any(True for _ in root.keys()):
+        if not overwrite and any(True for _ in root.keys()):
             raise StoreMismatchError(
                 f"{path} holds zarr data but no '{ATTRS_KEY}' attributes: not a dflash store; "
                 "pass overwrite (--overwrite) to replace it"
             )
         root.attrs[ATTRS_KEY] = _json_normalized(root_attrs)
-        shards_group(root)
-        return root
-    differences = diff_attrs(existing, root_attrs)
-    if differences:
-        lines = [f"  {key}: store has {old!r}, config gives {new!r}" for key, (old, new) in differences.items()]
-        raise StoreMismatchError(
-            f"store {path} was written for different content; differing keys:\n"
-            + "\n".join(lines)
-            + "\npass overwrite (CLI flag --overwrite) to delete and replace the store"
-        )
+    else:
+        differences = diff_attrs(existing, root_attrs)
+        if differences:
+            lines = [f"  {key}: store has {old!r}, config gives {new!r}" for key, (old, new) in differences.items()]
+            raise StoreMismatchError(
+                f"store {path} was written for different content; differing keys:\n"
+                + "\n".join(lines)
+                + "\npass overwrite (CLI flag --overwrite) to delete and replace the store"
+            )
     shards_group(root)
     return root
 

@@ -258,13 +258,23 @@ def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
 
 
 @contextlib.contextmanager
+def replaced_capture_batch(make):
+    """Inside the block, `stages.extract.capture_batch` is `make(original)` (write_shards calls it per batch)."""
+    import stages.extract as extract
+
+    original = extract.capture_batch
+    extract.capture_batch = make(original)
+    try:
+        yield
+    finally:
+        extract.capture_batch = original
+
+
 def captures_from_pool(pool: dict[str, np.ndarray], device):
     """Make stages.extract.capture_batch return views of `pool` (no forward): the writers alone."""
-    import stages.extract as extract
     from stages.extract import CapturedBatch, pad_multiple
 
     multiple = pad_multiple(device)
-    original = extract.capture_batch
 
     def capture_batch(target, batch, codec, device):
         padded = -(-max(len(s.input_ids) for s in batch) // multiple) * multiple
@@ -272,11 +282,7 @@ def captures_from_pool(pool: dict[str, np.ndarray], device):
         return CapturedBatch(parts={k: torch.from_numpy(v[:rows].reshape(len(batch), padded, *v.shape[1:]))
                                     for k, v in pool.items()}, ready=None)
 
-    extract.capture_batch = capture_batch
-    try:
-        yield
-    finally:
-        extract.capture_batch = original
+    return replaced_capture_batch(lambda original: capture_batch)
 
 
 def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, writer_processes: int, device,
@@ -333,12 +339,10 @@ class ForwardSpan:
         self.first_call = self.last_return = 0.0
         self.start_event = self.end_event = None
 
-    @contextlib.contextmanager
     def watch(self):
-        import stages.extract as extract
+        return replaced_capture_batch(self.timed)
 
-        original = extract.capture_batch
-
+    def timed(self, original):
         def capture_batch(*args, **kwargs):
             if not self.first_call:
                 self.first_call = time.perf_counter()
@@ -352,11 +356,7 @@ class ForwardSpan:
                 self.end_event.record()
             return captured
 
-        extract.capture_batch = capture_batch
-        try:
-            yield
-        finally:
-            extract.capture_batch = original
+        return capture_batch
 
     def seconds(self) -> float:
         if self.cuda:
@@ -434,14 +434,12 @@ def gpu_timeline(trace: dict, label: str) -> dict:
         if overlap > 0:
             before[e["name"]] = before.get(e["name"], 0.0) + overlap / 1e6
     calls: dict[str, dict] = {}
-    for e in host:
-        for name in HOST_CALLS:
-            if e["name"] == name:
-                thread = "main" if e["tid"] == main_tid else "other threads"
-                entry = calls.setdefault(f"{name} ({thread})", {"count": 0, "seconds": 0.0, "longest_s": 0.0})
-                entry["count"] += 1
-                entry["seconds"] += e.get("dur", 0) / 1e6
-                entry["longest_s"] = max(entry["longest_s"], e.get("dur", 0) / 1e6)
+    for e in (e for e in host if e["name"] in HOST_CALLS):
+        thread = "main" if e["tid"] == main_tid else "other threads"
+        entry = calls.setdefault(f"{e['name']} ({thread})", {"count": 0, "seconds": 0.0, "longest_s": 0.0})
+        entry["count"] += 1
+        entry["seconds"] += e.get("dur", 0) / 1e6
+        entry["longest_s"] = max(entry["longest_s"], e.get("dur", 0) / 1e6)
     kernel_seconds = sum(e.get("dur", 0) for e in events
                          if e.get("cat") == "kernel" and low <= e["ts"] <= high) / 1e6
     return {
