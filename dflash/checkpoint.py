@@ -5,8 +5,9 @@ Layout of one checkpoint, `<out_dir>/checkpoints/step-{step:08d}/`:
 - `optimizer.safetensors`: per-parameter optimizer state as `state.{index}.{field}`, with
   the param groups (lr, betas, ...) as JSON in the file's metadata
 - `rng.safetensors`: torch/CUDA generator states (uint8 tensors)
-- `state.json`: step, scheduler state, data cursor, numpy/python RNG states, run config;
-  written last, so its presence marks a complete checkpoint
+- `state.json`: step, scheduler state, data cursor, numpy/python RNG states, run config,
+  the resolved drafter arguments (what `dflash export` writes the config from); written
+  last, so its presence marks a complete checkpoint
 
 A checkpoint is written into a hidden temp dir beside its final place and renamed into
 place, so a crash never leaves a `step-*` dir that looks complete; older ones are pruned to
@@ -52,6 +53,7 @@ class Checkpoint:
     data_cursor: dict
     rng_states: dict  # as given to save_checkpoint; see capture_rng_states
     config: dict
+    drafter_args: dict | None = None  # `DrafterArgs` fields; None in checkpoints from before they were saved
 
 
 def step_dir_name(step: int) -> str:
@@ -69,6 +71,7 @@ def save_checkpoint(
     config: dict,
     keep_last: int,
     is_writer: bool = True,
+    drafter_args: dict | None = None,
 ) -> Path:
     """Write checkpoint `step` of the run in `out_dir`; return its final path.
 
@@ -84,7 +87,7 @@ def save_checkpoint(
     work_dir = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step:08d}-", dir=root))
     try:
         write_checkpoint_files(work_dir, step, model_state, optimizer_state, scheduler_state,
-                               data_cursor, rng_states, config)
+                               data_cursor, rng_states, config, drafter_args)
         replace_dir(work_dir, final_dir)
     except BaseException:
         shutil.rmtree(work_dir, ignore_errors=True)
@@ -94,7 +97,7 @@ def save_checkpoint(
 
 
 def write_checkpoint_files(work_dir: Path, step, model_state, optimizer_state, scheduler_state,
-                           data_cursor, rng_states, config) -> None:
+                           data_cursor, rng_states, config, drafter_args=None) -> None:
     model_tensors = {key: value.detach().to("cpu").contiguous() for key, value in model_state.items()}
     save_file(model_tensors, str(work_dir / "model.safetensors"), metadata={"format": "pt"})
     optimizer_tensors, optimizer_meta = flatten_optimizer_state(optimizer_state)
@@ -109,6 +112,7 @@ def write_checkpoint_files(work_dir: Path, step, model_state, optimizer_state, s
         "data_cursor": data_cursor,
         "rng": rng_plain,
         "config": config,
+        "drafter_args": drafter_args,
     }
     write_synced(work_dir / STATE_NAME, to_json(state, "checkpoint state"))
     for path in work_dir.iterdir():
@@ -177,6 +181,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         data_cursor=state["data_cursor"],
         rng_states=join_rng_states(rng_tensors, state["rng"]),
         config=state["config"],
+        drafter_args=state.get("drafter_args"),
     )
 
 

@@ -24,10 +24,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TargetConfig:
-    path: str = f"{DEFAULT_ROOT}/target"  # checkpoint directory, or "embedded:tiny"
+    path: str = f"{DEFAULT_ROOT}/target"  # checkpoint directory, a .gguf file, or "embedded:tiny"
     layer_ids: tuple[int, ...] = ()  # empty: evenly spaced default (ARCHITECTURE.md)
     num_layer_ids: int = 5
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    chat_template: str = ""  # a Jinja template or a file holding one; empty: the target's own
 
 
 @dataclass(frozen=True)
@@ -61,10 +62,15 @@ class ExtractConfig:
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    size: str = "qwen3.6-27b"  # a named size from dflash.drafter.DRAFTER_SIZES
+    size: str = "auto"  # "auto": sized from the target (hidden, heads, MLP, vocab, RoPE); or "tiny", "qwen3.6-27b"
     init_from: str = ""  # an exported drafter directory to start from (fine-tuning)
     block_size: int = 16
-    mask_token_id: int = 248_070
+    mask_token_id: int = -1  # -1: the store's choice, an unused special token of the target's tokenizer
+    # Overrides of the size (0 / empty: the size's own; "auto" uses 5 layers, window 2048).
+    num_layers: int = 0
+    layer_types: tuple[str, ...] = ()  # e.g. ["sliding_attention", "full_attention"]; empty: sliding except the last
+    sliding_window: int = 0
+    intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -237,6 +243,12 @@ def validate(config: Config) -> None:
     if config.data.max_length > config.train.token_budget:
         raise ConfigError(f"train.token_budget ({config.train.token_budget}) must hold one "
                           f"sequence of data.max_length ({config.data.max_length})")
+    for key in ("drafter.num_layers", "drafter.sliding_window", "drafter.intermediate_size"):
+        if lookup(config, key) < 0:
+            raise ConfigError(f"{key} must be 0 (the size's own) or positive, got {lookup(config, key)}")
+    if config.drafter.mask_token_id < -1:
+        raise ConfigError(f"drafter.mask_token_id must be a token id or -1 (the store's choice), "
+                          f"got {config.drafter.mask_token_id}")
     if config.train.max_anchors > config.train.anchor_budget:
         raise ConfigError(f"train.anchor_budget ({config.train.anchor_budget}) must hold one "
                           f"sequence's train.max_anchors ({config.train.max_anchors})")

@@ -40,6 +40,9 @@ class DrafterArgs:
     mask_token_id: int = 248070
     vocab_size: int = 248320
     rms_norm_eps: float = 1e-6
+    # The target's decoder layer count (0: unknown). Only the export uses it: loaders read
+    # `num_target_layers` as the target's depth (SGLang range-checks target_layer_ids with it).
+    num_target_layers: int = 0
 
     def __post_init__(self):
         if len(self.layer_types) != self.num_layers:
@@ -62,6 +65,9 @@ class DrafterArgs:
             )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"drafter: mask_token_id {self.mask_token_id} outside vocab_size {self.vocab_size}")
+        if self.num_target_layers and max(self.target_layer_ids) >= self.num_target_layers:
+            raise ValueError(f"drafter: target_layer_ids {list(self.target_layer_ids)} do not fit a target of "
+                             f"{self.num_target_layers} layers")
 
     @property
     def context_feature_size(self) -> int:
@@ -81,6 +87,7 @@ DRAFTER_SIZES = {
         sliding_window=64,
         rope_theta=1e7,
         target_layer_ids=(1, 3, 5),
+        num_target_layers=8,
     ),
     # The recipe of the public Qwen3.5/3.6-27B drafters (about 1.73B parameters).
     "qwen3.6-27b": DrafterArgs(
@@ -94,22 +101,75 @@ DRAFTER_SIZES = {
         sliding_window=2048,
         rope_theta=1e7,
         target_layer_ids=(1, 16, 31, 46, 61),
+        num_target_layers=64,
     ),
 }
 
 
+AUTO_SIZE = "auto"
+AUTO_NUM_LAYERS = 5  # the public drafters' depth
+AUTO_SLIDING_WINDOW = 2048
+
+
+def default_layer_types(num_layers: int) -> tuple[str, ...]:
+    """Sliding-window layers, then one full-attention layer last (the public drafters' pattern)."""
+    return ("sliding_attention",) * (num_layers - 1) + ("full_attention",)
+
+
 def drafter_args(size: str, **overrides) -> DrafterArgs:
-    """The named size with `overrides` applied (lists become tuples); errors name the bad key."""
+    """The named size with `overrides` applied (lists become tuples); errors name the bad key.
+
+    Overriding `num_layers` alone gives the default layer pattern for that depth.
+    """
     if size not in DRAFTER_SIZES:
-        raise ValueError(f"drafter: unknown size {size!r}, known: {sorted(DRAFTER_SIZES)}")
+        raise ValueError(f"drafter: unknown size {size!r}, known: {sorted([AUTO_SIZE, *DRAFTER_SIZES])}")
+    return replace_args(DRAFTER_SIZES[size], overrides)
+
+
+def replace_args(base: DrafterArgs, overrides: dict) -> DrafterArgs:
     known = {f.name for f in fields(DrafterArgs)}
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise ValueError(f"drafter: unknown override key(s) {unknown}, known: {sorted(known)}")
+    overrides = dict(overrides)
+    if "num_layers" in overrides and "layer_types" not in overrides:
+        overrides["layer_types"] = default_layer_types(overrides["num_layers"])
     for key in ("layer_types", "target_layer_ids"):
         if key in overrides:
             overrides[key] = tuple(overrides[key])
-    return replace(DRAFTER_SIZES[size], **overrides)
+    return replace(base, **overrides)
+
+
+def auto_drafter_args(target: dict, target_layer_ids, **overrides) -> DrafterArgs:
+    """A drafter sized from the target's text config (`target_text_config` of the store).
+
+    Hidden size, heads, KV heads, head dim, intermediate size, vocabulary and norm epsilon are
+    the target's; RoPE is plain RoPE with the target's base (scaling, partial rotary and
+    multimodal sections are not carried over: the drafter only sees positions up to the
+    training length). 5 layers, sliding except the last, window 2048, unless overridden.
+    """
+    missing = [key for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+               if not target.get(key)]
+    if missing:
+        raise ValueError(f"drafter: cannot size 'auto' from the target config, it lacks {missing}")
+    heads = target["num_attention_heads"]
+    base = DrafterArgs(
+        hidden_size=target["hidden_size"],
+        intermediate_size=target["intermediate_size"],
+        num_layers=AUTO_NUM_LAYERS,
+        num_attention_heads=heads,
+        num_key_value_heads=target.get("num_key_value_heads") or heads,
+        head_dim=target.get("head_dim") or target["hidden_size"] // heads,
+        layer_types=default_layer_types(AUTO_NUM_LAYERS),
+        sliding_window=AUTO_SLIDING_WINDOW,
+        rope_theta=float(target.get("rope_theta") or 10_000.0),
+        target_layer_ids=tuple(target_layer_ids),
+        vocab_size=target["vocab_size"],
+        rms_norm_eps=float(target.get("rms_norm_eps") or 1e-6),
+        num_target_layers=int(target.get("num_hidden_layers") or 0),
+        mask_token_id=overrides.get("mask_token_id", 0),
+    )
+    return replace_args(base, overrides)
 
 
 def count_parameters(args: DrafterArgs) -> int:

@@ -106,6 +106,53 @@ def describe_target_config(config, path: str) -> dict:
     }
 
 
+def text_config_summary(config) -> dict:
+    """The target's text-model sizes a drafter is sized from (`drafter.size = "auto"`), as plain data.
+
+    Recorded in the store (`target_text_config`), so stage two needs no checkpoint.
+    """
+    text = config.get_text_config()
+    hidden, heads = int(text.hidden_size), int(text.num_attention_heads)
+    return {
+        "model_type": text.model_type,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(text.num_hidden_layers),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(getattr(text, "num_key_value_heads", None) or heads),
+        "head_dim": int(getattr(text, "head_dim", None) or hidden // heads),
+        "intermediate_size": getattr(text, "intermediate_size", None),
+        "vocab_size": int(text.vocab_size),
+        "rope_theta": rope_base(text),
+        "rms_norm_eps": getattr(text, "rms_norm_eps", None),
+        "max_position_embeddings": getattr(text, "max_position_embeddings", None),
+    }
+
+
+def rope_base(text_config) -> float | None:
+    """RoPE theta of a text config: `rope_parameters` (transformers 5; per layer type in some
+    models, then the full-attention one) or the older `rope_theta`."""
+    parameters = getattr(text_config, "rope_parameters", None) or {}
+    if parameters and "rope_theta" not in parameters:
+        parameters = parameters.get("full_attention") or next(iter(parameters.values()), {})
+    theta = parameters.get("rope_theta", getattr(text_config, "rope_theta", None))
+    return float(theta) if theta is not None else None
+
+
+def prepare_checkpoint(path: str, cache_dir: str) -> Path:
+    """The checkpoint directory for `target.path`: a directory as is, a `.gguf` file converted
+    once into `cache_dir`, or the embedded tiny target built there."""
+    from dflash.embedded import EMBEDDED_TARGET, build_tiny_target
+    from dflash.gguf import converted_dir, is_gguf
+
+    if path == EMBEDDED_TARGET:
+        return build_tiny_target(Path(cache_dir) / "target-tiny")
+    if is_gguf(path):
+        return converted_dir(path, cache_dir)
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"target.path: checkpoint directory not found: {path}")
+    return Path(path)
+
+
 def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
     """Return `(owner, attribute, layers)`: the base model that owns the decoder layer list."""
     for dotted in DECODER_LAYER_PATHS:

@@ -160,3 +160,52 @@ def _identity_hash(tok: PreTrainedTokenizerFast) -> str:
         "chat_template": tok.chat_template,
     }
     return hashlib.sha256(json.dumps(payload, ensure_ascii=False).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- any target's tokenizer
+
+
+def load_target_tokenizer(checkpoint_dir: str | Path, chat_template: str = ""):
+    """The target checkpoint's tokenizer; `chat_template` (a Jinja string, or a file holding one)
+    replaces the checkpoint's template. A tokenizer left without a template is an error, since
+    stage one renders every conversation with it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint_dir))
+    if chat_template:
+        template_path = Path(chat_template)
+        is_file = "{" not in chat_template and len(chat_template) < 4096 and template_path.is_file()
+        tokenizer.chat_template = template_path.read_text() if is_file else chat_template
+    if not tokenizer.chat_template:
+        raise ValueError(f"target {checkpoint_dir}: the tokenizer has no chat template; set target.chat_template "
+                         f"to a Jinja template or a file holding one (e.g. dflash.tokenizer.CHATML_TEMPLATE)")
+    return tokenizer
+
+
+def unused_special_tokens(tokenizer, used: "np.ndarray") -> list[int]:
+    """Special tokens a mask token may be: not bos/eos/pad/unk, not written by the chat template,
+    and not in `used` (a boolean table over ids, true where the data holds the id)."""
+    named = {tokenizer.convert_tokens_to_ids(token) for token in tokenizer.all_special_tokens}
+    template = tokenizer.chat_template or ""
+    candidates = []
+    for token_id, added in sorted(tokenizer.added_tokens_decoder.items()):
+        if not added.special or token_id in named or added.content in template:
+            continue
+        if token_id < len(used) and used[token_id]:
+            continue
+        candidates.append(token_id)
+    return candidates
+
+
+def choose_mask_token(tokenizer, token_id_arrays) -> int | None:
+    """The drafter's mask token for this tokenizer and data: DFlash's Qwen3.5/3.6 id when it is
+    an unused special token, else the lowest unused special token; None when there is none."""
+    import numpy as np
+
+    used = np.zeros(max(len(tokenizer), 1), dtype=bool)
+    for ids in token_id_arrays:
+        used[np.asarray(ids, dtype=np.int64)] = True
+    candidates = unused_special_tokens(tokenizer, used)
+    if MASK_TOKEN_ID in candidates:
+        return MASK_TOKEN_ID
+    return candidates[0] if candidates else None

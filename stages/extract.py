@@ -19,12 +19,11 @@ import dflash
 from dflash import codecs, data, plan, store
 from dflash.config import Config
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
-from dflash.embedded import build_tiny_target
-from dflash.target import load_target, pad_batch
+from dflash.target import load_target, pad_batch, prepare_checkpoint
+from dflash.tokenizer import choose_mask_token, load_target_tokenizer
 from stages.writers import WriterPool
 
 SCHEMA_VERSION = 1
-EMBEDDED_TARGET = "embedded:tiny"
 
 
 @dataclass
@@ -56,12 +55,13 @@ def run(config: Config) -> ExtractResult:
 
 def extract(config: Config, dist: DistState) -> ExtractResult:
     target_path = resolve_target_path(config, dist)
-    tokenizer = load_tokenizer(target_path)
+    tokenizer = load_target_tokenizer(target_path, config.target.chat_template)
     tokenized = tokenize_in_order(config, tokenizer, dist)
     lengths = np.array([len(s.input_ids) for s in tokenized.samples], dtype=np.int64)
     row_ids = np.array([s.row_id for s in tokenized.samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(config.store.bucket_edges), config.store.shard_tokens)
     attrs = root_attrs(config, target_path, tokenizer, shards)
+    attrs["mask_token_id"] = choose_mask_token(tokenizer, (sample.input_ids for sample in tokenized.samples))
     group = open_store_in_order(config, attrs, dist)
     done = store.completed_shards(group)
     mine = [s for s in plan.assign_ranks(shards, dist.world_size)[dist.rank] if s.name not in done]
@@ -88,23 +88,10 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
 
 
 def resolve_target_path(config: Config, dist: DistState) -> Path:
-    """The checkpoint directory; the embedded tiny target is built once, by rank 0."""
-    if config.target.path != EMBEDDED_TARGET:
-        path = Path(config.target.path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"target.path: checkpoint directory not found: {path}")
-        return path
-    path = Path(config.data.cache_dir) / "target-tiny"
-    if dist.is_main:
-        build_tiny_target(path)
+    """The checkpoint directory (a GGUF file is converted, the embedded target built, by rank 0 first)."""
+    path = prepare_checkpoint(config.target.path, config.data.cache_dir) if dist.is_main else None
     dist.barrier()
-    return path
-
-
-def load_tokenizer(target_path: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(target_path))
+    return path if dist.is_main else prepare_checkpoint(config.target.path, config.data.cache_dir)
 
 
 def tokenize_in_order(config: Config, tokenizer, dist: DistState) -> data.TokenizedData:
@@ -131,11 +118,14 @@ def open_store_in_order(config: Config, attrs: dict, dist: DistState):
 def root_attrs(config: Config, target_path: Path, tokenizer, shards) -> dict:
     from transformers import AutoConfig
 
-    from dflash.target import default_layer_ids, describe_target_config
+    from dflash.gguf import is_gguf
+    from dflash.target import default_layer_ids, describe_target_config, text_config_summary
     from dflash.tokenizer import tokenizer_identity
 
     target_config = AutoConfig.from_pretrained(str(target_path))
     target_info = describe_target_config(target_config, str(target_path))
+    if is_gguf(config.target.path):
+        target_info["path"] = config.target.path
     layer_ids = list(config.target.layer_ids) or default_layer_ids(
         target_info["num_hidden_layers"], config.target.num_layer_ids)
     return {
@@ -143,6 +133,7 @@ def root_attrs(config: Config, target_path: Path, tokenizer, shards) -> dict:
         "package_version": dflash.__version__,
         "target": target_info,
         "target_layer_ids": layer_ids,
+        "target_text_config": text_config_summary(target_config),
         "hidden_size": target_info["hidden_size"],
         "codec": config.store.codec,
         "tokenizer": tokenizer_identity(tokenizer),

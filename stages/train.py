@@ -6,6 +6,7 @@ mixed-length micro-batches, then loop `train_step` with metrics, held-out evalua
 checkpoints. Only logging steps move numbers to the host, in one transfer.
 """
 
+import dataclasses
 import functools
 import math
 import os
@@ -26,14 +27,15 @@ from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_check
                                save_checkpoint)
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
-from dflash.drafter import (DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers,
-                            drafter_args)
+from dflash.drafter import (AUTO_SIZE, DFlashDrafter, DrafterArgs, auto_drafter_args, block_embeddings,
+                            block_positions, compile_layers, drafter_args)
 from dflash.export import export_drafter, load_exported
 from dflash.loss import block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights
 from dflash.masks import build_masks, default_backend
 from dflash.metrics import MetricsLogger
 from dflash.sampler import DataCursor, build_epoch_schedule, split_holdout
 from dflash.store import StoreReader
+from dflash.tokenizer import MASK_TOKEN_ID, TOKENIZER_NAME
 
 
 class StoreMismatch(ValueError):
@@ -101,7 +103,7 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
                            wandb_mode=config.train.wandb, project=config.train.wandb_project,
                            config=config.to_dict(), is_writer=dist.is_main)
     if dist.is_main:
-        print_plan(config, args, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step)
+        print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step)
     result = TrainResult(run_dir=config.train.out_dir)
     stop = StopFlag()
     try:
@@ -114,12 +116,12 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
 
 
 def build_drafter_args(config: Config, attrs: dict) -> DrafterArgs:
-    """The named drafter size, checked against the store (layer ids, hidden, vocab, block)."""
+    """The drafter's sizes (auto from the store's target, a named size, or an export), checked
+    against the store (layer ids, hidden, vocab) and with a mask token inside the vocabulary."""
     if config.drafter.init_from:
         args, _ = load_exported(config.drafter.init_from)
     else:
-        args = drafter_args(config.drafter.size, block_size=config.drafter.block_size,
-                            mask_token_id=config.drafter.mask_token_id)
+        args = resolve_drafter_args(config, attrs)
     store_vocab = attrs["target"]["vocab_size"]
     expected = {
         "target_layer_ids": (list(args.target_layer_ids), list(attrs["target_layer_ids"])),
@@ -134,6 +136,51 @@ def build_drafter_args(config: Config, attrs: dict) -> DrafterArgs:
     if not 0 <= args.mask_token_id < store_vocab:
         raise StoreMismatch(f"drafter.mask_token_id {args.mask_token_id} is outside the store vocabulary ({store_vocab})")
     return args
+
+
+def resolve_drafter_args(config: Config, attrs: dict) -> DrafterArgs:
+    drafter = config.drafter
+    overrides = {key: value for key, value in {
+        "num_layers": drafter.num_layers, "layer_types": drafter.layer_types,
+        "sliding_window": drafter.sliding_window, "intermediate_size": drafter.intermediate_size}.items() if value}
+    overrides.update(block_size=drafter.block_size, mask_token_id=store_mask_token(config, attrs),
+                     num_target_layers=attrs["target"].get("num_hidden_layers", 0))
+    try:
+        if drafter.size == AUTO_SIZE:
+            return auto_drafter_args(target_text_config(attrs), attrs["target_layer_ids"], **overrides)
+        return drafter_args(drafter.size, **overrides)
+    except ValueError as err:
+        raise ConfigError(f"drafter.size = {drafter.size!r}: {err}") from None
+
+
+def store_mask_token(config: Config, attrs: dict) -> int:
+    """drafter.mask_token_id, or (-1) the unused special token stage one chose for this store."""
+    if config.drafter.mask_token_id >= 0:
+        return config.drafter.mask_token_id
+    # Stores from before stage one chose one: the Qwen3.5/3.6 tokenizer's DFlash mask token.
+    qwen = attrs.get("tokenizer", {}).get("name_or_path") == TOKENIZER_NAME
+    chosen = attrs.get("mask_token_id", MASK_TOKEN_ID if qwen else None)
+    if chosen is None:
+        raise ConfigError(f"store {config.store.path}: the target's tokenizer has no special token unused by the "
+                          f"data and its chat template; set drafter.mask_token_id to a token id the data never holds")
+    return int(chosen)
+
+
+def target_text_config(attrs: dict) -> dict:
+    """The target's sizes from the store, or (stores older than `target_text_config`) its checkpoint."""
+    if "target_text_config" in attrs:
+        return attrs["target_text_config"]
+    from transformers import AutoConfig
+
+    from dflash.target import text_config_summary
+
+    path = attrs["target"]["path"]
+    try:
+        return text_config_summary(AutoConfig.from_pretrained(path))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"drafter.size = 'auto' needs the target's config: the store predates "
+                          f"target_text_config and {path} cannot be read ({err}); rerun stage one or set "
+                          f"drafter.size") from None
 
 
 def schedule_for(config: Config, reader, train_indices, dist: DistState, epoch: int):
@@ -384,6 +431,9 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
     result.losses = loss_history[first_step:step].tolist()  # sync: end of run
     if stop.requested and dist.is_main:
         print(f"SIGTERM: saved checkpoint {result.checkpoint} at step {step}; resume with --resume")
+    elif dist.is_main:
+        print(f"done: {step} steps; checkpoint {result.checkpoint}\n"
+              f"  export it for serving: dflash export {result.checkpoint} EXPORT_DIR")
 
 
 def first_step_notice(ctx: TrainContext, dist: DistState) -> str:
@@ -461,7 +511,7 @@ def save(config, dist, model, optimizer, cursor: DataCursor, step: int) -> Path:
     model_state = {k: v.detach() for k, v in model.state_dict().items()}  # fp32 master weights
     return save_checkpoint(config.train.out_dir, step, model_state, optimizer.state_dict(), {"step": step},
                            cursor.to_dict(), capture_rng_states(), config.to_dict(), config.train.keep_last,
-                           is_writer=dist.is_main)
+                           is_writer=dist.is_main, drafter_args=dataclasses.asdict(model.args))
 
 
 def resolve_resume(config: Config, resume: str | None) -> Path | None:
@@ -485,9 +535,9 @@ def restore(path: Path, model, optimizer, dist: DistState) -> tuple[DataCursor, 
     return DataCursor.from_dict(checkpoint.data_cursor), checkpoint.step
 
 
-def print_plan(config, args, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step) -> None:
-    from dflash.drafter import count_parameters
-
+def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step) -> None:
+    args = model.args
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"store {config.store.path}: {len(reader)} samples ({train_indices.size} train, "
           f"{eval_indices.size} held out), codec {reader.attrs['codec']}")
     for name, reason in reader.skipped_shards.items():
@@ -495,8 +545,11 @@ def print_plan(config, args, reader, train_indices, eval_indices, steps_per_epoc
     if reader.skipped_shards or reader.incomplete_shards:
         print(f"  {len(reader.skipped_shards)} corrupt shard(s) skipped, "
               f"{len(reader.incomplete_shards)} incomplete shard(s) not read")
-    print(f"drafter {config.drafter.size}: {count_parameters(args) / 1e6:,.1f}M trainable parameters, "
-          f"block {args.block_size}, layers {list(args.layer_types)}")
+    print(f"drafter {config.drafter.size}: {trainable / 1e6:,.1f}M trainable parameters, "
+          f"{args.num_layers} layers {list(args.layer_types)} (window {args.sliding_window}), hidden "
+          f"{args.hidden_size}, {args.num_attention_heads} heads x {args.head_dim} ({args.num_key_value_heads} KV), "
+          f"MLP {args.intermediate_size}, block {args.block_size}, mask token {args.mask_token_id}, "
+          f"target layers {list(args.target_layer_ids)}")
     print(f"schedule: {config.train.epochs} epochs x ~{int(np.mean(steps_per_epoch))} steps, "
           f"{total_steps} steps in all, starting at step {step}")
 
@@ -504,9 +557,15 @@ def print_plan(config, args, reader, train_indices, eval_indices, steps_per_epoc
 def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
     """`dflash export`: a training checkpoint directory -> the inference format."""
     loaded = load_checkpoint(checkpoint)
+    if loaded.drafter_args is not None:
+        fields = dict(loaded.drafter_args)
+        fields.update(layer_types=tuple(fields["layer_types"]), target_layer_ids=tuple(fields["target_layer_ids"]))
+        return export_drafter(loaded.model_state, DrafterArgs(**fields), out_dir)
+    # Checkpoints from before the drafter arguments were saved: a named size or an export.
     config = loaded.config
-    args = drafter_args(config["drafter"]["size"], block_size=config["drafter"]["block_size"],
-                        mask_token_id=config["drafter"]["mask_token_id"])
     if config["drafter"].get("init_from"):
         args, _ = load_exported(config["drafter"]["init_from"])
+    else:
+        args = drafter_args(config["drafter"]["size"], block_size=config["drafter"]["block_size"],
+                            mask_token_id=config["drafter"]["mask_token_id"])
     return export_drafter(loaded.model_state, args, out_dir)

@@ -150,7 +150,7 @@ def test_export_cli_and_fine_tune_from_export(config_path, tmp_path):
 
 def test_store_that_does_not_match_the_drafter_is_refused(config_path):
     config = load_config(config_path)
-    attrs = {"target": {"vocab_size": 248320}, "target_layer_ids": [1, 5], "hidden_size": 128}
+    attrs = {"target": {"vocab_size": 248320}, "target_layer_ids": [1, 5], "hidden_size": 128, "mask_token_id": 248070}
     with pytest.raises(train.StoreMismatch) as error:
         train.build_drafter_args(config, attrs)
     assert "target_layer_ids" in str(error.value) and "hidden_size" in str(error.value)

@@ -75,8 +75,8 @@ def build_trainer(config, dist):
     from stages.train import TrainContext, apply_parallelism, build_model, build_optimizer
 
     device = dist.device
-    args = drafter_args(config.drafter.size, block_size=config.drafter.block_size,
-                        mask_token_id=config.drafter.mask_token_id)
+    # The named size's own mask token (the config's -1 means "the store's choice"; there is no store here).
+    args = drafter_args(config.drafter.size, block_size=config.drafter.block_size)
     model = build_model(config, args, dist)
     optimizer = build_optimizer(model, config)
     wrapped = apply_parallelism(model, config, dist)
