@@ -58,6 +58,7 @@ def main():
     2. stage2-train    train the drafter from that cache alone
     3. inspect-cache   statistics and verification of a cache
     4. export          write a checkpoint in the format inference engines load
+    5. eval            served acceptance: speculative decoding with the target and an export
     """
 
 
@@ -134,6 +135,42 @@ def export(checkpoint, out_dir):
 
     path = train.export_checkpoint(checkpoint, out_dir)
     click.echo(f"exported {checkpoint} -> {path}")
+
+
+@main.command("eval")
+@config_options
+@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False),
+              help="An exported drafter directory (from `dflash export`).")
+@click.option("--prompts", default="heldout", show_default=True,
+              help="'heldout': the samples stage two held out of the config's store; or a data source "
+                   "(JSONL/JSON/Parquet file or directory, embedded:NAME, hub name), rendered up to its last answer.")
+@click.option("--num-prompts", default=32, show_default=True, help="How many prompts (the first ones).")
+@click.option("--max-new-tokens", default=256, show_default=True, help="Tokens generated per prompt at most.")
+@click.option("--temperature", default=0.0, show_default=True,
+              help="0: greedy, checked token for token against plain greedy decoding; > 0: sampling with "
+                   "the lossless speculative acceptance rule.")
+@click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0).")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Write every number, per prompt too, as JSON.")
+@click.option("--plot", type=click.Path(dir_okay=False),
+              help="Write a PNG: histogram of tokens per verification and per-slot acceptance.")
+def evaluate(config_path, overrides, drafter_dir, prompts, num_prompts, max_new_tokens, temperature, seed, device,
+             out, plot):
+    """Measure an exported drafter as it is served: speculative decoding with the target.
+
+    The target is the config's target.path (checkpoint directory, .gguf file or embedded:tiny).
+    For every prompt the target decodes once plainly and once with the drafter (the loop in
+    dflash/modeling_dflash.py that exports carry). Prints the acceptance length tau (tokens
+    committed per target forward), its histogram, per-slot acceptance, the speedup over
+    plain greedy decoding, and whether the outputs are identical (temperature 0).
+    """
+    config = load_or_exit(config_path, overrides)
+    from stages import evaluate as evaluate_stage
+
+    options = evaluate_stage.EvalOptions(drafter=drafter_dir, prompts=prompts, num_prompts=num_prompts,
+                                         max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                         device=device, out=out or "", plot=plot or "")
+    evaluate_stage.run(config, options)
 
 
 if __name__ == "__main__":

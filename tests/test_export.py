@@ -56,8 +56,11 @@ def test_config_json_has_the_fields_engines_read():
     assert config["rope_theta"] == 1e7 and config["rope_scaling"] is None
     assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 1e7}
     assert config["tie_word_embeddings"] is False
-    assert config["dflash_config"] == {"target_layer_ids": [1, 16, 31, 46, 61], "block_size": 16, "mask_token_id": 248070}
-    assert config["block_size"] == 16 and config["num_target_layers"] == 5
+    assert config["dflash_config"] == {"target_layer_ids": [1, 16, 31, 46, 61], "block_size": 16,
+                                       "mask_token_id": 248070, "num_target_layers": 64}
+    assert config["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    # num_target_layers is the target's depth (the reference code builds default ids from it).
+    assert config["block_size"] == 16 and config["num_target_layers"] == 64
     assert config["torch_dtype"] == "bfloat16" and config["vocab_size"] == 248320
     json.dumps(config, allow_nan=False)
     shapes = expected_shapes(args)

@@ -1,0 +1,396 @@
+"""A DFlash drafter for inference, and the speculative-decoding loop that serves it.
+
+dflash copies this file into every export beside `config.json` (whose `auto_map` names it),
+so that `AutoModel.from_pretrained(export_dir, trust_remote_code=True)` returns a working
+`DFlashDraftModel`; it imports only torch and transformers. `dflash eval` runs the same
+class and the same loop, so the acceptance it reports is what this file serves.
+
+The drafter (ARCHITECTURE.md): the target's features at `target_layer_ids` are projected
+once per committed token, `hidden_norm(fc(feature))`; in every layer the block's queries
+see `[k_proj(context) ; k_proj(block)]` (k_norm, then plain RoPE at absolute positions).
+A block at anchor position `a` sees the context at positions `< a`. Full-attention layers
+see the whole block; sliding-window layers are causal inside the block and see a key at
+`p` from query `a + j` only when `a + j - p < sliding_window`.
+
+`DraftCache` keeps the keys and values of committed context tokens only: a block's own
+keys are never cached, so after verification nothing has to be cropped from it (the same
+state an engine reaches by cropping its draft cache to the committed length).
+
+Usage, as in the reference inference code:
+
+    draft = AutoModel.from_pretrained(export_dir, trust_remote_code=True, dtype=torch.bfloat16).to("cuda")
+    out = draft.spec_generate(target, input_ids, max_new_tokens=256, stop_token_ids=[eos], temperature=0.0)
+"""
+
+import copy
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel, Qwen3Config
+
+
+class DraftCache:
+    """Per layer, keys (normed, rotated) and values `(1, kv_heads, N, head_dim)` of the N committed
+    context tokens, positions `0..N-1`."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.length = 0
+
+    def extend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            keys = torch.cat([self.keys[layer], keys], dim=2)
+            values = torch.cat([self.values[layer], values], dim=2)
+        self.keys[layer], self.values[layer] = keys, values
+        return keys, values
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
+    x_float = x.float()
+    x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x_float.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin `(L, head_dim)` of plain RoPE (rotate-half layout), computed in float32."""
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    angles = positions.float()[:, None] * (1.0 / theta**exponent)[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on `(1, heads, L, head_dim)` with tables `(L, head_dim)`."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+def rope_theta(config) -> float:
+    parameters = getattr(config, "rope_parameters", None) or {}
+    theta = parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("DFlash drafter config has neither rope_parameters.rope_theta nor rope_theta")
+    return float(theta)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config, layer_index: int):
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        sliding = config.layer_types[layer_index] == "sliding_attention"
+        self.window = config.sliding_window if sliding else None
+
+    def heads(self, x: torch.Tensor, proj: nn.Linear, num_heads: int) -> torch.Tensor:
+        return proj(x).view(x.shape[0], x.shape[1], num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x_1BH, context_1NH, rope_block, rope_context, cache: DraftCache, layer_index: int):
+        """Attention of the block `x_1BH` (already input-normed) over the cached context, the new
+        context tokens `context_1NH` (appended to the cache) and the block itself."""
+        q = rotate(self.q_norm(self.heads(x_1BH, self.q_proj, self.num_heads)), *rope_block)
+        k_block = rotate(self.k_norm(self.heads(x_1BH, self.k_proj, self.num_kv_heads)), *rope_block)
+        v_block = self.heads(x_1BH, self.v_proj, self.num_kv_heads)
+        k_context = rotate(self.k_norm(self.heads(context_1NH, self.k_proj, self.num_kv_heads)), *rope_context)
+        v_context = self.heads(context_1NH, self.v_proj, self.num_kv_heads)
+        k_context, v_context = cache.extend(layer_index, k_context, v_context)
+        keys = torch.cat([k_context, k_block], dim=2)
+        values = torch.cat([v_context, v_block], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        mask = self.visible(k_context.shape[2], x_1BH.shape[1], x_1BH.device)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(x_1BH.shape[0], x_1BH.shape[1], -1))
+
+    def visible(self, num_context: int, block_size: int, device) -> torch.Tensor | None:
+        """`(B, N + B)` boolean mask for a block at anchor `N` (its context is positions `0..N-1`)."""
+        if self.window is None:
+            return None  # full attention: every context key and the whole block
+        slot = torch.arange(block_size, device=device)[:, None]
+        context_pos = torch.arange(num_context, device=device)[None, :]
+        sees_context = num_context + slot - context_pos < self.window
+        sees_block = torch.arange(block_size, device=device)[None, :] <= slot
+        return torch.cat([sees_context, sees_block], dim=1)
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.self_attn = DFlashAttention(config, layer_index)
+        self.mlp = DFlashMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, block_1BH, context_1NH, rope_block, rope_context, cache: DraftCache) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(block_1BH), context_1NH, rope_block, rope_context, cache,
+                                  self.layer_index)
+        block_1BH = block_1BH + attended
+        return block_1BH + self.mlp(self.post_attention_layernorm(block_1BH))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """The drafter: `forward(target_hidden, noise_embedding, past_key_values)` -> normed block states."""
+
+    config_class = Qwen3Config
+    base_model_prefix = "dflash"
+    _no_split_modules = ["DFlashDecoderLayer"]
+
+    def __init__(self, config):
+        super().__init__(config)
+        dflash = config.dflash_config
+        self.target_layer_ids = list(dflash["target_layer_ids"])
+        self.block_size = int(dflash.get("block_size", getattr(config, "block_size", 16)))
+        self.mask_token_id = int(dflash["mask_token_id"])
+        self.rope_theta = rope_theta(config)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            module.weight.data.normal_(mean=0.0, std=getattr(self.config, "initializer_range", 0.02))
+        elif isinstance(module, RMSNorm):
+            module.weight.data.fill_(1.0)
+
+    def new_cache(self) -> DraftCache:
+        return DraftCache(len(self.layers))
+
+    def forward(self, target_hidden: torch.Tensor, noise_embedding: torch.Tensor,
+                past_key_values: DraftCache | None = None) -> torch.Tensor:
+        """Block states `(1, B, H)` after the final norm (feed them to the target's LM head).
+
+        `target_hidden` `(1, N, n*H)`: target features of the N tokens committed since the last
+        call (positions `cache.length ..`), which join the cache; `noise_embedding` `(1, B, H)`:
+        the embedded block (anchor token, then mask tokens) at the next position.
+        """
+        cache = past_key_values if past_key_values is not None else self.new_cache()
+        dtype = noise_embedding.dtype
+        context_1NH = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype))).to(dtype)
+        start, num_new, block_size = cache.length, target_hidden.shape[1], noise_embedding.shape[1]
+        positions = torch.arange(start, start + num_new + block_size, device=noise_embedding.device)
+        head_dim = self.config.head_dim
+        rope_context = rope_tables(positions[:num_new], head_dim, self.rope_theta, dtype)
+        rope_block = rope_tables(positions[num_new:], head_dim, self.rope_theta, dtype)
+        hidden = noise_embedding
+        for layer in self.layers:
+            hidden = layer(hidden, context_1NH, rope_block, rope_context, cache)
+        cache.length = start + num_new
+        return self.norm(hidden)
+
+    def propose(self, new_features: torch.Tensor, anchor: torch.Tensor, cache: DraftCache, embed_VH: torch.Tensor,
+                lm_head: nn.Module, temperature: float, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block's drafts `(B-1,)` and their logits `(B-1, V)`: the block is the anchor token
+        (the last committed one) and B-1 mask tokens; `new_features` `(1, N, n*H)` are the target's
+        features of the tokens committed since the last call."""
+        mask_ids = torch.full((self.block_size - 1,), self.mask_token_id, dtype=torch.long, device=anchor.device)
+        dtype = self.fc.weight.dtype
+        # The raw embedding table, as in training: no embedding scale or norm of the target's.
+        block_embeds = F.embedding(torch.cat([anchor, mask_ids]), embed_VH)[None].to(dtype)
+        hidden = self(new_features.to(dtype), block_embeds, cache)
+        logits = lm_head(hidden[0, 1:].to(lm_head.weight.dtype))
+        return choose(logits, temperature, generator), logits
+
+    @torch.inference_mode()
+    def spec_generate(self, target, input_ids, max_new_tokens: int, stop_token_ids=None, temperature: float = 0.0,
+                      return_stats: bool = False, generator: torch.Generator | None = None):
+        """Speculative decoding of `input_ids` `(1, T)` with `target` (a transformers causal LM).
+
+        Returns the prompt plus the generated ids `(1, T + n)`, or with `return_stats` a
+        `SpecStats` whose `acceptance_lengths` hold the tokens committed per target forward.
+        """
+        self.eval()
+        stats = speculative_generate(self, target, input_ids, max_new_tokens, stop_token_ids or [], temperature,
+                                     generator)
+        return stats if return_stats else stats.output_ids
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class SpecStats:
+    output_ids: torch.Tensor  # (1, prompt + generated)
+    num_prompt_tokens: int
+    generated: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)  # committed tokens per verification
+    target_forwards: int = 0  # prefill and replays included
+
+
+def cache_keyword(model) -> str:
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    return getattr(output, "cache", None) or output.past_key_values
+
+
+class TargetSession:
+    """The target with its KV cache: forwards that return the chosen layers' outputs, and rollback.
+
+    Attention caches are cropped (transformers 5 `Cache.crop(-n)`). A cache that cannot be cropped
+    (the recurrent state of linear-attention layers, e.g. Qwen3.5) is copied before each
+    verification and replayed with the accepted tokens instead, which costs one more forward.
+    """
+
+    def __init__(self, target, layer_ids: list[int]):
+        self.target, self.layer_ids = target, layer_ids
+        self.cache_keyword = cache_keyword(target)
+        self.cache = None
+        self.snapshot = None
+        self.forwards = 0
+
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0):
+        """`(features (1, T, n*H), logits (1, K, V))` of new tokens continuing the cache."""
+        out = self.target(input_ids=input_ids, use_cache=True, output_hidden_states=True,
+                          logits_to_keep=logits_to_keep, **{self.cache_keyword: self.cache})
+        self.cache = returned_cache(out)
+        self.forwards += 1
+        features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        return features, out.logits
+
+    def croppable(self) -> bool:
+        layers = getattr(self.cache, "layers", None)
+        return layers is not None and all(getattr(layer, "is_croppable", True) for layer in layers)
+
+    def before_verify(self) -> None:
+        self.snapshot = None if self.croppable() else copy.deepcopy(self.cache)
+
+    def rollback(self, num_rejected: int, accepted_ids: torch.Tensor) -> None:
+        """Drop the last `num_rejected` tokens of the last forward (`accepted_ids` are the kept ones)."""
+        if num_rejected == 0:
+            return
+        if self.snapshot is None:
+            self.cache.crop(-num_rejected)
+            return
+        self.cache, self.snapshot = self.snapshot, None
+        self.forward(accepted_ids, logits_to_keep=1)
+
+
+def choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
+    """Greedy at temperature 0, else a sample from softmax(logits / temperature); `(..., V)` -> `(...)`."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    flat = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator)
+    return flat.view(probs.shape[:-1])
+
+
+def accept(draft_tokens, draft_logits, target_logits, temperature: float, generator) -> tuple[int, int]:
+    """`(accepted drafts, the target's next token)` for one block.
+
+    Greedy: drafts are accepted while they equal the target's argmax. Sampling: the standard
+    lossless rule, slot by slot: accept x with probability min(1, p(x)/q(x)), otherwise sample
+    the correction from max(p - q, 0); after a full acceptance sample the bonus token from p.
+    """
+    num_drafts = draft_tokens.shape[0]
+    if temperature <= 0:
+        target_tokens = target_logits.argmax(dim=-1)
+        matches = (draft_tokens == target_tokens[:num_drafts]).int()
+        accepted = int(matches.cumprod(0).sum())  # sync: one per block, the loop branches on it
+        return accepted, int(target_tokens[accepted])
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
+    for k in range(num_drafts):
+        token = draft_tokens[k]
+        ratio = p[k, token] / q[k, token].clamp_min(1e-20)
+        if torch.rand((), generator=generator, device=ratio.device) < ratio:
+            continue
+        residual = (p[k] - q[k]).clamp_min(0)
+        residual = residual / residual.sum() if residual.sum() > 0 else p[k]
+        return k, int(torch.multinomial(residual, 1, generator=generator))
+    return num_drafts, int(torch.multinomial(p[num_drafts], 1, generator=generator))
+
+
+def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tensor, max_new_tokens: int,
+                         stop_token_ids: list[int], temperature: float, generator=None) -> SpecStats:
+    """The serving loop: prefill, then per step draft one block from the anchor (the last committed
+    token), verify it in one target forward, commit the accepted drafts plus the target's token."""
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"spec_generate serves one sequence: input_ids must be (1, T), got {tuple(input_ids.shape)}")
+    device = input_ids.device
+    embed_VH = target.get_input_embeddings().weight
+    lm_head = target.get_output_embeddings()
+    session = TargetSession(target, draft.target_layer_ids)
+    stats = SpecStats(output_ids=input_ids, num_prompt_tokens=input_ids.shape[1])
+    new_features, logits = session.forward(input_ids, logits_to_keep=1)
+    generated = [int(choose(logits[0, -1], temperature, generator))]
+    cache = draft.new_cache()
+    stops = set(stop_token_ids)
+    stopped = generated[0] in stops
+    while len(generated) < max_new_tokens and not stopped:
+        anchor = torch.tensor([generated[-1]], dtype=torch.long, device=device)
+        draft_tokens, draft_logits = draft.propose(new_features, anchor, cache, embed_VH, lm_head, temperature,
+                                                   generator)
+        session.before_verify()
+        verify_ids = torch.cat([anchor, draft_tokens])[None]
+        verify_features, target_logits = session.forward(verify_ids)
+        accepted, next_token = accept(draft_tokens, draft_logits, target_logits[0], temperature, generator)
+        session.rollback(len(draft_tokens) - accepted, verify_ids[:, :accepted + 1])
+        new_features = verify_features[:, :accepted + 1]
+        committed = draft_tokens[:accepted].tolist() + [next_token]
+        generated += committed
+        stopped = not stops.isdisjoint(committed)
+        stats.acceptance_lengths.append(accepted + 1)
+    stats.generated = truncate(generated, max_new_tokens, stops)
+    stats.output_ids = torch.cat([input_ids, torch.tensor([stats.generated], dtype=torch.long, device=device)], 1)
+    stats.target_forwards = session.forwards
+    return stats
+
+
+def truncate(tokens: list[int], max_new_tokens: int, stops: set[int]) -> list[int]:
+    """At most `max_new_tokens`, ending at the first stop token (kept)."""
+    tokens = tokens[:max_new_tokens]
+    for index, token in enumerate(tokens):
+        if token in stops:
+            return tokens[:index + 1]
+    return tokens
+
+
+@torch.inference_mode()
+def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=()) -> list[int]:
+    """Plain decoding, one target forward per token, with the KV cache (the baseline of `dflash eval`)."""
+    keyword = cache_keyword(target)
+    out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+    generated, stops = [], set(stop_token_ids)
+    while True:
+        generated.append(int(out.logits[0, -1].argmax()))  # sync: one per token, as any decoder
+        if len(generated) >= max_new_tokens or generated[-1] in stops:
+            return generated
+        next_ids = torch.tensor([[generated[-1]]], dtype=torch.long, device=input_ids.device)
+        out = target(input_ids=next_ids, use_cache=True, logits_to_keep=1, **{keyword: returned_cache(out)})

@@ -1,0 +1,200 @@
+"""Served acceptance: the export's own inference code, the speculative loop, and `dflash eval`.
+
+- The export loads with `AutoModel.from_pretrained(dir, trust_remote_code=True)` and gives
+  the packed training forward's logits, with the context fed to its cache in pieces.
+- The loop commits exactly what an oracle drafter proposes up to its first wrong token, and
+  its output equals plain greedy decoding, on a Llama target (cache cropped) and a Qwen3.5
+  target (linear attention: cache replayed).
+- `dflash eval` end to end on the embedded tiny target with an `auto` drafter: lossless, tau >= 1.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
+
+from dflash.drafter import DFlashDrafter, drafter_args
+from dflash.export import AUTO_MAP, MODELING_NAME, export_drafter
+from dflash.modeling_dflash import DFlashDraftModel, accept, greedy_generate, speculative_generate
+from test_inference_equivalence import VOCAB, packed_training_logits, random_packed_batch, tiny_setup
+
+
+def served_logits(draft, embed, lm_head, batch, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """Per real anchor: the context before it goes into the draft cache in two pieces, then the block."""
+    per_anchor = []
+    for anchor, doc in enumerate(batch["anchor_doc"].tolist()):
+        if doc < 0:
+            continue
+        index, pos = int(batch["anchor_index"][anchor]), int(batch["anchor_pos"][anchor])
+        features = batch["hidden"][index - pos:index][None]
+        block = embed[torch.tensor([int(batch["input_ids"][index])] + [mask_token_id] * (block_size - 1))][None]
+        cache = draft.new_cache()
+        half = pos // 2
+        with torch.no_grad():
+            if half:
+                draft(features[:, :half], block, cache)  # an earlier block: its context joins the cache
+            hidden = draft(features[:, half:], block, cache)
+        assert cache.length == pos
+        per_anchor.append(hidden[0] @ lm_head.T)
+    return torch.stack(per_anchor)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_export_served_through_auto_model_gives_training_logits(seed, tmp_path):
+    args, model, embed, lm_head = tiny_setup(seed)
+    export_drafter(model.state_dict(), args, tmp_path, dtype=torch.float32)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"] == AUTO_MAP and (tmp_path / MODELING_NAME).is_file()
+    remote = AutoModel.from_pretrained(tmp_path, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(remote).__name__ == "DFlashDraftModel" and type(remote) is not DFlashDraftModel
+    local = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    batch = random_packed_batch(seed, args.context_feature_size, args.block_size)
+    training = packed_training_logits(args, model, embed, lm_head, batch)[batch["anchor_doc"] >= 0]
+    for draft in (remote, local):
+        assert (draft.block_size, draft.mask_token_id, draft.target_layer_ids) == (16, VOCAB - 1, [1, 3, 5])
+        served = served_logits(draft, embed, lm_head, batch, args.block_size, args.mask_token_id)
+        torch.testing.assert_close(served, training, atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_acceptance_counts_the_matching_prefix():
+    logits = torch.full((4, 10), -5.0)
+    for row, token in enumerate([3, 4, 9, 1]):
+        logits[row, token] = 5.0  # the target's choices after anchor, d1, d2, d3
+    assert accept(torch.tensor([3, 4, 5]), None, logits, 0.0, None) == (2, 9)
+    assert accept(torch.tensor([3, 4, 9]), None, logits, 0.0, None) == (3, 1)
+    assert accept(torch.tensor([7, 4, 9]), None, logits, 0.0, None) == (0, 3)
+
+
+def test_sampled_acceptance_is_lossless_for_a_single_slot():
+    """With q != p the committed first token is still distributed as p (the standard rule)."""
+    generator = torch.Generator().manual_seed(0)
+    p_logits = torch.log(torch.tensor([[0.6, 0.3, 0.1], [1 / 3, 1 / 3, 1 / 3]]))
+    q_logits = torch.log(torch.tensor([[0.2, 0.2, 0.6]]))
+    counts = torch.zeros(3)
+    for _ in range(4000):
+        draft = torch.multinomial(q_logits.softmax(-1)[0], 1, generator=generator)
+        accepted, next_token = accept(draft, q_logits, p_logits, 1.0, generator)
+        counts[int(draft[0]) if accepted else next_token] += 1
+    torch.testing.assert_close(counts / counts.sum(), torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
+
+
+def tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    # Larger weights than the 0.02 default, so greedy decoding does not repeat one token.
+    config.initializer_range = 0.2
+    return LlamaForCausalLM(config).eval()
+
+
+def random_export(tmp_path, vocab: int, hidden: int, layer_ids) -> DFlashDraftModel:
+    args = drafter_args("tiny", vocab_size=vocab, mask_token_id=vocab - 1, hidden_size=hidden,
+                        target_layer_ids=tuple(layer_ids))
+    torch.manual_seed(1)
+    export_drafter(DFlashDrafter(args).state_dict(), args, tmp_path, dtype=torch.float32)
+    return DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+
+
+class OracleDrafter:
+    """Proposes the true greedy continuation, with a wrong token at `wrong_slot` (1-based), if any."""
+
+    def __init__(self, truth: list[int], prompt_len: int, wrong_slot: int | None, block_size: int = 16):
+        self.truth, self.prompt_len, self.wrong_slot = truth, prompt_len, wrong_slot
+        self.block_size, self.target_layer_ids, self.committed = block_size, [1], 0
+
+    def new_cache(self):
+        return None
+
+    def propose(self, new_features, anchor, cache, embed_VH, lm_head, temperature, generator):
+        self.committed += new_features.shape[1]  # prompt, then the tokens each verification kept
+        start = self.committed - self.prompt_len  # index of the anchor in the generated tokens
+        drafts = [self.truth[start + k] if start + k < len(self.truth) else 0 for k in range(1, self.block_size)]
+        if self.wrong_slot is not None:
+            drafts[self.wrong_slot - 1] = (drafts[self.wrong_slot - 1] + 1) % 300
+        return torch.tensor(drafts), None
+
+
+@pytest.mark.parametrize("wrong_slot", [None, 1, 3])
+def test_loop_commits_what_an_oracle_drafter_gets_right(wrong_slot):
+    target = tiny_llama()
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 250]])
+    truth = greedy_generate(target, prompt, 80)
+    stats = speculative_generate(OracleDrafter(truth, prompt.shape[1], wrong_slot), target, prompt, 80, [], 0.0)
+    assert stats.generated == truth
+    committed_per_block = 16 if wrong_slot is None else wrong_slot
+    assert stats.acceptance_lengths[:-1] == [committed_per_block] * (len(stats.acceptance_lengths) - 1)
+    assert sum(stats.acceptance_lengths) >= 79  # the first token comes from the prefill
+
+
+def test_spec_generate_equals_greedy_on_llama_and_qwen35(tmp_path, tiny_target_dir):
+    from dflash.target import load_causal_lm
+
+    llama = tiny_llama()
+    qwen35 = load_causal_lm(str(tiny_target_dir), torch.float32, torch.device("cpu"))
+    for name, target, layer_ids in (("llama", llama, [1, 3, 4]), ("qwen35", qwen35, [1, 3, 5])):
+        vocab, hidden = target.get_input_embeddings().weight.shape
+        draft = random_export(tmp_path / name, vocab, hidden, layer_ids)
+        prompt = torch.tensor([[11, 23, 35, 47, 59, 71, 83, 95]])
+        expected = greedy_generate(target, prompt, 40)
+        out = draft.spec_generate(target, prompt, max_new_tokens=40, return_stats=True)
+        assert out.generated == expected, name
+        assert out.output_ids[0, prompt.shape[1]:].tolist() == expected
+        assert all(1 <= length <= 16 for length in out.acceptance_lengths)
+        assert sum(out.acceptance_lengths) >= len(expected) - 1
+    # A stop token ends both loops at the same place.
+    stop = expected[10]
+    assert speculative_generate(draft, qwen35, prompt, 40, [stop], 0.0).generated == \
+        greedy_generate(qwen35, prompt, 40, [stop])
+
+
+@pytest.mark.slow
+def test_eval_on_the_tiny_default_is_lossless(tmp_path, pipeline_config):
+    root = tmp_path
+    config = pipeline_config(root, 30, 10, f"""
+[store]
+path = "{root / 'store'}"
+bucket_edges = [64, 192, 320, 512]
+shard_tokens = 4096
+[extract]
+batch_tokens = 2048
+[drafter]
+size = "auto"
+num_layers = 2
+[train]
+out_dir = "{root / 'run'}"
+epochs = 1
+max_steps = 4
+token_budget = 512
+accum_steps = 2
+max_anchors = 8
+loss_chunk = 512
+holdout_fraction = 0.1
+eval_every = 100
+log_every = 2
+num_workers = 0
+wandb = "disabled"
+""")
+    cli = [sys.executable, "-m", "dflash.cli"]
+    subprocess.run(cli + ["stage1-extract", "-c", str(config)], check=True, capture_output=True, text=True)
+    trained = subprocess.run(cli + ["stage2-train", "-c", str(config)], capture_output=True, text=True)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert "drafter auto:" in trained.stdout and "2 layers ['sliding_attention', 'full_attention']" in trained.stdout
+    checkpoint = sorted((root / "run" / "checkpoints").glob("step-*"))[-1]
+    subprocess.run(cli + ["export", str(checkpoint), str(root / "export")], check=True, capture_output=True)
+    exported = json.loads((root / "export" / "config.json").read_text())
+    assert exported["hidden_size"] == 64 and exported["num_attention_heads"] == 4  # the tiny target's
+    assert exported["dflash_config"]["mask_token_id"] == 248070
+    evaluated = subprocess.run(cli + ["eval", "-c", str(config), "--drafter", str(root / "export"),
+                                      "--num-prompts", "2", "--max-new-tokens", "24",
+                                      "--out", str(root / "eval.json"), "--plot", str(root / "eval.png")],
+                               capture_output=True, text=True)
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert "lossless: speculative output equals plain greedy output on all 2 prompts" in evaluated.stdout
+    report = json.loads((root / "eval.json").read_text())
+    assert report["num_prompts"] == 2 and report["mismatched_prompts"] == 0 and report["tau"] >= 1.0
+    assert sum(report["histogram"]) == report["verifications"] > 0
+    assert all(p["prompt_id"].startswith("sample ") for p in report["per_prompt"])  # the held-out split
+    assert (root / "eval.png").stat().st_size > 0
