@@ -139,8 +139,9 @@ def export(checkpoint, out_dir):
 
 @main.command("eval")
 @config_options
-@click.option("--drafter", "drafter_dir", required=True, type=click.Path(file_okay=False),
-              help="An exported drafter directory (from `dflash export`).")
+@click.option("--drafter", "drafter_dirs", required=True, multiple=True, type=click.Path(file_okay=False),
+              help="An exported drafter directory (from `dflash export`); repeat it to compare several "
+                   "drafters on the same prompts and baseline.")
 @click.option("--prompts", default="heldout", show_default=True,
               help="'heldout': the samples stage two held out of the config's store; or a data source "
                    "(JSONL/JSON/Parquet file or directory, embedded:NAME, hub name), rendered up to its last answer.")
@@ -154,7 +155,7 @@ def export(checkpoint, out_dir):
 @click.option("--out", type=click.Path(dir_okay=False), help="Write every number, per prompt too, as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="Write a PNG: histogram of tokens per verification and per-slot acceptance.")
-def evaluate(config_path, overrides, drafter_dir, prompts, num_prompts, max_new_tokens, temperature, seed, device,
+def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new_tokens, temperature, seed, device,
              out, plot):
     """Measure an exported drafter as it is served: speculative decoding with the target.
 
@@ -167,7 +168,7 @@ def evaluate(config_path, overrides, drafter_dir, prompts, num_prompts, max_new_
     config = load_or_exit(config_path, overrides)
     from stages import evaluate as evaluate_stage
 
-    options = evaluate_stage.EvalOptions(drafter=drafter_dir, prompts=prompts, num_prompts=num_prompts,
+    options = evaluate_stage.EvalOptions(drafters=drafter_dirs, prompts=prompts, num_prompts=num_prompts,
                                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                          device=device, out=out or "", plot=plot or "")
     evaluate_stage.run(config, options)

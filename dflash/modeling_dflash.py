@@ -353,7 +353,9 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
     cache = draft.new_cache()
     stops = set(stop_token_ids)
     stopped = generated[0] in stops
-    while len(generated) < max_new_tokens and not stopped:
+    # As the reference loop counts: verify while the anchor (the last token, not yet verified
+    # context) sits inside the budget, so the last verification may run past max_new_tokens.
+    while len(generated) <= max_new_tokens and not stopped:
         anchor = torch.tensor([generated[-1]], dtype=torch.long, device=device)
         draft_tokens, draft_logits = draft.propose(new_features, anchor, cache, embed_VH, lm_head, temperature,
                                                    generator)

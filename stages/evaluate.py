@@ -1,10 +1,11 @@
 """`dflash eval`: the served acceptance of an exported drafter, by real speculative decoding.
 
 `run(config, options)` loads the target (`target.path`: a checkpoint directory, a GGUF file or
-the embedded tiny target) and the export, takes prompts (the held-out split of the config's
-store, or any data source), and for each prompt decodes twice: plain greedy decoding of the
-target (the baseline), then speculative decoding with the drafter through
-`dflash.modeling_dflash` (the class and loop an export serves). It reports the acceptance
+the embedded tiny target) and one or more exports, takes prompts (the held-out split of the
+config's store, or any data source), and for each prompt decodes plainly once (greedy, the
+baseline) and then speculatively with each drafter through `dflash.modeling_dflash` (the class
+and loop an export serves). Several drafters (checkpoints of one run, or rival runs) share the
+prompts and the baseline. For each it reports the acceptance
 length tau (tokens committed per verifying target forward), its histogram over 1..B, the
 acceptance of each block slot, the wall-clock speedup over the baseline, and, at temperature
 0, whether the speculative output equals the baseline token for token.
@@ -35,7 +36,7 @@ HELDOUT = "heldout"
 
 @dataclass(frozen=True)
 class EvalOptions:
-    drafter: str  # an export directory
+    drafters: tuple[str, ...]  # export directories
     prompts: str = HELDOUT  # "heldout" or a data source
     num_prompts: int = 32
     max_new_tokens: int = 256
@@ -82,33 +83,38 @@ class EvalResult:
     per_prompt: list[PromptResult] = field(default_factory=list)
 
 
-def run(config: Config, options: EvalOptions) -> EvalResult:
+def run(config: Config, options: EvalOptions) -> list[EvalResult]:
     device = resolve_device(options.device)
     dtype = eval_dtype(config, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
     target = load_causal_lm(str(checkpoint), dtype, device)
-    draft = load_drafter(options.drafter, target, dtype, device)
+    drafts = [load_drafter(path, target, dtype, device) for path in options.drafters]
     prompts = load_prompts(config, options, tokenizer)
-    result = EvalResult(drafter=options.drafter, target=config.target.path, prompts_source=options.prompts,
-                        device=str(device), dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
-                        temperature=options.temperature, max_new_tokens=options.max_new_tokens)
+    results = [EvalResult(drafter=path, target=config.target.path, prompts_source=options.prompts, device=str(device),
+                          dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
+                          temperature=options.temperature, max_new_tokens=options.max_new_tokens)
+               for path, draft in zip(options.drafters, drafts)]
     stops = stop_token_ids(tokenizer, target)
     generator = torch.Generator(device=device).manual_seed(options.seed)
-    warm_up(draft, target, prompts[0][1], stops, device)
+    warm_up(drafts[0], target, prompts[0][1], stops, device)
     bar = tqdm(prompts, unit="prompt", desc="eval", dynamic_ncols=True)
     for prompt_id, prompt_ids in bar:
-        result.per_prompt.append(decode_prompt(draft, target, prompt_id, prompt_ids, options, stops, generator,
-                                               device))
-        bar.set_postfix(tau=f"{summarize(result).tau:.2f}")
+        input_ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)[None]
+        baseline = timed(device, lambda: greedy_generate(target, input_ids, options.max_new_tokens, stops))
+        for draft, result in zip(drafts, results):
+            result.per_prompt.append(decode_prompt(draft, target, prompt_id, input_ids, baseline, options, stops,
+                                                   generator, device))
+        bar.set_postfix(tau="/".join(f"{summarize(result).tau:.2f}" for result in results))
     bar.close()
-    summarize(result)
-    print_report(result)
+    for result in results:
+        summarize(result)
+    print_report(results)
     if options.out:
-        write_json(result, options.out)
+        write_json(results, options.out)
     if options.plot:
-        plot(result, options.plot)
-    return result
+        plot(results, options.plot)
+    return results
 
 
 def resolve_device(name: str) -> torch.device:
@@ -249,19 +255,18 @@ def warm_up(draft, target, prompt_ids: np.ndarray, stops, device: torch.device) 
     speculative_generate(draft, target, input_ids, 2 * draft.block_size, stops, 0.0)
 
 
-def decode_prompt(draft, target, prompt_id, prompt_ids, options: EvalOptions, stops, generator, device):
-    input_ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)[None]
+def decode_prompt(draft, target, prompt_id, input_ids, baseline, options: EvalOptions, stops, generator, device):
+    """Speculative decoding of one prompt, compared with the baseline `(tokens, seconds)`."""
     spec, spec_seconds = timed(device, lambda: speculative_generate(
         draft, target, input_ids, options.max_new_tokens, stops, options.temperature, generator))
-    result = PromptResult(prompt_id=prompt_id, prompt_tokens=len(prompt_ids), generated_tokens=len(spec.generated),
+    baseline_tokens, baseline_seconds = baseline
+    result = PromptResult(prompt_id=prompt_id, prompt_tokens=input_ids.shape[1], generated_tokens=len(spec.generated),
                           acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
-                          spec_seconds=spec_seconds)
-    baseline, result.baseline_seconds = timed(device, lambda: greedy_generate(
-        target, input_ids, options.max_new_tokens, stops))
-    result.baseline_tokens = len(baseline)
-    if options.temperature <= 0 and spec.generated != baseline:
-        result.first_mismatch = next((i for i, (a, b) in enumerate(zip(spec.generated, baseline)) if a != b),
-                                     min(len(spec.generated), len(baseline)))
+                          spec_seconds=spec_seconds, baseline_tokens=len(baseline_tokens),
+                          baseline_seconds=baseline_seconds)
+    if options.temperature <= 0 and spec.generated != baseline_tokens:
+        result.first_mismatch = next((i for i, (a, b) in enumerate(zip(spec.generated, baseline_tokens)) if a != b),
+                                     min(len(spec.generated), len(baseline_tokens)))
     return result
 
 
@@ -289,52 +294,63 @@ def summarize(result: EvalResult) -> EvalResult:
     return result
 
 
-def print_report(result: EvalResult) -> None:
-    print(f"\ndflash eval: drafter {result.drafter} on target {result.target}, {result.device} {result.dtype}, "
-          f"temperature {result.temperature:g}, up to {result.max_new_tokens} new tokens")
-    print("| prompts | generated tokens | verifications | tau | spec tokens/s | greedy tokens/s | speedup |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {result.num_prompts} | {result.generated_tokens:,} | {result.verifications:,} | {result.tau:.3f} | "
-          f"{result.spec_tokens_per_s:,.1f} | {result.baseline_tokens_per_s:,.1f} | {result.speedup:.2f}x |")
-    total = max(result.verifications, 1)
-    print("tokens committed per verification (1..B): "
-          + " ".join(f"{k}:{count / total:.1%}" for k, count in enumerate(result.histogram, start=1) if count))
-    print("slot acceptance (slot 1..B-1): " + " ".join(f"{value:.2f}" for value in result.slot_acceptance))
-    if result.temperature > 0:
-        print("lossless check: not applicable at temperature > 0 (sampled outputs differ by design)")
-    elif result.mismatched_prompts == 0:
-        print(f"lossless: speculative output equals plain greedy output on all {result.num_prompts} prompts")
-    else:
-        print(f"MISMATCH: {result.mismatched_prompts} of {result.num_prompts} prompts differ from plain greedy:")
-        for prompt in result.per_prompt:
-            if prompt.first_mismatch is not None:
-                print(f"  {prompt.prompt_id}: first differing generated token {prompt.first_mismatch}")
-    if result.device == "cpu":
+def print_report(results: list[EvalResult]) -> None:
+    first = results[0]
+    print(f"\ndflash eval: target {first.target}, {first.device} {first.dtype}, temperature {first.temperature:g}, "
+          f"up to {first.max_new_tokens} new tokens, {first.num_prompts} prompts ({first.prompts_source})")
+    print("| drafter | generated tokens | verifications | tau | spec tokens/s | greedy tokens/s | speedup | lossless |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for result in results:
+        lossless = "n/a (sampling)" if result.temperature > 0 else \
+            "yes" if result.mismatched_prompts == 0 else f"NO: {result.mismatched_prompts} prompts differ"
+        print(f"| {result.drafter} | {result.generated_tokens:,} | {result.verifications:,} | {result.tau:.3f} | "
+              f"{result.spec_tokens_per_s:,.1f} | {result.baseline_tokens_per_s:,.1f} | {result.speedup:.2f}x | "
+              f"{lossless} |")
+    for result in results:
+        total = max(result.verifications, 1)
+        print(f"{result.drafter}:\n  tokens committed per verification (1..B): "
+              + " ".join(f"{k}:{count / total:.1%}" for k, count in enumerate(result.histogram, start=1) if count))
+        print("  slot acceptance (slot 1..B-1): " + " ".join(f"{value:.2f}" for value in result.slot_acceptance))
+        if result.temperature > 0:
+            print("  lossless check: not applicable at temperature > 0 (sampled outputs differ by design)")
+        elif result.mismatched_prompts == 0:
+            print(f"  lossless: speculative output equals plain greedy output on all {result.num_prompts} prompts")
+        else:
+            print(f"  MISMATCH: {result.mismatched_prompts} of {result.num_prompts} prompts differ from plain greedy:")
+            for prompt in result.per_prompt:
+                if prompt.first_mismatch is not None:
+                    print(f"    {prompt.prompt_id}: first differing generated token {prompt.first_mismatch}")
+    if first.device == "cpu":
         print("(speedup on the CPU is not the served speedup: measure it on the GPU the target serves on)")
 
 
-def write_json(result: EvalResult, path: str) -> None:
+def write_json(results: list[EvalResult], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(asdict(result), indent=1) + "\n")
+    Path(path).write_text(json.dumps({"results": [asdict(result) for result in results]}, indent=1) + "\n")
     print(f"wrote {path}")
 
 
-def plot(result: EvalResult, path: str) -> None:
+def plot(results: list[EvalResult], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    total = max(result.verifications, 1)
-    lengths = range(1, result.block_size + 1)
-    left.bar(lengths, [count / total for count in result.histogram])
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    block = results[0].block_size
+    width = 0.8 / len(results)
+    for index, result in enumerate(results):
+        label = f"{Path(result.drafter).name or result.drafter}: tau {result.tau:.2f}"
+        fractions = [count / max(result.verifications, 1) for count in result.histogram]
+        left.bar([k + (index - (len(results) - 1) / 2) * width for k in range(1, block + 1)], fractions, width,
+                 label=label)
+        right.plot(range(1, block), result.slot_acceptance, marker="o", label=label)
     left.set(xlabel="tokens committed per target forward", ylabel="fraction of verifications",
-             title=f"acceptance length, tau {result.tau:.2f}", xticks=list(lengths))
-    right.plot(range(1, result.block_size), result.slot_acceptance, marker="o")
+             title="acceptance length", xticks=list(range(1, block + 1)))
     right.set(xlabel="block slot", ylabel="fraction of blocks accepting it", ylim=(0, 1),
-              title="per-slot acceptance", xticks=list(range(1, result.block_size)))
-    figure.suptitle(f"{Path(result.drafter).name}: {result.num_prompts} prompts, {result.generated_tokens} tokens")
+              title="per-slot acceptance", xticks=list(range(1, block)))
+    right.legend(fontsize="small")
+    figure.suptitle(f"dflash eval: {results[0].num_prompts} prompts, up to {results[0].max_new_tokens} new tokens")
     figure.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)

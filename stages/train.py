@@ -70,6 +70,7 @@ class TrainResult:
     last_metrics: dict = field(default_factory=dict)
     eval_metrics: dict = field(default_factory=dict)
     checkpoint: str | None = None
+    tokens_seen: int = 0  # context tokens trained on, rank 0's count times the ranks (as tokens_per_s)
 
 
 def run(config: Config, resume: str | None = None) -> TrainResult:
@@ -95,16 +96,16 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     optimizer = build_optimizer(model, config)
     ctx = build_context(config, args, reader, dist)
     cursor, step = DataCursor(), 0
+    result = TrainResult(run_dir=config.train.out_dir)
     checkpoint_path = resolve_resume(config, resume)
     if checkpoint_path is not None:
-        cursor, step = restore(checkpoint_path, model, optimizer, dist)
+        cursor, step, result.tokens_seen = restore(checkpoint_path, model, optimizer, dist)
     wrapped = apply_parallelism(model, config, dist)
     logger = MetricsLogger(config.train.out_dir, use_wandb=config.train.wandb != "disabled",
                            wandb_mode=config.train.wandb, project=config.train.wandb_project,
                            config=config.to_dict(), is_writer=dist.is_main)
     if dist.is_main:
         print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step)
-    result = TrainResult(run_dir=config.train.out_dir)
     stop = StopFlag()
     try:
         loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
@@ -409,6 +410,7 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
             lr = learning_rate(config, step, total_steps)
             stats = train_step(wrapped, ctx, micro_batches, optimizer, lr, config.train.clip)
             window.merge(stats)
+            result.tokens_seen += stats.host["real_tokens"] * dist.world_size
             step += 1
             cursor = DataCursor(epoch=cursor.epoch, step=step_in_epoch + 1)
             if cursor.step == schedule.num_steps:
@@ -424,9 +426,9 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
                 result.eval_metrics = evaluate(dist, wrapped, ctx, dataset, collate, eval_micro_batches)
                 logger.log(step, {f"eval/{k}": v for k, v in result.eval_metrics.items()})
             if step % config.train.save_every == 0 and step < total_steps:
-                save(config, dist, model, optimizer, cursor, step)
+                save(config, dist, model, optimizer, cursor, step, result.tokens_seen)
     bar.close()
-    result.checkpoint = str(save(config, dist, model, optimizer, cursor, step))
+    result.checkpoint = str(save(config, dist, model, optimizer, cursor, step, result.tokens_seen))
     result.steps = step
     result.losses = loss_history[first_step:step].tolist()  # sync: end of run
     if stop.requested and dist.is_main:
@@ -474,6 +476,7 @@ def log_window(config, dist, window: StepStats, lr, timer, logger, step, bar, re
         "avg_seq_len": host["len_sum"] / max(host["num_seqs"], 1),
         "max_seq_len": host["max_len"],
         "padding_efficiency": host["real_tokens"] / max(host["padded_tokens"], 1),
+        "tokens_seen": result.tokens_seen,
     })
     for bucket, count in sorted(window.buckets.items()):
         metrics[f"bucket{bucket}_micro_batches"] = count
@@ -507,9 +510,10 @@ def evaluate(dist, wrapped, ctx, dataset, collate, micro_batches) -> dict:
     return stats.summarize(dist, with_grad_norm=False)
 
 
-def save(config, dist, model, optimizer, cursor: DataCursor, step: int) -> Path:
+def save(config, dist, model, optimizer, cursor: DataCursor, step: int, tokens_seen: int) -> Path:
     model_state = {k: v.detach() for k, v in model.state_dict().items()}  # fp32 master weights
-    return save_checkpoint(config.train.out_dir, step, model_state, optimizer.state_dict(), {"step": step},
+    scheduler_state = {"step": step, "tokens_seen": tokens_seen}
+    return save_checkpoint(config.train.out_dir, step, model_state, optimizer.state_dict(), scheduler_state,
                            cursor.to_dict(), capture_rng_states(), config.to_dict(), config.train.keep_last,
                            is_writer=dist.is_main, drafter_args=dataclasses.asdict(model.args))
 
@@ -525,14 +529,14 @@ def resolve_resume(config: Config, resume: str | None) -> Path | None:
     return Path(resume)
 
 
-def restore(path: Path, model, optimizer, dist: DistState) -> tuple[DataCursor, int]:
+def restore(path: Path, model, optimizer, dist: DistState) -> tuple[DataCursor, int, int]:
     checkpoint = load_checkpoint(path)
     model.load_state_dict(checkpoint.model_state)
     optimizer.load_state_dict(checkpoint.optimizer_state)
     restore_rng_states(checkpoint.rng_states)
     if dist.is_main:
         print(f"resumed from {path} at step {checkpoint.step}")
-    return DataCursor.from_dict(checkpoint.data_cursor), checkpoint.step
+    return DataCursor.from_dict(checkpoint.data_cursor), checkpoint.step, checkpoint.scheduler_state.get("tokens_seen", 0)
 
 
 def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step) -> None:

@@ -176,6 +176,7 @@ eval_every = 100
 log_every = 2
 num_workers = 0
 wandb = "disabled"
+compile = false
 """)
     cli = [sys.executable, "-m", "dflash.cli"]
     subprocess.run(cli + ["stage1-extract", "-c", str(config)], check=True, capture_output=True, text=True)
@@ -193,7 +194,7 @@ wandb = "disabled"
                                capture_output=True, text=True)
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
     assert "lossless: speculative output equals plain greedy output on all 2 prompts" in evaluated.stdout
-    report = json.loads((root / "eval.json").read_text())
+    [report] = json.loads((root / "eval.json").read_text())["results"]
     assert report["num_prompts"] == 2 and report["mismatched_prompts"] == 0 and report["tau"] >= 1.0
     assert sum(report["histogram"]) == report["verifications"] > 0
     assert all(p["prompt_id"].startswith("sample ") for p in report["per_prompt"])  # the held-out split
