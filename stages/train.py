@@ -33,7 +33,7 @@ from dflash.export import export_drafter, load_exported
 from dflash.loss import block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights
 from dflash.masks import build_masks, default_backend
 from dflash.metrics import MetricsLogger
-from dflash.sampler import DataCursor, build_epoch_schedule, split_holdout
+from dflash.sampler import DataCursor, build_epoch_schedule, pack_bucket, split_holdout
 from dflash.store import StoreReader
 from dflash.tokenizer import MASK_TOKEN_ID, TOKENIZER_NAME
 
@@ -490,11 +490,20 @@ def held_out_micro_batches(config, dist: DistState, reader, eval_indices) -> lis
     """This rank's share of the first eval_batches held-out micro-batches, fixed for the run."""
     if not eval_indices.size:
         return []
-    # world 1, accum 2: only the packing and order matter here (eval never steps).
-    schedule = build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
-                                    1, 2, config.train.seed, 0, sample_indices=eval_indices,
-                                    anchors=anchor_counts(config, reader), anchor_budget=config.train.anchor_budget)
-    return schedule.micro_batches[dist.rank::dist.world_size][:config.train.eval_batches]
+    anchors = anchor_counts(config, reader)
+    try:
+        # world 1, accum 2: only the packing and order matter here (eval never steps).
+        micro_batches = build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
+                                             1, 2, config.train.seed, 0, sample_indices=eval_indices,
+                                             anchors=anchors, anchor_budget=config.train.anchor_budget).micro_batches
+    except ValueError:
+        # Too few held-out samples for mixed steps (one sample, or all in one bucket but one): pack them plainly.
+        buckets = reader.index["bucket"][eval_indices]
+        micro_batches = [micro_batch for bucket in np.unique(buckets)
+                         for micro_batch in pack_bucket(eval_indices[buckets == bucket], reader.index["length"],
+                                                        config.train.token_budget, anchors,
+                                                        config.train.anchor_budget)]
+    return micro_batches[dist.rank::dist.world_size][:config.train.eval_batches]
 
 
 @torch.no_grad()

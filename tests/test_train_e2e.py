@@ -188,3 +188,17 @@ def test_first_step_notice_names_the_compile_cache_on_cuda_only(monkeypatch):
     assert "compiling" in notice and "/scratch/inductor" in notice and "ranks" not in notice
     three = DistState(rank=1, world_size=3, local_rank=1, device=torch.device("cuda", 1))
     assert "each of the 3 ranks compiles for its own GPU" in train.first_step_notice(cuda, three)
+
+
+def test_a_held_out_set_too_small_for_mixed_steps_still_evaluates():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    config = load_config(None, ["train.token_budget=1024", "train.eval_batches=4"])
+    reader = SimpleNamespace(index={"length": np.array([100, 200, 300, 120]), "bucket": np.array([0, 1, 1, 0]),
+                                    "num_supervised": np.array([50, 60, 70, 40])})
+    dist = SimpleNamespace(rank=0, world_size=1)
+    for eval_indices in (np.array([2]), np.array([1, 2])):
+        batches = train.held_out_micro_batches(config, dist, reader, eval_indices)
+        assert sorted(int(i) for batch in batches for i in batch) == eval_indices.tolist()

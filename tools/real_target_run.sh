@@ -78,6 +78,7 @@ PY
 export_all() {  # run -> $WORK/export/<run>-<step>
   local run=$1
   for checkpoint in "$WORK/$run"/checkpoints/step-*; do
+    [ -d "$checkpoint" ] || continue
     "${dflash[@]}" export "$checkpoint" "$WORK/export/$run-$((10#${checkpoint##*step-}))" >> "$WORK/logs/export.log" 2>&1
   done
 }
@@ -134,18 +135,20 @@ case $command in
     ls "$WORK"/*.done "$WORK"/*.failed "$WORK"/results 2>/dev/null
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
     ;;
-  collect)
+  collect)  # waits for the results (at most $WAIT s), then leaves one archive and the eval report in $LOGS
     deadline=$((SECONDS + ${WAIT:-540}))
     while [ ! -e "$WORK/results/done" ] && [ $SECONDS -lt $deadline ]; do sleep 10; done
     bash "$0" status
-    cp "$WORK"/results/*.json "$WORK"/results/*.png "$WORK"/results/*.log "$LOGS"/ 2>/dev/null
+    rm -rf "$WORK/collected" && mkdir -p "$WORK/collected"
+    cp "$WORK"/results/* "$WORK/collected/" 2>/dev/null
     for run in main deep half regen; do
-      [ -f "$WORK/$run/metrics.jsonl" ] && cp "$WORK/$run/metrics.jsonl" "$LOGS/metrics-$run.jsonl"
-      [ -f "$WORK/logs/$run.log" ] && tr '\r' '\n' < "$WORK/logs/$run.log" | grep -v '^train' > "$LOGS/train-$run.log"
+      [ -f "$WORK/$run/metrics.jsonl" ] && cp "$WORK/$run/metrics.jsonl" "$WORK/collected/metrics-$run.jsonl"
     done
-    for log in stage1 stage1-regen regenerate; do
-      [ -f "$WORK/logs/$log.log" ] && tr '\r' '\n' < "$WORK/logs/$log.log" | grep -v -E '^(extract|regenerate)' | tail -n 40 > "$LOGS/$log.log"
+    for log in "$WORK"/logs/*.log; do
+      tr '\r' '\n' < "$log" | grep -v -E '^(train|extract|regenerate|eval|Loading)' > "$WORK/collected/$(basename "$log")"
     done
-    [ -e "$WORK/results/done" ] && grep -v '^eval' "$WORK/results/eval.log" | tail -n 40
+    tar czf "$LOGS/real-target.tgz" -C "$WORK" collected
+    cp "$WORK"/results/eval.json "$WORK"/results/eval.png "$LOGS"/ 2>/dev/null
+    [ -f "$WORK/results/eval.log" ] && grep -v '^eval' "$WORK/results/eval.log" | tail -n 45
     ;;
 esac
