@@ -132,12 +132,14 @@ def test_loop_commits_what_an_oracle_drafter_gets_right(wrong_slot):
 def test_spec_generate_equals_greedy_on_llama_and_qwen35(tmp_path, tiny_target_dir):
     from dflash.target import load_causal_lm
 
-    llama = tiny_llama()
-    qwen35 = load_causal_lm(str(tiny_target_dir), torch.float32, torch.device("cpu"))
+    # On a GPU machine flash-linear-attention serves Qwen3.5 only on the GPU (conftest keeps it away on CPU-only ones).
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    llama = tiny_llama().to(device)
+    qwen35 = load_causal_lm(str(tiny_target_dir), torch.float32, device)
     for name, target, layer_ids in (("llama", llama, [1, 3, 4]), ("qwen35", qwen35, [1, 3, 5])):
         vocab, hidden = target.get_input_embeddings().weight.shape
-        draft = random_export(tmp_path / name, vocab, hidden, layer_ids)
-        prompt = torch.tensor([[11, 23, 35, 47, 59, 71, 83, 95]])
+        draft = random_export(tmp_path / name, vocab, hidden, layer_ids).to(device)
+        prompt = torch.tensor([[11, 23, 35, 47, 59, 71, 83, 95]], device=device)
         expected = greedy_generate(target, prompt, 40)
         out = draft.spec_generate(target, prompt, max_new_tokens=40, return_stats=True)
         assert out.generated == expected, name
