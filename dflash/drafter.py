@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.masks import LAYER_TYPES, attend
+# The served drafter's own norm and RoPE tables: training and serving share them.
+from dflash.modeling_dflash import RMSNorm, rms_norm, rope_tables
 
 INIT_STD = 0.02  # Qwen3 `initializer_range`
 
@@ -182,32 +184,6 @@ def count_parameters(args: DrafterArgs) -> int:
     return args.num_layers * per_layer + hidden + args.context_feature_size * hidden + hidden
 
 
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: normalise in float32, scale in the input dtype."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x_float = x.float()
-    x_float = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x_float.to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """Plain RoPE tables `(L, head_dim)` for integer positions (computed in float32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 def apply_rope(x_LND: torch.Tensor, cos_LD: torch.Tensor, sin_LD: torch.Tensor) -> torch.Tensor:
     """Rotate `(L, heads, head_dim)` by the half-split (rotate_half) convention of Qwen3."""
     first, second = x_LND.chunk(2, dim=-1)
@@ -333,9 +309,9 @@ class DFlashDrafter(nn.Module):
         args = self.args
         dtype = block_embeds_QH.dtype
         context_TH = self.hidden_norm(self.fc(context_feature_TF.to(self.fc.weight.dtype)))
-        rope_q = rope_cos_sin(block_positions_Q, args.head_dim, args.rope_theta, dtype)
+        rope_q = rope_tables(block_positions_Q, args.head_dim, args.rope_theta, dtype)
         key_positions = torch.cat([context_positions_T, block_positions_Q])
-        rope_k = rope_cos_sin(key_positions, args.head_dim, args.rope_theta, dtype)
+        rope_k = rope_tables(key_positions, args.head_dim, args.rope_theta, dtype)
         hidden_QH = block_embeds_QH
         for layer in self.layers:
             hidden_QH = layer(hidden_QH, context_TH, rope_q, rope_k, masks[layer.layer_type])

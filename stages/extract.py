@@ -60,8 +60,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     lengths = np.array([len(s.input_ids) for s in tokenized.samples], dtype=np.int64)
     row_ids = np.array([s.row_id for s in tokenized.samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(config.store.bucket_edges), config.store.shard_tokens)
-    attrs = root_attrs(config, target_path, tokenizer, shards)
-    attrs["mask_token_id"] = choose_mask_token(tokenizer, (sample.input_ids for sample in tokenized.samples))
+    attrs = root_attrs(config, target_path, tokenizer, shards, tokenized.samples)
     group = open_store_in_order(config, attrs, dist)
     done = store.completed_shards(group)
     mine = [s for s in plan.assign_ranks(shards, dist.world_size)[dist.rank] if s.name not in done]
@@ -115,7 +114,7 @@ def open_store_in_order(config: Config, attrs: dict, dist: DistState):
     return group if dist.is_main else store.create_or_open_store(config.store.path, attrs, overwrite=False)
 
 
-def root_attrs(config: Config, target_path: Path, tokenizer, shards) -> dict:
+def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) -> dict:
     from transformers import AutoConfig
 
     from dflash.gguf import is_gguf
@@ -137,6 +136,7 @@ def root_attrs(config: Config, target_path: Path, tokenizer, shards) -> dict:
         "hidden_size": target_info["hidden_size"],
         "codec": config.store.codec,
         "tokenizer": tokenizer_identity(tokenizer),
+        "mask_token_id": choose_mask_token(tokenizer, (sample.input_ids for sample in samples)),
         "max_length": config.data.max_length,
         "bucket_edges": list(config.store.bucket_edges),
         "config": config.to_dict(),
