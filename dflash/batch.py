@@ -22,6 +22,7 @@ import torch
 import torch.utils.data
 
 from dflash.anchors import anchor_rng, sample_anchors
+from dflash.data import row_label
 
 PADDING_DOC = -1  # same value as dflash.masks.PADDING_DOC
 
@@ -56,7 +57,7 @@ class StoreDataset(torch.utils.data.Dataset):
         num_tokens = len(sample["input_ids"])
         if sample["hidden"].shape[0] != num_tokens or len(sample["loss_mask"]) != num_tokens:
             raise ValueError(
-                f"sample {index} (row {sample['row_id']}): hidden has {sample['hidden'].shape[0]} rows, "
+                f"sample {index} ({row_label(sample['row_id'])}): hidden has {sample['hidden'].shape[0]} rows, "
                 f"input_ids {num_tokens}, loss_mask {len(sample['loss_mask'])}"
             )
         rng = anchor_rng(self.seed, epoch, int(sample["row_id"]))

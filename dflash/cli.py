@@ -4,11 +4,14 @@ Every command that takes a config reads TOML (`-c`; the embedded tiny default wi
 and accepts any number of `--set section.key=value` overrides.
 """
 
+import errno
+import os
 import sys
 
 import click
 
 from dflash.config import ConfigError, load_config
+from dflash.errors import DflashError
 
 CONFIG_HELP = "TOML config file (default: the embedded tiny config, configs/tiny.toml)."
 SET_HELP = "Override one config value, e.g. --set train.lr=3e-4 (repeatable)."
@@ -25,6 +28,12 @@ def load_or_exit(config_path, overrides, extra=()):
         return load_config(config_path, [*overrides, *extra])
     except ConfigError as err:
         raise click.UsageError(str(err)) from None
+
+
+def writes(*paths) -> None:
+    """Name what this command writes, so that a full disk can be reported with its place."""
+    context = click.get_current_context().find_root()
+    context.obj = {"outputs": [str(path) for path in paths]}
 
 
 def relaunch_without_gpus(gpus: str) -> None:
@@ -48,9 +57,37 @@ def under_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def is_expected(error: BaseException) -> bool:
+    """Failures a user can act on: ours, a missing or unreadable path, a full disk."""
+    return isinstance(error, (DflashError, FileNotFoundError, NotADirectoryError, PermissionError)) or (
+        isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT))
+
+
+def one_line(error: BaseException, outputs: list[str]) -> str:
+    """The error's message; a full disk names the file, or else the outputs the command writes."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = error.filename or " or ".join(outputs) or "the output directory"
+        return f"no space left on the device writing {where} ({error.strerror or error})"
+    return str(error) or type(error).__name__
+
+
+class Commands(click.Group):
+    """Expected failures end as one `Error: ...` line and exit status 1, without a traceback
+    (`--debug` or DFLASH_DEBUG=1 keeps it)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except Exception as error:
+            if not is_expected(error) or ctx.params.get("debug") or os.environ.get("DFLASH_DEBUG"):
+                raise
+            raise click.ClickException(one_line(error, (ctx.obj or {}).get("outputs", []))) from None
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show the full traceback of an error (or set DFLASH_DEBUG=1).")
 @click.version_option(package_name="dflash")
-def main():
+def main(debug):
     """Train DFlash drafters offline.
 
     \b
@@ -59,6 +96,7 @@ def main():
     3. inspect-cache   statistics and verification of a cache
     4. export          write a checkpoint in the format inference engines load
     5. eval            served acceptance: speculative decoding with the target and an export
+    6. config show     every config key with its value, default and meaning
     """
 
 
@@ -76,6 +114,7 @@ def stage1_extract(config_path, overrides, gpus, overwrite):
     if gpus and not under_torchrun():
         relaunch_without_gpus(gpus)
     config = load_or_exit(config_path, overrides, ["store.overwrite=true"] if overwrite else [])
+    writes(config.store.path, config.data.cache_dir)
     from stages import extract
 
     extract.run(config)
@@ -97,6 +136,7 @@ def stage2_train(config_path, overrides, gpus, resume):
     if gpus and not under_torchrun():
         relaunch_without_gpus(gpus)
     config = load_or_exit(config_path, overrides)
+    writes(config.train.out_dir)
     from stages import train
 
     train.run(config, resume=resume)
@@ -131,6 +171,7 @@ def export(checkpoint, out_dir):
 
     OUT_DIR gets config.json (Qwen3 config with dflash_config) and model.safetensors.
     """
+    writes(out_dir)
     from stages import train
 
     path = train.export_checkpoint(checkpoint, out_dir)
@@ -172,6 +213,26 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new
                                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                          device=device, out=out or "", plot=plot or "")
     evaluate_stage.run(config, options)
+
+
+@main.group("config")
+def config_group():
+    """Inspect configs."""
+
+
+@config_group.command("show")
+@config_options
+def config_show(config_path, overrides):
+    """Print every config key with its value (after -c and --set), default and meaning."""
+    from dflash.config import describe
+
+    rows = describe(load_or_exit(config_path, overrides))
+    width = max(len(key) for key, *_ in rows)
+    for key, value, default, meaning in rows:
+        shown = repr(list(value) if isinstance(value, tuple) else value)
+        if value != default:
+            shown += f"  (default {list(default) if isinstance(default, tuple) else default!r})"
+        click.echo(f"{key:<{width}}  {shown}\n{'':<{width}}  {meaning}")
 
 
 if __name__ == "__main__":

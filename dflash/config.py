@@ -7,6 +7,7 @@ reference machine (paths under /data/dflash, the 27B-sized drafter).
 """
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import tomllib
@@ -15,10 +16,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from dflash.errors import DflashError
+
 DEFAULT_ROOT = "/data/dflash"
 
 
-class ConfigError(ValueError):
+class ConfigError(DflashError, ValueError):
     """A config value is missing, unknown or invalid; the message names the key."""
 
 
@@ -129,6 +132,71 @@ class Config:
         return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()
 
 
+# One line per key for `dflash config show` (tests check that every key has one).
+HELP = {
+    "target.path": "the frozen target: a checkpoint directory, a .gguf file, or embedded:tiny",
+    "target.layer_ids": "decoder layers whose outputs are cached (empty: evenly spaced from 1 to L-3)",
+    "target.num_layer_ids": "how many evenly spaced layers when target.layer_ids is empty",
+    "target.dtype": "dtype the target runs in: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32",
+    "target.chat_template": "a Jinja chat template, or a file holding one, replacing the target's own",
+    "data.source": "JSONL/JSON/Parquet file or directory, embedded:NAME, or a datasets hub name",
+    "data.split": "split of a hub dataset",
+    "data.max_length": "tokens per sample at most; longer ones are cut (or dropped, see data.overlong)",
+    "data.overlong": "what happens to a sample longer than data.max_length: truncate or drop",
+    "data.strict": "stop at the first bad row (in file order) instead of counting bad rows",
+    "data.num_workers": "tokenizer processes",
+    "data.cache_dir": "where tokenization results, the embedded target and converted GGUF targets are cached",
+    "store.path": "the zarr store stage one writes and stage two reads",
+    "store.codec": "how features are stored: fp8 (e4m3, per-token-per-layer scales) or bf16 (lossless)",
+    "store.bucket_edges": "sequence-length bucket edges; every optimizer step mixes several buckets",
+    "store.shard_tokens": "tokens per shard (the unit written by one process and committed atomically)",
+    "store.overwrite": "replace an existing store that holds different content (--overwrite)",
+    "extract.batch_tokens": "padded tokens per target forward in stage one",
+    "extract.rows_per_chunk": "feature rows per compressed chunk",
+    "extract.chunks_per_file": "chunks per zarr shard file",
+    "extract.writer_processes": "processes per rank that compress and write shards",
+    "extract.device": "auto (cuda:<local rank> when there is one, else cpu), or a device name",
+    "drafter.size": "auto (sized from the target), or a named size: tiny, qwen3.6-27b",
+    "drafter.init_from": "an exported drafter to start from",
+    "drafter.block_size": "tokens per block: the anchor and block_size-1 drafted tokens",
+    "drafter.mask_token_id": "token id of the block's mask slots (-1: the store's choice, an unused special token)",
+    "drafter.num_layers": "drafter layers (0: the size's own; auto: 5)",
+    "drafter.layer_types": "per-layer sliding_attention / full_attention (empty: sliding except the last)",
+    "drafter.sliding_window": "window of the sliding layers in positions (0: the size's own; auto: 2048)",
+    "drafter.intermediate_size": "MLP width (0: the size's own; auto: the target's)",
+    "train.out_dir": "run directory: metrics.jsonl, checkpoints/, W&B files",
+    "train.epochs": "passes over the training samples",
+    "train.max_steps": "stop after this many optimizer steps (0: all epochs); also the LR schedule's length",
+    "train.lr": "peak learning rate (AdamW)",
+    "train.min_lr_ratio": "final learning rate as a fraction of train.lr",
+    "train.warmup_ratio": "fraction of the steps spent warming the learning rate up",
+    "train.decay": "learning-rate decay after warm-up: cosine or linear",
+    "train.weight_decay": "AdamW weight decay",
+    "train.betas": "AdamW betas",
+    "train.clip": "gradient-norm clipping",
+    "train.token_budget": "real context tokens per micro-batch at most",
+    "train.accum_steps": "micro-batches per rank per optimizer step",
+    "train.max_anchors": "anchors (blocks) sampled per sequence at most, fresh every epoch",
+    "train.anchor_budget": "anchors per micro-batch at most (x block size = drafter rows)",
+    "train.gamma": "decay of the slot loss weights exp(-(k-1)/gamma) (0: 7 for block 16, 5 for 10, 4 for 8)",
+    "train.loss_chunk": "block rows per LM-head and loss chunk (bounds the logits' memory)",
+    "train.seed": "seed of the data order, anchors, held-out split and initialisation",
+    "train.holdout_fraction": "fraction of the store's samples held out of training (eval batches, dflash eval prompts)",
+    "train.eval_every": "steps between held-out evaluations",
+    "train.eval_batches": "held-out micro-batches per evaluation",
+    "train.log_every": "steps between metric lines (the only steps that move numbers to the host)",
+    "train.save_every": "steps between checkpoints",
+    "train.keep_last": "checkpoints kept",
+    "train.num_workers": "DataLoader worker processes per rank",
+    "train.attention": "attention backend: auto (flex on CUDA, dense SDPA on CPU), flex or dense",
+    "train.compile": "torch.compile the drafter layers on CUDA (a cold compile costs minutes once)",
+    "train.activation_checkpointing": "recompute layer activations in backward to save memory",
+    "train.skip_corrupt_shards": "skip (and count) shards and samples that cannot be read instead of stopping",
+    "train.log_grad_norm": "log the gradient norm (one more reduction per logging step)",
+    "train.wandb": "W&B mode: offline, online or disabled",
+    "train.wandb_project": "W&B project name",
+}
+
 CHOICES = {
     "data.overlong": ("truncate", "drop"),
     "store.codec": ("bf16", "fp8"),
@@ -186,7 +254,9 @@ def build_config(raw: dict) -> Config:
             raise ConfigError(f"[{section_field.name}] must be a table")
         sections[section_field.name] = build_section(section_field.name, section_field.default_factory, values)
     if raw:
-        raise ConfigError(f"unknown config section(s): {', '.join(sorted(raw))}")
+        known = {section.name for section in dataclasses.fields(Config)}
+        raise ConfigError("unknown config section(s): " + ", ".join(
+            f"{section}{did_you_mean(section, known)}" for section in sorted(raw)))
     config = Config(**sections)
     validate(config)
     return config
@@ -197,9 +267,27 @@ def build_section(name: str, cls, values: dict):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(f"unknown config key(s): {', '.join(f'{name}.{k}' for k in unknown)}")
+        raise ConfigError("unknown config key(s): " + ", ".join(
+            f"{name}.{key}{did_you_mean(key, known, f'{name}.')}" for key in unknown))
     coerced = {key: coerce(f"{name}.{key}", hints[key], value) for key, value in values.items()}
     return cls(**coerced)
+
+
+def did_you_mean(name: str, known, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
+
+
+def describe(config: Config) -> list[tuple[str, object, object, str]]:
+    """Every key as `(section.key, value, default, meaning)`, for `dflash config show`."""
+    rows = []
+    for section_field in dataclasses.fields(Config):
+        section = getattr(config, section_field.name)
+        defaults = section_field.default_factory()
+        for key_field in dataclasses.fields(section):
+            key = f"{section_field.name}.{key_field.name}"
+            rows.append((key, getattr(section, key_field.name), getattr(defaults, key_field.name), HELP[key]))
+    return rows
 
 
 def coerce(key: str, hint, value):

@@ -18,8 +18,10 @@ rendering: a turn starts where `render(messages[:i], add_generation_prompt=True)
 and ends after its (stripped) content plus the special token that follows it; see
 `_assistant_spans_by_rendering`.
 
-Rows that cannot be used are counted per reason (the `BAD_*` constants) or, with
-`strict=True`, raise `BadRowError` naming the row. Trailing turns after the last assistant
+Rows that cannot be used are counted per reason (the `BAD_*` constants; a JSON-lines line that
+does not parse is one, `invalid_json`, with its line number) or, with `strict=True`, the first
+one in source order raises `BadRowError` naming the row. Messages number rows from 1; row ids
+are 0-based indices internally (and in the store). Trailing turns after the last assistant
 turn are dropped: nothing in them is supervised, so they would only cost stage-one compute.
 """
 
@@ -36,6 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash.errors import DflashError
+
 # Bad-row reasons (the keys of TokenizedData.bad_rows).
 BAD_MISSING_FIELDS = "missing_fields"  # no recognised row format, or a message without role/content
 BAD_EMPTY = "empty"  # no messages, or no assistant turn with any content
@@ -43,7 +47,9 @@ BAD_NO_ASSISTANT_TURN = "no_assistant_turn"  # messages, but none from the assis
 BAD_TOO_FEW_SUPERVISED = "too_few_supervised"  # fewer than min_supervised supervised tokens after truncation
 BAD_OVERLONG = "overlong"  # longer than max_length, with overlong="drop"
 BAD_ROLE = "bad_role"  # a role outside system/user/assistant (after ShareGPT mapping)
+BAD_INVALID_JSON = "invalid_json"  # a JSON-lines line that does not parse
 BAD_ROW_REASONS = (
+    BAD_INVALID_JSON,
     BAD_MISSING_FIELDS,
     BAD_EMPTY,
     BAD_NO_ASSISTANT_TURN,
@@ -53,7 +59,7 @@ BAD_ROW_REASONS = (
 )
 
 # Bump whenever tokenization output could change for the same inputs (invalidates caches).
-TOKENIZE_VERSION = 1
+TOKENIZE_VERSION = 2  # 2: truncated samples are counted
 EMBEDDED_PREFIX = "embedded:"  # dflash.embedded.EMBEDDED_SOURCES
 EMBEDDED_CODE_CHAT = "embedded:code-chat"
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
@@ -66,12 +72,17 @@ MAX_EXAMPLES = 5
 CHUNK_ROWS = 64
 
 
-class BadRowError(ValueError):
-    """A row that cannot be used, raised in strict mode; names the row and the reason."""
+def row_label(row_id: int) -> str:
+    """How users see a row: its 1-based position in the source (row ids are 0-based indices)."""
+    return f"row {row_id + 1}"
+
+
+class BadRowError(DflashError, ValueError):
+    """A row that cannot be used, raised in strict mode; names the row (1-based) and the reason."""
 
     def __init__(self, row_id: int, reason: str, detail: str = ""):
         self.row_id, self.reason, self.detail = row_id, reason, detail
-        super().__init__(f"row {row_id}: {reason}" + (f" ({detail})" if detail else ""))
+        super().__init__(f"{row_label(row_id)}: {reason}" + (f" ({detail})" if detail else ""))
 
     def __reduce__(self):  # pool workers send these back; the default pickling loses the fields
         return BadRowError, (self.row_id, self.reason, self.detail)
@@ -90,6 +101,7 @@ class Sample:
     row_id: int
     input_ids: np.ndarray  # (T,) int32
     loss_mask: np.ndarray  # (T,) uint8, 1 on supervised (assistant) tokens
+    truncated: bool = False  # cut at max_length
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -101,6 +113,11 @@ class TokenizedData:
     bad_rows: dict[str, int] = field(default_factory=dict)  # reason -> count
     examples: dict[str, list[int]] = field(default_factory=dict)  # reason -> first few row ids
     num_rows: int = 0  # rows read, good and bad
+
+    @property
+    def num_truncated(self) -> int:
+        """Kept samples cut at max_length."""
+        return sum(sample.truncated for sample in self.samples)
 
     @property
     def num_tokens(self) -> int:
@@ -121,14 +138,23 @@ def list_source_files(source: str | Path) -> list[Path]:
     return files
 
 
-def _read_json_lines(path: Path, text: str) -> Iterator[dict]:
+@dataclass(frozen=True)
+class InvalidLine:
+    """A JSON-lines line that does not parse: it takes a row's place and becomes a bad row."""
+
+    path: str
+    line_number: int  # 1-based
+    error: str
+
+
+def _read_json_lines(path: Path, text: str) -> Iterator[dict | InvalidLine]:
     for line_number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
             yield json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{line_number}: not valid JSON ({error})") from error
+            yield InvalidLine(str(path), line_number, str(error))
 
 
 def _read_file(path: Path) -> Iterator[dict]:
@@ -216,6 +242,8 @@ def _single_turn_messages(row: dict) -> list[dict] | None:
 
 def row_to_messages(row) -> list[dict]:
     """The conversation of one row, validated; raises RowProblem with a bad-row reason."""
+    if isinstance(row, InvalidLine):
+        raise RowProblem(BAD_INVALID_JSON, f"line {row.line_number} of {row.path}: {row.error}")
     if not isinstance(row, dict):
         raise RowProblem(BAD_MISSING_FIELDS, "row is not an object")
     raw = row.get("messages") if row.get("messages") is not None else row.get("conversations")
@@ -316,15 +344,16 @@ def tokenize_row(row_id: int, row, tokenizer, settings: TokenizeSettings, marks_
     try:
         input_ids, loss_mask = tokenize_messages(messages, tokenizer, marks_generation)
     except Exception as error:
-        raise RuntimeError(f"row {row_id}: tokenization failed: {error}") from error
-    if len(input_ids) > settings.max_length:
+        raise RuntimeError(f"{row_label(row_id)}: tokenization failed: {error}") from error
+    truncated = len(input_ids) > settings.max_length
+    if truncated:
         if settings.overlong == "drop":
             raise BadRowError(row_id, BAD_OVERLONG, f"{len(input_ids)} > {settings.max_length} tokens")
         input_ids, loss_mask = input_ids[: settings.max_length], loss_mask[: settings.max_length]
     supervised = int(loss_mask.sum())
     if supervised < settings.min_supervised:
         raise BadRowError(row_id, BAD_TOO_FEW_SUPERVISED, f"{supervised} < {settings.min_supervised}")
-    return Sample(row_id, input_ids, loss_mask)
+    return Sample(row_id, input_ids, loss_mask, truncated)
 
 
 # Per-process state of pool workers, set once by _init_worker (fork start: nothing is pickled).
@@ -418,6 +447,28 @@ def source_fingerprint(source: str, split: str = "train") -> str:
     return _hash_json({"hub": source, "split": split})
 
 
+def content_fingerprint(source: str, split: str = "train") -> str:
+    """A hash of what a source holds, independent of where it lies: embedded rows, or each
+    file's name relative to the source, size and content (files over CONTENT_HASH_LIMIT: their
+    first and last MiB), or a hub name and split. A moved or copied dataset keeps its hash."""
+    if source.startswith(EMBEDDED_PREFIX) or not os.path.exists(source):
+        return source_fingerprint(source, split)
+    root = Path(source) if Path(source).is_dir() else Path(source).parent
+    entries = []
+    for path in list_source_files(source):
+        size = path.stat().st_size
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            if size <= CONTENT_HASH_LIMIT:
+                digest.update(handle.read())
+            else:
+                digest.update(handle.read(1 << 20))
+                handle.seek(size - (1 << 20))
+                digest.update(handle.read())
+        entries.append({"name": str(path.relative_to(root)), "size": size, "sha256": digest.hexdigest()})
+    return _hash_json({"files": entries})
+
+
 def _save_cache(path: Path, data: TokenizedData) -> None:
     """Write the tokenized data as one .npz (no pickles), atomically."""
     lengths = np.array([len(s) for s in data.samples], dtype=np.int64)
@@ -433,6 +484,7 @@ def _save_cache(path: Path, data: TokenizedData) -> None:
                 loss_mask=np.concatenate([s.loss_mask for s in data.samples] or [np.zeros(0, np.uint8)]),
                 offsets=offsets,
                 row_ids=np.array([s.row_id for s in data.samples], dtype=np.int64),
+                truncated=np.array([s.truncated for s in data.samples], dtype=bool),
                 meta=np.array(json.dumps(meta)),
             )
         os.replace(partial, path)
@@ -444,10 +496,10 @@ def _save_cache(path: Path, data: TokenizedData) -> None:
 def _load_cache(path: Path) -> TokenizedData:
     with np.load(path, allow_pickle=False) as arrays:
         input_ids, loss_mask, offsets = arrays["input_ids"], arrays["loss_mask"], arrays["offsets"]
-        row_ids, meta = arrays["row_ids"], json.loads(str(arrays["meta"]))
+        row_ids, meta, truncated = arrays["row_ids"], json.loads(str(arrays["meta"])), arrays["truncated"]
     samples = [
-        Sample(int(row_id), input_ids[start:end], loss_mask[start:end])
-        for row_id, start, end in zip(row_ids, offsets[:-1], offsets[1:])
+        Sample(int(row_id), input_ids[start:end], loss_mask[start:end], bool(cut))
+        for row_id, start, end, cut in zip(row_ids, offsets[:-1], offsets[1:], truncated)
     ]
     return TokenizedData(samples, meta["bad_rows"], meta["examples"], meta["num_rows"])
 

@@ -18,6 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash.errors import DflashError
+
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MODELING_NAME = "modeling_dflash.py"
@@ -26,7 +28,7 @@ DEFAULT_MAX_POSITION_EMBEDDINGS = 262_144  # the Qwen3.5/3.6 targets' context le
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-class ExportFormatError(ValueError):
+class ExportFormatError(DflashError, ValueError):
     """An export's config or weights do not match the drafter layout; the message names the key."""
 
 

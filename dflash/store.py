@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,16 +23,20 @@ import torch
 import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
 
+from dflash.errors import DflashError
 from dflash.plan import ShardPlan
 
 SCHEMA_VERSION = 1
 ATTRS_KEY = "dflash"
 COMPLETE_KEY = "complete"
-# Root attributes that define what the store holds; any difference means another store.
+# Root attributes that define what the store holds; any difference means another store. The
+# target's `path` is not compared (a moved checkpoint is the same target; its weights
+# fingerprint and config hash are), nor paths and worker counts (`content` leaves them out).
 CONTENT_KEYS = (
-    "config_hash", "target", "target_layer_ids", "hidden_size", "codec",
+    "content", "target", "target_layer_ids", "hidden_size", "codec",
     "tokenizer", "max_length", "bucket_edges", "shards",
 )
+LOCATION_KEYS = {"target": ("path",)}
 HIDDEN_DTYPES = {"bf16": np.dtype(np.uint16), "fp8": np.dtype(np.uint8)}
 # bf16 compression, ratios vs raw bf16 in 64-row chunks: zstd-1 / blosc(zstd-1, byte shuffle) /
 # blosc(zstd-1, bit shuffle) = 1.255 / 1.254 / 1.349 on a trained encoder (MiniLM), 1.271 /
@@ -45,11 +50,11 @@ WEIGHT_CHUNK_BYTES = 4 << 20
 WEIGHT_CHUNKS_PER_SHARD = 16
 
 
-class StoreMismatchError(RuntimeError):
+class StoreMismatchError(DflashError, RuntimeError):
     """An existing store holds different content than the current config asks for."""
 
 
-class CorruptShardError(RuntimeError):
+class CorruptShardError(DflashError, RuntimeError):
     """A shard's arrays cannot be opened or decoded."""
 
 
@@ -62,39 +67,55 @@ def _json_normalized(value: Any) -> Any:
 
 
 def diff_attrs(old: dict, new: dict) -> dict[str, tuple[Any, Any]]:
-    """Content keys whose values differ between two `dflash` attribute dicts: key -> (old, new)."""
+    """Content differences between two `dflash` attribute dicts, as `dotted.key -> (old, new)`
+    down to the leaves. Keys a store predates (`content`, `target.weights` before they existed)
+    are not compared."""
     old, new = _json_normalized(old), _json_normalized(new)
-    return {
-        key: (old.get(key), new.get(key))
-        for key in CONTENT_KEYS
-        if old.get(key) != new.get(key)
-    }
+    differences: dict[str, tuple[Any, Any]] = {}
+    for key in CONTENT_KEYS:
+        if key not in old and key == "content":
+            continue
+        mine, theirs = old.get(key), new.get(key)
+        if key in LOCATION_KEYS and isinstance(mine, dict) and isinstance(theirs, dict):
+            mine = {k: v for k, v in mine.items() if k not in LOCATION_KEYS[key]}
+            theirs = {k: v for k, v in theirs.items() if k not in LOCATION_KEYS[key]}
+        _diff_values(key, mine, theirs, differences)
+    return differences
+
+
+def _diff_values(key: str, old: Any, new: Any, out: dict) -> None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for name in sorted(old):  # a key the store predates (e.g. target.weights) is not compared
+            _diff_values(f"{key}.{name}", old[name], new.get(name), out)
+    elif old != new:
+        out[key] = (old, new)
 
 
 def create_or_open_store(path: Any, root_attrs: dict, overwrite: bool) -> zarr.Group:
     """Open the store at `path` for writing, creating it with `root_attrs` if it is new.
 
     An existing store must hold the same content (CONTENT_KEYS) or this raises
-    StoreMismatchError; `overwrite=True` deletes it and starts afresh.
+    StoreMismatchError naming every differing key; with `overwrite=True` such a store is
+    deleted and started afresh. A store with the same content is always continued.
     """
-    root = zarr.open_group(path, mode="w" if overwrite else "a")
-    existing = None if overwrite else root.attrs.get(ATTRS_KEY)
-    if existing is None:
-        if not overwrite and any(True for _ in root.keys()):
-            raise StoreMismatchError(
-                f"{path} holds zarr data but no '{ATTRS_KEY}' attributes: not a dflash store; "
-                "pass overwrite (--overwrite) to replace it"
-            )
+    root = zarr.open_group(path, mode="a")
+    existing = root.attrs.get(ATTRS_KEY)
+    if existing is None and any(True for _ in root.keys()) and not overwrite:
+        raise StoreMismatchError(
+            f"{path} holds zarr data but no '{ATTRS_KEY}' attributes: not a dflash store; "
+            "pass overwrite (--overwrite) to replace it"
+        )
+    differences = diff_attrs(existing, root_attrs) if existing is not None else {}
+    if differences and not overwrite:
+        lines = [f"  {key}: store has {old!r}, config gives {new!r}" for key, (old, new) in differences.items()]
+        raise StoreMismatchError(
+            f"store {path} was written for different content; differing keys:\n"
+            + "\n".join(lines)
+            + "\npass overwrite (CLI flag --overwrite) to delete and replace the store"
+        )
+    if existing is None or differences:
+        root = zarr.open_group(path, mode="w")  # new, or replaced (overwrite)
         root.attrs[ATTRS_KEY] = _json_normalized(root_attrs)
-    else:
-        differences = diff_attrs(existing, root_attrs)
-        if differences:
-            lines = [f"  {key}: store has {old!r}, config gives {new!r}" for key, (old, new) in differences.items()]
-            raise StoreMismatchError(
-                f"store {path} was written for different content; differing keys:\n"
-                + "\n".join(lines)
-                + "\npass overwrite (CLI flag --overwrite) to delete and replace the store"
-            )
     shards_group(root)
     return root
 
@@ -332,7 +353,7 @@ class ShardWriter:
 
     def _check_sample(self, local: int, rows: dict[str, np.ndarray]) -> None:
         length, row_id = int(self.sample_lengths[local]), int(self.sample_row_ids[local])
-        where = f"shard {self.plan.name}, row {row_id}"
+        where = f"shard {self.plan.name}, row {row_id + 1}"
         for name, value in rows.items():
             array = self.arrays[name]
             expected_shape = (length, *array.shape[1:])
@@ -387,6 +408,13 @@ class ShardWriter:
 # ---------------------------------------------------------------- reading
 
 
+def open_existing(path: Any) -> zarr.Group:
+    """The store at `path` for reading; a missing local store is named with what writes it."""
+    if isinstance(path, (str, os.PathLike)) and "://" not in str(path) and not os.path.exists(path):
+        raise FileNotFoundError(f"store.path: there is no store at {path}; `dflash stage1-extract` writes it")
+    return zarr.open_group(path, mode="r")
+
+
 def _read_root_attrs(root: zarr.Group, path: Any) -> dict:
     attrs = root.attrs.get(ATTRS_KEY)
     if attrs is None:
@@ -422,7 +450,7 @@ class StoreReader:
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         self.path = path
-        root = zarr.open_group(path, mode="r")
+        root = open_existing(path)
         self.attrs = _read_root_attrs(root, path)
         self.codec: str = self.attrs["codec"]
         self.hidden_size: int = int(self.attrs["hidden_size"])
@@ -505,7 +533,7 @@ class StoreReader:
             }
         except Exception as exc:
             raise CorruptShardError(
-                f"shard {name}: cannot read sample {i} (row {int(self.sample_row_id[i])}): "
+                f"shard {name}: cannot read sample {i} (row {int(self.sample_row_id[i]) + 1}): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         return sample
@@ -693,4 +721,5 @@ def store_stats(path: Any) -> dict:
         "total": _summary(reader.sample_length, reader.sample_num_supervised, sum(shard_bytes), raw_per_token),
         "buckets": buckets, "shards": shards, "frozen_weights_bytes": weights_bytes,
         "incomplete_shards": list(reader.incomplete_shards), "skipped_shards": dict(reader.skipped_shards),
+        "max_length": reader.attrs["max_length"], "num_truncated": reader.attrs.get("num_truncated"),
     }

@@ -106,6 +106,20 @@ def describe_target_config(config, path: str) -> dict:
     }
 
 
+def weights_fingerprint(path: str | Path) -> str:
+    """A hash of a checkpoint's weights that a copy or move keeps: for every safetensors file,
+    its name, size, header (names, shapes, dtypes, offsets) and first MiB of tensor data.
+    Cheap at any size; a fine-tune with the same config.json gets another hash."""
+    digest = hashlib.sha256()
+    for file in checkpoint_files(str(path)):
+        with open(file, "rb") as handle:
+            header_size = int.from_bytes(handle.read(8), "little")
+            digest.update(f"{file.name}:{file.stat().st_size}:".encode())
+            digest.update(handle.read(header_size))
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()
+
+
 def text_config_summary(config) -> dict:
     """The target's text-model sizes a drafter is sized from (`drafter.size = "auto"`), as plain data.
 
@@ -228,7 +242,26 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> nn.Mo
         # e.g. a Qwen3_5ForConditionalGeneration checkpoint on a transformers release that
         # does not strip `language_model.` itself: the weights would be random otherwise.
         load_remapped_text_weights(model, path)
+    report_linear_attention_path(model, torch.device(device))
     return model.eval().requires_grad_(False)
+
+
+def report_linear_attention_path(model: nn.Module, device: torch.device) -> None:
+    """One line on how a hybrid target's linear-attention layers run, instead of transformers'
+    per-kernel "falling back ... not installed" warnings (on a CPU they are not missing: their
+    kernels need CUDA, and the PyTorch path is the right one there)."""
+    from transformers.utils import logging as transformers_logging
+
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    if "linear_attention" not in layer_types:
+        return
+    transformers_logging.get_logger("transformers.integrations.hub_kernels").setLevel(transformers_logging.ERROR)
+    if device.type != "cuda":
+        print("target: linear-attention layers run on transformers' PyTorch path (flash-linear-attention's "
+              "kernels need CUDA)")
+    elif importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None:
+        print("target: linear-attention layers run on transformers' slow PyTorch path: install "
+              "flash-linear-attention and triton (pip install -e '.[gpu]') for their kernels")
 
 
 class TargetModel:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from dflash import data
 from dflash.config import Config, ConfigError
+from dflash.data import row_label
 from dflash.modeling_dflash import DFlashDraftModel, greedy_generate, speculative_generate
 from dflash.target import find_decoder_layers, load_causal_lm, prepare_checkpoint
 from dflash.tokenizer import load_target_tokenizer, tokenizer_identity
@@ -191,7 +192,7 @@ def heldout_prompts(config: Config, tokenizer, num_prompts: int) -> list[tuple[s
         sample = reader.read_sample(int(index))
         first_answer = int(np.argmax(sample["loss_mask"]))
         if first_answer > 0:
-            prompts.append((f"sample {int(index)} (row {sample['row_id']})", sample["input_ids"][:first_answer]))
+            prompts.append((f"{row_label(sample['row_id'])} (sample {int(index)})", sample["input_ids"][:first_answer]))
     return prompts
 
 
@@ -206,7 +207,7 @@ def source_prompts(source: str, split: str, tokenizer, num_prompts: int) -> list
             continue
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompts.append((f"row {row_id}", np.asarray(ids, dtype=np.int64)))
+        prompts.append((row_label(row_id), np.asarray(ids, dtype=np.int64)))
         if len(prompts) == num_prompts:
             break
     if skipped:

@@ -67,7 +67,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     result = ExtractResult(store_path=config.store.path, bad_rows=dict(tokenized.bad_rows),
                            shards_skipped=sum(s.name in done for s in shards))
     if dist.is_main:
-        report_data(tokenized, len(shards), len(done))
+        report_data(tokenized, len(shards), len(done), config.data.max_length)
     needs_weights = dist.is_main and not store.frozen_weights_complete(group)
     if not mine and not needs_weights:
         if dist.is_main and len(done) == len(shards):
@@ -118,11 +118,12 @@ def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) ->
     from transformers import AutoConfig
 
     from dflash.gguf import is_gguf
-    from dflash.target import default_layer_ids, describe_target_config, text_config_summary
+    from dflash.target import default_layer_ids, describe_target_config, text_config_summary, weights_fingerprint
     from dflash.tokenizer import tokenizer_identity
 
     target_config = AutoConfig.from_pretrained(str(target_path))
     target_info = describe_target_config(target_config, str(target_path))
+    target_info["weights"] = weights_fingerprint(target_path)
     if is_gguf(config.target.path):
         target_info["path"] = config.target.path
     layer_ids = list(config.target.layer_ids) or default_layer_ids(
@@ -137,12 +138,28 @@ def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) ->
         "codec": config.store.codec,
         "tokenizer": tokenizer_identity(tokenizer),
         "mask_token_id": choose_mask_token(tokenizer, (sample.input_ids for sample in samples)),
+        "num_truncated": sum(sample.truncated for sample in samples),
         "max_length": config.data.max_length,
         "bucket_edges": list(config.store.bucket_edges),
         "config": config.to_dict(),
-        "config_hash": config.section_hash("target", "data", "store"),
+        "content": content_identity(config),
         "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
                     "num_tokens": s.num_tokens} for s in shards],
+    }
+
+
+def content_identity(config: Config) -> dict:
+    """The stage-one settings that change what the store holds. Paths, worker counts, batch sizes
+    and the overwrite flag do not, so a moved store, another `data.num_workers` or a rerun after
+    `--overwrite` continue it (the target and tokenizer are compared through their own keys)."""
+    return {
+        "target": {"layer_ids": list(config.target.layer_ids), "num_layer_ids": config.target.num_layer_ids,
+                   "dtype": config.target.dtype},
+        "data": {"source": data.content_fingerprint(config.data.source, config.data.split),
+                 "split": config.data.split, "max_length": config.data.max_length,
+                 "overlong": config.data.overlong, "min_supervised": config.drafter.block_size},
+        "store": {"codec": config.store.codec, "bucket_edges": list(config.store.bucket_edges),
+                  "shard_tokens": config.store.shard_tokens},
     }
 
 
@@ -152,11 +169,12 @@ def target_dtype(config: Config, device: torch.device) -> torch.dtype:
     return getattr(torch, config.target.dtype)
 
 
-def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int) -> None:
+def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int, max_length: int) -> None:
     kept = len(tokenized.samples)
-    print(f"data: {tokenized.num_rows} rows, {kept} kept, {tokenized.num_rows - kept} skipped")
+    print(f"data: {tokenized.num_rows} rows, {kept} kept, {tokenized.num_rows - kept} skipped, "
+          f"{tokenized.num_truncated} cut at data.max_length ({max_length} tokens)")
     for reason, count in sorted(tokenized.bad_rows.items()):
-        examples = ", ".join(str(r) for r in tokenized.examples.get(reason, [])[:5])
+        examples = ", ".join(str(r + 1) for r in tokenized.examples.get(reason, [])[:5])
         print(f"  skipped {count} row(s): {reason} (e.g. rows {examples})")
     print(f"plan: {num_shards} shards, {num_done} already complete")
 

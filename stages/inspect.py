@@ -56,6 +56,8 @@ def _print_report(stats: dict, report: dict | None, per_shard: bool, store_path:
         print()
         print(format_table("shard", [(s["name"], s) for s in stats["shards"]]))
     print(f"frozen weights: {format_bytes(stats['frozen_weights_bytes'])}")
+    if stats["num_truncated"] is not None:
+        print(f"{stats['num_truncated']} samples cut at max_length ({stats['max_length']} tokens)")
     if stats["incomplete_shards"]:
         print(f"incomplete shards ({len(stats['incomplete_shards'])}): {', '.join(stats['incomplete_shards'])}")
     for name, reason in stats["skipped_shards"].items():
@@ -84,6 +86,11 @@ def plot_lengths(store_path: Any, out_path: str) -> str:
     ax.hist(per_bucket, bins=bins, stacked=True, label=labels)
     for edge in edges:
         ax.axvline(edge, color="grey", linewidth=0.6, linestyle="--")
+    truncated = reader.attrs.get("num_truncated")
+    if truncated:
+        # Cut samples all end at max_length: their spike is the truncation, not the data.
+        ax.annotate(f"{truncated} cut at max_length", xy=(reader.attrs["max_length"], ax.get_ylim()[1] * 0.9),
+                    ha="right", fontsize="small")
     ax.set_xlabel("sequence length (tokens)")
     ax.set_ylabel("samples")
     ax.set_title(f"{len(reader)} samples in {len(reader.shard_names)} shards")

@@ -29,6 +29,7 @@ from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
 from dflash.drafter import (AUTO_SIZE, DFlashDrafter, DrafterArgs, auto_drafter_args, block_embeddings,
                             block_positions, compile_layers, drafter_args)
+from dflash.errors import DflashError
 from dflash.export import export_drafter, load_exported
 from dflash.loss import block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights
 from dflash.masks import build_masks, default_backend
@@ -38,7 +39,7 @@ from dflash.store import StoreReader
 from dflash.tokenizer import MASK_TOKEN_ID, TOKENIZER_NAME
 
 
-class StoreMismatch(ValueError):
+class StoreMismatch(DflashError, ValueError):
     """The store's attributes disagree with the drafter config; the message names the keys."""
 
 

@@ -25,6 +25,7 @@ the main process with the process's traceback (it names the shard and row).
 """
 
 import ctypes
+import errno
 import os
 import queue
 import shutil
@@ -39,6 +40,8 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
+from dflash.errors import DflashError
+
 PR_SET_PDEATHSIG = 1
 RESULT_POLL_SECONDS = 0.5
 SHARED_MEMORY_DIR = "/dev/shm"
@@ -47,8 +50,21 @@ SLOT_ALIGN = 64  # bytes; each part of a batch starts at a multiple of it inside
 WRITER_NICENESS = 10  # writer processes yield the CPU to the thread that launches the target's kernels
 
 
-class WriterError(RuntimeError):
-    """A writer process failed; the message holds its traceback."""
+class WriterError(DflashError, RuntimeError):
+    """A writer process failed; the message names the shard (and row, or process) in one line,
+    and the failing process's traceback is attached as a note (shown with `dflash --debug`)."""
+
+    def __init__(self, message: str, details: str = ""):
+        super().__init__(message)
+        if details:
+            self.add_note(details)
+
+
+def describe_failure(error: BaseException, store_path: str) -> str:
+    """One line for a writer's exception; a full disk names the store it was writing."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device of {store_path} ({error.strerror})"
+    return f"{type(error).__name__}: {error}"
 
 
 def check_shared_memory(size: int, batch_bytes: int, where: str = SHARED_MEMORY_DIR) -> bool:
@@ -76,7 +92,7 @@ class WriterPool:
                  batch_bytes: int = 0):
         check_shared_memory(size, batch_bytes)
         self.committed: list[dict] = []
-        self.error: str | None = None
+        self.error: tuple[str, str] | None = None  # (one-line message, traceback)
         self.blocked_seconds = 0.0  # the caller's time blocked on full queues (back-pressure)
         # Hand-off threads' seconds: waiting for device copies, waiting for a free slot, copying into
         # slots (and the longest such copy, a slot's first with its page faults): where a batch's time goes.
@@ -112,9 +128,10 @@ class WriterPool:
                     job = (*job[:-1], self.to_slot(index, job[-1]))
                 self.put_while_alive(index, job)
             except WriterError as error:
-                self.error = self.error or str(error)
-            except BaseException:  # re-raised by the main thread at its next submit or close
-                self.error = self.error or f"writer hand-off:\n{traceback.format_exc()}"
+                self.error = self.error or (str(error), "")
+            except BaseException as error:  # re-raised by the main thread at its next submit or close
+                self.error = self.error or (f"writer hand-off: {type(error).__name__}: {error}",
+                                            traceback.format_exc())
             if job is None:
                 return
 
@@ -203,7 +220,7 @@ class WriterPool:
         for process in self.processes:
             process.join()
             if process.exitcode not in (0, None) and self.error is None:
-                self.error = f"writer process {process.name} exited with code {process.exitcode}"
+                self.error = (f"writer process {process.name} exited with code {process.exitcode}", "")
         self._raise_if_failed()
         return self.committed
 
@@ -227,7 +244,7 @@ class WriterPool:
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             self.terminate()
-            raise WriterError(self.error)
+            raise WriterError(*self.error)
 
 
 def new_handoff_stats() -> dict:
@@ -305,10 +322,11 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
             else:
                 stats = writers.pop(job[1]).commit()
                 results.put(("committed", stats))
-        except BaseException:
+        except BaseException as error:
             failed = True
-            results.put(("error", f"writer process, shard {job[1] if job[0] != 'open' else job[1].name}:\n"
-                                  f"{traceback.format_exc()}"))
+            name = job[1] if job[0] != "open" else job[1].name
+            results.put(("error", (f"writer process, shard {name}: {describe_failure(error, store_path)}",
+                                   traceback.format_exc())))
         finally:
             if slot is not None:
                 free_slots.put(slot)

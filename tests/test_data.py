@@ -23,6 +23,7 @@ LONG_ANSWER = " ".join(f"word{i}" for i in range(300))
 GOOD = chat("What is the capital of France?", "The capital of France is Paris, a city on the Seine.")
 # One row per bad-row reason, in the order they appear in BAD_ROWS.
 BAD_ROWS = {
+    data.BAD_INVALID_JSON: data.InvalidLine("rows.jsonl", 2, "Expecting value: line 1 column 1 (char 0)"),
     data.BAD_MISSING_FIELDS: {"text": "just text, no conversation"},
     data.BAD_EMPTY: {"messages": []},
     data.BAD_NO_ASSISTANT_TURN: {"messages": [{"role": "user", "content": "anyone there?"}]},
@@ -90,7 +91,7 @@ def test_more_bad_rows(qwen_tokenizer, row, reason):
 
 def test_strict_mode_names_the_row(qwen_tokenizer):
     rows = [GOOD, GOOD, BAD_ROWS[data.BAD_NO_ASSISTANT_TURN], BAD_ROWS[data.BAD_EMPTY]]
-    with pytest.raises(BadRowError, match=r"row 2: no_assistant_turn") as caught:
+    with pytest.raises(BadRowError, match=r"row 3: no_assistant_turn") as caught:  # rows count from 1
         tokenize(rows, qwen_tokenizer, strict=True)
     assert (caught.value.row_id, caught.value.reason) == (2, data.BAD_NO_ASSISTANT_TURN)
 
@@ -151,8 +152,9 @@ def test_file_formats_and_directory_order(tmp_path):
     assert list(read_rows(str(lines_json))) == list(enumerate(rows[:3]))
     broken = tmp_path / "broken.jsonl"
     broken.write_text(json.dumps(rows[0]) + "\n{not json\n")
-    with pytest.raises(ValueError, match=r"broken.jsonl:2"):
-        list(read_rows(str(broken)))
+    (_, first), (row_id, invalid) = read_rows(str(broken))  # a broken line takes a row's place
+    assert first == rows[0] and row_id == 1
+    assert isinstance(invalid, data.InvalidLine) and invalid.line_number == 2 and invalid.path == str(broken)
     with pytest.raises(FileNotFoundError):
         list(read_rows(str(tmp_path / "missing.jsonl")))
 
@@ -178,7 +180,7 @@ def test_parallel_equals_serial(qwen_tokenizer):
     assert [s.row_id for s in serial.samples] == [s.row_id for s in parallel.samples]
     for left, right in zip(serial.samples, parallel.samples, strict=True):
         assert np.array_equal(left.input_ids, right.input_ids) and np.array_equal(left.loss_mask, right.loss_mask)
-    with pytest.raises(BadRowError, match="row 17: bad_role"):
+    with pytest.raises(BadRowError, match="row 18: bad_role"):
         tokenize(rows, qwen_tokenizer, min_supervised=1, num_workers=2, strict=True)
 
 
@@ -198,7 +200,7 @@ def test_cache_reuses_and_invalidates(qwen_tokenizer, tmp_path, monkeypatch):
     assert again.bad_rows == first.bad_rows == {data.BAD_ROLE: 1} and again.num_rows == 2
     assert np.array_equal(again.samples[0].input_ids, first.samples[0].input_ids)
     assert again.samples[0].loss_mask.dtype == np.uint8 and again.samples[0].input_ids.dtype == np.int32
-    with pytest.raises(BadRowError, match="row 1: bad_role"):
+    with pytest.raises(BadRowError, match="row 2: bad_role"):
         cached(str(source), qwen_tokenizer, cache_dir, strict=True)
 
     calls = []
@@ -222,3 +224,25 @@ def test_cache_reuses_and_invalidates(qwen_tokenizer, tmp_path, monkeypatch):
 def test_embedded_source_reads(qwen_tokenizer):
     first_id, first_row = next(read_rows(data.EMBEDDED_CODE_CHAT))
     assert first_id == 0 and first_row["messages"][1]["role"] == "assistant"
+
+
+def test_a_line_that_is_not_json_is_a_counted_bad_row(qwen_tokenizer, tmp_path):
+    source = tmp_path / "rows.jsonl"
+    lines = [json.dumps(GOOD), json.dumps(BAD_ROWS[data.BAD_ROLE]), "{not json", "", json.dumps(GOOD)]
+    source.write_text("\n".join(lines) + "\n")
+    result = tokenize(str(source), qwen_tokenizer, min_supervised=1)
+    assert result.num_rows == 4 and [s.row_id for s in result.samples] == [0, 3]
+    assert result.bad_rows == {data.BAD_ROLE: 1, data.BAD_INVALID_JSON: 1}
+    assert result.examples[data.BAD_INVALID_JSON] == [2]
+    # Strict mode names the first bad row in file order (the bad role), then the broken line.
+    with pytest.raises(BadRowError, match=r"^row 2: bad_role"):
+        tokenize(str(source), qwen_tokenizer, min_supervised=1, strict=True)
+    source.write_text("\n".join([lines[0], lines[2], lines[1]]) + "\n")
+    with pytest.raises(BadRowError, match=r"^row 2: invalid_json \(line 2 of .*rows.jsonl: Expecting"):
+        tokenize(str(source), qwen_tokenizer, min_supervised=1, strict=True)
+
+
+def test_cut_samples_are_counted(qwen_tokenizer):
+    rows = [chat("Tell me a story.", LONG_ANSWER), GOOD, chat("Again.", LONG_ANSWER)]
+    result = tokenize(rows, qwen_tokenizer, max_length=64, min_supervised=1)
+    assert [s.truncated for s in result.samples] == [True, False, True] and result.num_truncated == 2

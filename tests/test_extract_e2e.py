@@ -161,3 +161,40 @@ def test_inspect_cli_verifies_and_reports(reference_store, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["ok"] and report["stats"]["total"]["tokens"] > 0
+
+
+def remove_completion_mark(store, name):
+    shard = zarr.open_group(str(store), mode="a")["shards"][name]
+    del shard.attrs["complete"]
+
+
+def test_store_identity_is_its_content(workspace, reference_store, tmp_path, capsys):
+    """A moved or copied store, another path spelling, other worker counts and a rerun after
+    --overwrite all continue the store; a content change names every differing key."""
+    import shutil
+
+    root, config_path = workspace
+    copied = tmp_path / "copied"
+    shutil.copytree(reference_store, copied)
+    for overrides in ([f'store.path="{copied}"'], [f'store.path="{copied}"', "data.num_workers=2",
+                                                   "extract.writer_processes=1", "extract.batch_tokens=1024"]):
+        capsys.readouterr()
+        assert extract.run(load_config(config_path, overrides)).shards_written == 0
+        assert "nothing to do" in capsys.readouterr().out
+    relative = subprocess.run([sys.executable, "-m", "dflash.cli", "stage1-extract", "-c", str(config_path),
+                               "--set", 'store.path="copied"'], cwd=tmp_path, env=single_thread_env(),
+                              capture_output=True, text=True)
+    assert relative.returncode == 0 and "nothing to do" in relative.stdout, relative.stderr[-2000:]
+
+    # A run with --overwrite that stopped mid-way (one shard left incomplete) is continued, with or without it.
+    first = sorted(completed_shards(zarr.open_group(str(copied), mode="r")))[0]
+    for overwrite in ("true", "false"):
+        remove_completion_mark(copied, first)
+        result = extract.run(load_config(config_path, [f'store.path="{copied}"', f"store.overwrite={overwrite}"]))
+        assert result.shards_written == 1 and result.shards_skipped == len(StoreReader(copied).attrs["shards"]) - 1
+    assert_same_content(store_content(copied), store_content(reference_store))
+
+    with pytest.raises(StoreMismatchError) as error:
+        extract.run(load_config(config_path, [f'store.path="{copied}"', "data.max_length=320"]))
+    message = str(error.value)
+    assert "content.data.max_length: store has 512, config gives 320" in message

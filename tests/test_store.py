@@ -99,11 +99,11 @@ def test_writer_refuses_out_of_order_wrong_shape_and_nan(tmp_path):
     hidden, _ = fake_sample(rng, 6, "bf16")
     with pytest.raises(ValueError, match="expected 0"):
         writer.write_sample(1, hidden, None, np.zeros(6), np.ones(6))
-    with pytest.raises(ValueError, match="row 10"):
+    with pytest.raises(ValueError, match="row 11"):
         writer.write_sample(0, hidden, None, np.zeros(6), np.ones(6))
     hidden, _ = fake_sample(rng, 5, "bf16")
     hidden[2, 3] = 0x7FC0  # bf16 NaN
-    with pytest.raises(ValueError, match="row 10: 1 non-finite"):
+    with pytest.raises(ValueError, match="row 11: 1 non-finite"):  # row id 10 is the 11th row
         writer.write_sample(0, hidden, None, np.zeros(5), np.ones(5))
     with pytest.raises(ValueError, match="commit after 0 of 3"):
         writer.commit()

@@ -106,7 +106,7 @@ def test_writer_process_error_names_the_row(tmp_path):
     rng = np.random.default_rng(1)
     lengths = rng.integers(1, 64, size=12)
     row_ids = np.arange(12) + 100
-    with pytest.raises(WriterError, match=r"row 105: 1 non-finite"):
+    with pytest.raises(WriterError, match=r"row 106: 1 non-finite"):
         write_store(tmp_path / "store", rng, lengths, row_ids, processes=2, poison=5, batch_bytes=4096 * ROW_BYTES)
 
 
