@@ -23,6 +23,7 @@ import torch.utils.data
 
 from dflash.anchors import anchor_rng, sample_anchors
 from dflash.data import row_label
+from dflash.store import CorruptShardError
 
 PADDING_DOC = -1  # same value as dflash.masks.PADDING_DOC
 
@@ -43,17 +44,24 @@ class StoreDataset(torch.utils.data.Dataset):
     depend on the worker or the order of reads.
     """
 
-    def __init__(self, reader, max_anchors: int, seed: int):
+    def __init__(self, reader, max_anchors: int, seed: int, skip_corrupt: bool = False):
         self.reader = reader
         self.max_anchors = max_anchors
         self.seed = seed
+        self.skip_corrupt = skip_corrupt
 
     def __len__(self) -> int:
         return len(self.reader)
 
     def __getitem__(self, key: tuple[int, int]) -> dict:
         epoch, index = key
-        sample = self.reader.read_sample(index)
+        try:
+            sample = self.reader.read_sample(index)
+        except CorruptShardError as error:
+            if not self.skip_corrupt:
+                raise
+            # Counted and reported by the trainer (`skipped` of the micro-batch), never trained on.
+            return {"corrupt": str(error), "sample_index": int(index), "epoch": int(epoch)}
         num_tokens = len(sample["input_ids"])
         if sample["hidden"].shape[0] != num_tokens or len(sample["loss_mask"]) != num_tokens:
             raise ValueError(
@@ -144,10 +152,16 @@ def collate_packed(items: list[dict], block_size: int, pad_multiple: int) -> dic
     `input_ids`, `loss_mask`, `position_ids`, `doc_ids` `(T,)`; `anchor_pos`, `anchor_doc`,
     `anchor_index`, `anchor_valid` `(A,)`; per sample `lengths`, `row_ids`, `sample_indices`
     `(D,)`; scalars `bucket` (-1 if the samples' buckets differ), `epoch`, `num_tokens` (T),
-    `num_real_tokens`, `num_real_anchors`; `valid_labels_per_slot (B,)`.
+    `num_real_tokens`, `num_real_anchors`; `valid_labels_per_slot (B,)`; and, when some samples
+    could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
+    whose every sample was skipped is `{"skipped": [...], "empty": True}`.
     """
     if not items:
         raise ValueError("collate_packed: empty micro-batch")
+    skipped = [item["corrupt"] for item in items if "corrupt" in item]
+    items = [item for item in items if "corrupt" not in item]
+    if not items:
+        return {"skipped": skipped, "empty": True}
     lengths = np.array([len(item["input_ids"]) for item in items], dtype=np.int64)
     num_real_anchors = sum(len(item["anchors"]) for item in items)
     num_tokens = round_up_positive(int(lengths.sum()), pad_multiple)
@@ -172,6 +186,8 @@ def collate_packed(items: list[dict], block_size: int, pad_multiple: int) -> dic
         "num_real_anchors": num_real_anchors,
     }
     batch.update({key: torch.tensor(value, dtype=torch.int64) for key, value in scalars.items()})
+    if skipped:
+        batch["skipped"] = skipped
     return batch
 
 

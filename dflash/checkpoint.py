@@ -35,6 +35,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash.outputs import follow_umask
+
 CHECKPOINTS_DIR = "checkpoints"
 STEP_PREFIX = "step-"
 TEMP_PREFIX = ".tmp-step-"
@@ -88,6 +90,7 @@ def save_checkpoint(
     try:
         write_checkpoint_files(work_dir, step, model_state, optimizer_state, scheduler_state,
                                data_cursor, rng_states, config, drafter_args)
+        follow_umask(work_dir)  # mkdtemp and safetensors make it private; `dflash export` may run as another user
         replace_dir(work_dir, final_dir)
     except BaseException:
         shutil.rmtree(work_dir, ignore_errors=True)

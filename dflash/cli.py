@@ -148,17 +148,19 @@ def stage2_train(config_path, overrides, gpus, resume):
 @click.option("--verify", is_flag=True, help="Read every chunk; check checksums, shapes, NaN/Inf, completion marks.")
 @click.option("--per-shard", is_flag=True, help="Also print one row per shard.")
 @click.option("--plot", type=click.Path(dir_okay=False), help="Write a PNG of the length distribution by bucket.")
-def inspect_cache(store, as_json, verify, per_shard, plot):
+@click.option("--repair", is_flag=True,
+              help="With --verify: remove the bad shards, so that rerunning stage one rewrites them.")
+def inspect_cache(store, as_json, verify, per_shard, plot, repair):
     """Show bucket (and shard) statistics of STORE and optionally verify it.
 
-    Exits with status 1 when --verify finds a bad shard.
+    Exits with status 1 when --verify finds a bad shard (also after --repair removed it:
+    the store is incomplete until stage one rewrites it).
     """
+    if repair and not verify:
+        raise click.UsageError("--repair needs --verify (it removes what verification finds bad)")
     from stages import inspect
 
-    try:
-        result = inspect.run(store, as_json=as_json, verify=verify, per_shard=per_shard, plot=plot)
-    except FileNotFoundError as err:
-        raise click.ClickException(f"no store at {store}: {err}") from None
+    result = inspect.run(store, as_json=as_json, verify=verify, per_shard=per_shard, plot=plot, repair=repair)
     if verify and not result["ok"]:
         sys.exit(1)
 

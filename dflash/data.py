@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.errors import DflashError
+from dflash.outputs import follow_umask
 
 # Bad-row reasons (the keys of TokenizedData.bad_rows).
 BAD_MISSING_FIELDS = "missing_fields"  # no recognised row format, or a message without role/content
@@ -487,6 +488,7 @@ def _save_cache(path: Path, data: TokenizedData) -> None:
                 truncated=np.array([s.truncated for s in data.samples], dtype=bool),
                 meta=np.array(json.dumps(meta)),
             )
+        follow_umask(partial)
         os.replace(partial, path)
     finally:
         if os.path.exists(partial):

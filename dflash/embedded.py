@@ -16,6 +16,8 @@ from pathlib import Path
 
 from transformers import Qwen3_5TextConfig
 
+from dflash.outputs import follow_umask
+
 EMBEDDED_TARGET = "embedded:tiny"
 # The real Qwen3.5/3.6 vocabulary size (embedding rows, padded past the tokenizer's ids).
 QWEN35_VOCAB_SIZE = 248320
@@ -233,7 +235,7 @@ def build_tiny_target(out_dir: str | Path, tokenizer_cache_dir: str | Path | Non
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
     try:
         _write_tiny_target(staging, tokenizer_cache_dir)
-        staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint is ordinary output
+        follow_umask(staging)  # mkdtemp and safetensors make it private; the checkpoint is ordinary output
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         os.rename(staging, out_dir)

@@ -19,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash.errors import DflashError
+from dflash.outputs import follow_umask
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -30,6 +31,13 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 
 class ExportFormatError(DflashError, ValueError):
     """An export's config or weights do not match the drafter layout; the message names the key."""
+
+
+def require_finite(state: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse weights holding NaN/Inf, naming the first such key (no export or checkpoint of them)."""
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ExportFormatError(f"{what}: {key} holds non-finite values (NaN/Inf); refusing to write it")
 
 
 def expected_shapes(args) -> dict[str, tuple[int, ...]]:
@@ -156,6 +164,7 @@ def export_drafter(
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"export dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
     state = match_drafter_keys(model_state, args, source="export_drafter(model_state)")
+    require_finite(state, f"export to {out_dir}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {key: value.detach().to(device="cpu", dtype=dtype).contiguous() for key, value in state.items()}
@@ -164,7 +173,7 @@ def export_drafter(
     (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     shutil.copyfile(Path(__file__).with_name(MODELING_NAME), out_dir / MODELING_NAME)
     for name in (CONFIG_NAME, WEIGHTS_NAME, MODELING_NAME):
-        (out_dir / name).chmod(0o644)  # a serving process of another user reads them
+        follow_umask(out_dir / name)  # safetensors writes 0600: a serving process of another user reads them
     return out_dir
 
 

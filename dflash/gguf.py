@@ -19,6 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dflash.outputs import follow_umask
+
 GGUF_SUFFIX = ".gguf"
 SOURCE_NAME = "dflash-gguf-source.json"  # written last: the completion mark
 HASH_BLOCK = 8 << 20
@@ -54,7 +56,7 @@ def converted_dir(gguf_path: str | Path, cache_dir: str | Path) -> Path:
     try:
         write_checkpoint(gguf_path, staging)
         (staging / SOURCE_NAME).write_text(json.dumps({"gguf": str(gguf_path.resolve()), "sha256": sha256}) + "\n")
-        staging.chmod(0o755)  # mkdtemp makes it private; the checkpoint is ordinary output
+        follow_umask(staging)  # mkdtemp and safetensors make it private; the checkpoint is ordinary output
         if out_dir.exists():
             shutil.rmtree(out_dir)  # an incomplete earlier attempt (no completion mark)
         os.rename(staging, out_dir)

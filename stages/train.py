@@ -30,17 +30,21 @@ from dflash.dist import DistState, init_distributed, shutdown
 from dflash.drafter import (AUTO_SIZE, DFlashDrafter, DrafterArgs, auto_drafter_args, block_embeddings,
                             block_positions, compile_layers, drafter_args)
 from dflash.errors import DflashError
-from dflash.export import export_drafter, load_exported
+from dflash.export import export_drafter, load_exported, require_finite
 from dflash.loss import block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights
 from dflash.masks import build_masks, default_backend
 from dflash.metrics import MetricsLogger
 from dflash.sampler import DataCursor, build_epoch_schedule, pack_bucket, split_holdout
-from dflash.store import StoreReader
+from dflash.store import CorruptShardError, StoreReader
 from dflash.tokenizer import MASK_TOKEN_ID, TOKENIZER_NAME
 
 
 class StoreMismatch(DflashError, ValueError):
     """The store's attributes disagree with the drafter config; the message names the keys."""
+
+
+class NonFiniteError(DflashError, FloatingPointError):
+    """A step's loss or gradient was NaN/Inf; the message names the step and its samples."""
 
 
 @dataclass
@@ -72,6 +76,7 @@ class TrainResult:
     eval_metrics: dict = field(default_factory=dict)
     checkpoint: str | None = None
     tokens_seen: int = 0  # context tokens trained on, rank 0's count times the ranks (as tokens_per_s)
+    skipped_samples: int = 0  # unreadable samples skipped on this rank (train.skip_corrupt_shards)
 
 
 def run(config: Config, resume: str | None = None) -> TrainResult:
@@ -107,6 +112,7 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
                            config=config.to_dict(), is_writer=dist.is_main)
     if dist.is_main:
         print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step)
+        print(logger.where)
     stop = StopFlag()
     try:
         loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
@@ -208,9 +214,9 @@ def build_model(config: Config, args: DrafterArgs, dist: DistState) -> DFlashDra
 
 
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
-    fused = next(model.parameters()).is_cuda
+    # Fused on every device (CPU too since torch 2.4): its step honours `found_inf` (train_step).
     return torch.optim.AdamW(model.parameters(), lr=config.train.lr, betas=config.train.betas,
-                             weight_decay=config.train.weight_decay, fused=fused)
+                             weight_decay=config.train.weight_decay, fused=True)
 
 
 def learning_rate(config: Config, step: int, total_steps: int) -> float:
@@ -287,11 +293,17 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if k in DEVICE_KEYS else v for k, v in batch.items()}
 
 
-def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer, lr: float, clip: float):
-    """Forward, backward over the accumulated micro-batches, clip, step. Returns device stats."""
+def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer, lr: float, clip: float,
+               step: int = -1):
+    """Forward, backward over the accumulated micro-batches, clip, step (skipped on the device when
+    the loss or gradient is not finite). Returns device stats; `step` labels them."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     stats = StepStats(ctx.args.block_size, ctx.device)
+    micro_batches = [batch for batch in micro_batches if not batch.get("empty")]  # all samples skipped
+    if not micro_batches:
+        stats.record_step(torch.zeros(1, device=ctx.device), step)
+        return stats
     for index, batch in enumerate(micro_batches):
         last = index == len(micro_batches) - 1
         sync_context = wrapped.no_sync() if hasattr(wrapped, "no_sync") and not last else nullcontext()
@@ -300,9 +312,14 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
             (out.loss / len(micro_batches)).backward()
         stats.add(out, valid_AB, batch)
     grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
+    finite = torch.isfinite(grad_norm) & ~stats.loss_flags().any()
+    # The fused AdamW skips its whole update on the device when `found_inf` is non-zero (the
+    # interface gradient scalers use): a NaN never reaches the weights, and nothing syncs here.
+    optimizer.found_inf = (~finite).float()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     stats.grad_norm = grad_norm.detach()
+    stats.record_step(torch.cat([stats.loss_flags(), (~finite).reshape(1)]).float(), step)
     return stats
 
 
@@ -316,6 +333,17 @@ class StepStats:
         self.grad_norm = None
         self.host = {"real_tokens": 0, "padded_tokens": 0, "max_len": 0, "num_seqs": 0, "len_sum": 0}
         self.buckets: dict[int, int] = {}
+        self.micro_batch_rows: list[np.ndarray] = []  # host: source row ids of each micro-batch
+        self.micro_batch_losses: list[torch.Tensor] = []
+        # Per optimizer step: (step, rows of its micro-batches, device flags [loss non-finite per
+        # micro-batch..., update skipped]); checked on logging steps and before any save.
+        self.steps: list[tuple[int, list[np.ndarray], torch.Tensor]] = []
+
+    def loss_flags(self) -> torch.Tensor:
+        return ~torch.isfinite(torch.stack(self.micro_batch_losses))
+
+    def record_step(self, flags: torch.Tensor, step: int = -1) -> None:
+        self.steps = [(step, self.micro_batch_rows, flags)]
 
     def add(self, out, valid_AB, batch) -> None:
         metrics = block_metrics(out.correct, valid_AB)
@@ -326,6 +354,8 @@ class StepStats:
         self.values[6:6 + self.block_size - 1] += metrics["slot_correct"].double()
         self.values[6 + self.block_size - 1:] += metrics["slot_valid"].double()
         self.micro_batches += 1
+        self.micro_batch_rows.append(batch["row_ids"])
+        self.micro_batch_losses.append(out.loss.detach())
         lengths = batch["lengths"]
         self.host["real_tokens"] += int(batch["num_real_tokens"])
         self.host["padded_tokens"] += int(batch["num_tokens"])
@@ -344,16 +374,23 @@ class StepStats:
             self.buckets[bucket] = self.buckets.get(bucket, 0) + count
         if other.grad_norm is not None:
             self.grad_norm = other.grad_norm
+        self.steps += other.steps
 
     def summarize(self, dist: DistState, with_grad_norm: bool) -> dict:
-        """sync: logging step only; one transfer (after one all-reduce under DDP)."""
+        """sync: logging step only; one transfer (after one all-reduce under DDP). Raises
+        NonFiniteError when a step of the window had a non-finite loss or gradient."""
         values = self.values
         if with_grad_norm and self.grad_norm is not None:
             values = torch.cat([values, self.grad_norm.double().reshape(1)])
+        flags = [step_flags for _, _, step_flags in self.steps]
+        values = torch.cat([values, *(f.double() for f in flags)]) if flags else values
         if dist.is_distributed:
             values = values.clone()
             torch_dist.all_reduce(values)
         host = values.tolist()
+        if flags:
+            raise_if_nonfinite(self.steps, host[len(host) - sum(len(f) for f in flags):])
+            host = host[:len(host) - sum(len(f) for f in flags)]
         k = self.block_size - 1
         loss_mean, _, _, accepted, blocks, count = host[:6]
         slot_correct, slot_valid = host[6:6 + k], host[6 + k:6 + 2 * k]
@@ -364,6 +401,32 @@ class StepStats:
         if with_grad_norm and self.grad_norm is not None:
             metrics["grad_norm"] = host[-1] / dist.world_size
         return metrics
+
+    def check_finite(self, dist: DistState) -> None:
+        """Before a checkpoint: raise if an unlogged step of the window was not finite.
+        sync: save steps only."""
+        if self.steps:
+            flags = torch.cat([step_flags for _, _, step_flags in self.steps]).double()
+            if dist.is_distributed:
+                flags = flags.clone()
+                torch_dist.all_reduce(flags)
+            raise_if_nonfinite(self.steps, flags.tolist())
+
+
+def raise_if_nonfinite(steps, host_flags: list[float]) -> None:
+    """NonFiniteError naming the first step whose loss or gradient was not finite, and its rows."""
+    position = 0
+    for step, rows, flags in steps:
+        step_flags = host_flags[position:position + len(flags)]
+        position += len(flags)
+        if not any(step_flags):
+            continue
+        batches = [f"[rows {', '.join(str(int(r) + 1) for r in batch_rows)}]"
+                   + (" (loss not finite)" if bad else "") for batch_rows, bad in zip(rows, step_flags)]
+        raise NonFiniteError(
+            f"step {step}: the loss or gradient is not finite, so its update was skipped and training stops "
+            f"(no checkpoint is written from here). Its micro-batches on this rank: {'; '.join(batches)}. "
+            f"Check the store's features (dflash inspect-cache STORE --verify) and the learning rate")
 
 
 class StopFlag:
@@ -382,7 +445,7 @@ class StopFlag:
 
 def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
          schedules, total_steps, cursor, step, logger, result, stop) -> None:
-    dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
+    dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
     loader_options = {"block_size": ctx.args.block_size, "pad_multiple": pad_multiple(ctx)}
     collate = functools.partial(collate_packed, **loader_options)
     eval_micro_batches = held_out_micro_batches(config, dist, reader, eval_indices)
@@ -406,10 +469,15 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
             if step >= total_steps or stop.requested:
                 break
             wait_start = time.perf_counter()
-            micro_batches = [to_device(next(iterator), ctx.device) for _ in range(config.train.accum_steps)]
+            try:
+                micro_batches = [to_device(next(iterator), ctx.device) for _ in range(config.train.accum_steps)]
+            except CorruptShardError as error:
+                raise corrupt_stop(error, config, dist, model, optimizer, window, cursor, step, first_step,
+                                   result) from None
+            count_skipped(micro_batches, result, bar)
             timer["wait"] += time.perf_counter() - wait_start
             lr = learning_rate(config, step, total_steps)
-            stats = train_step(wrapped, ctx, micro_batches, optimizer, lr, config.train.clip)
+            stats = train_step(wrapped, ctx, micro_batches, optimizer, lr, config.train.clip, step + 1)
             window.merge(stats)
             result.tokens_seen += stats.host["real_tokens"] * dist.world_size
             step += 1
@@ -424,19 +492,46 @@ def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
                 log_window(config, dist, window, lr, timer, logger, step, bar, result)
                 window = StepStats(ctx.args.block_size, ctx.device)
             if eval_indices.size and (step % config.train.eval_every == 0 or step == total_steps):
-                result.eval_metrics = evaluate(dist, wrapped, ctx, dataset, collate, eval_micro_batches)
+                try:
+                    result.eval_metrics = evaluate(dist, wrapped, ctx, dataset, collate, eval_micro_batches)
+                except CorruptShardError as error:
+                    raise corrupt_stop(error, config, dist, model, optimizer, window, cursor, step, first_step,
+                                       result) from None
                 logger.log(step, {f"eval/{k}": v for k, v in result.eval_metrics.items()})
             if step % config.train.save_every == 0 and step < total_steps:
+                window.check_finite(dist)
                 save(config, dist, model, optimizer, cursor, step, result.tokens_seen)
     bar.close()
+    window.check_finite(dist)
     result.checkpoint = str(save(config, dist, model, optimizer, cursor, step, result.tokens_seen))
     result.steps = step
     result.losses = loss_history[first_step:step].tolist()  # sync: end of run
     if stop.requested and dist.is_main:
         print(f"SIGTERM: saved checkpoint {result.checkpoint} at step {step}; resume with --resume")
     elif dist.is_main:
-        print(f"done: {step} steps; checkpoint {result.checkpoint}\n"
+        skipped = f", {result.skipped_samples} unreadable samples skipped" if result.skipped_samples else ""
+        print(f"done: {step} steps{skipped}; checkpoint {result.checkpoint}\n"
               f"  export it for serving: dflash export {result.checkpoint} EXPORT_DIR")
+
+
+def corrupt_stop(error, config, dist, model, optimizer, window, cursor, step, first_step, result):
+    """The error to stop with when a sample cannot be read (and skipping is off): the steps trained
+    since the start are saved first, so nothing is lost; the message says how to repair."""
+    message = str(error).strip().splitlines()[-1]  # from a DataLoader worker: its traceback, then the error
+    message = message.split("CorruptShardError: ", 1)[-1]
+    if step > first_step:
+        window.check_finite(dist)
+        saved = save(config, dist, model, optimizer, cursor, step, result.tokens_seen)
+        message += f". Training stopped before step {step + 1}; saved {saved} (continue with --resume)"
+    return CorruptShardError(message)
+
+
+def count_skipped(micro_batches: list[dict], result: "TrainResult", bar) -> None:
+    """Samples skipped as unreadable (train.skip_corrupt_shards) are counted and named once each."""
+    for batch in micro_batches:
+        for message in batch.get("skipped", ()):
+            result.skipped_samples += 1
+            bar.write(f"skipped: {message.split('. Repair:')[0]}")
 
 
 def first_step_notice(ctx: TrainContext, dist: DistState) -> str:
@@ -478,6 +573,7 @@ def log_window(config, dist, window: StepStats, lr, timer, logger, step, bar, re
         "max_seq_len": host["max_len"],
         "padding_efficiency": host["real_tokens"] / max(host["padded_tokens"], 1),
         "tokens_seen": result.tokens_seen,
+        "skipped_samples": result.skipped_samples,
     })
     for bucket, count in sorted(window.buckets.items()):
         metrics[f"bucket{bucket}_micro_batches"] = count
@@ -514,6 +610,8 @@ def evaluate(dist, wrapped, ctx, dataset, collate, micro_batches) -> dict:
     wrapped.eval()
     for micro_batch in micro_batches:
         batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
+        if batch.get("empty"):
+            continue
         out, valid_AB = forward_loss(wrapped, ctx, batch)
         stats.add(out, valid_AB, batch)
     wrapped.train()
@@ -522,6 +620,7 @@ def evaluate(dist, wrapped, ctx, dataset, collate, micro_batches) -> dict:
 
 def save(config, dist, model, optimizer, cursor: DataCursor, step: int, tokens_seen: int) -> Path:
     model_state = {k: v.detach() for k, v in model.state_dict().items()}  # fp32 master weights
+    require_finite(model_state, f"checkpoint of step {step}")  # sync: save steps only
     scheduler_state = {"step": step, "tokens_seen": tokens_seen}
     return save_checkpoint(config.train.out_dir, step, model_state, optimizer.state_dict(), scheduler_state,
                            cursor.to_dict(), capture_rng_states(), config.to_dict(), config.train.keep_last,

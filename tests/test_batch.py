@@ -138,7 +138,7 @@ def test_anchors_are_reproducible_and_keyed_by_row_id():
 def test_sample_with_inconsistent_arrays_is_named():
     reader = make_reader(num_samples=3)
     reader.samples[2]["loss_mask"] = reader.samples[2]["loss_mask"][:-1]
-    with pytest.raises(ValueError, match="sample 2 \\(row 2\\)"):
+    with pytest.raises(ValueError, match="sample 2 \\(row 3\\)"):  # row id 2 is the third row
         StoreDataset(reader, max_anchors=3, seed=0)[(0, 2)]
 
 

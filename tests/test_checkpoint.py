@@ -189,3 +189,25 @@ def test_unserialisable_state_fails_cleanly(tmp_path):
         save_small(tmp_path, 1, config={"bad": object()})
     assert list((tmp_path / "checkpoints").iterdir()) == []
     assert latest_checkpoint(tmp_path) is None
+
+
+def test_checkpoints_and_exports_follow_the_umask(tmp_path):
+    """Under umask 022 a plain file is 0644 and a directory 0755: a serving process of another
+    user can read them (mkdtemp and safetensors alone would make them 0700 / 0600)."""
+    import os
+    import stat
+
+    from dflash.drafter import DFlashDrafter, drafter_args
+    from dflash.export import export_drafter
+
+    previous = os.umask(0o022)
+    try:
+        model, optimizer, scheduler = build_training(seed=0)
+        path = save(tmp_path / "run", 1, model, optimizer, scheduler)
+        args = drafter_args("tiny")
+        export = export_drafter(DFlashDrafter(args).state_dict(), args, tmp_path / "export")
+    finally:
+        os.umask(previous)
+    for item in [path, *path.iterdir(), *export.iterdir()]:
+        expected = 0o755 if item.is_dir() else 0o644
+        assert stat.S_IMODE(item.stat().st_mode) == expected, item

@@ -79,3 +79,16 @@ def test_wandb_failure_warns_once_and_logging_continues(tmp_path, monkeypatch):
 def test_bad_wandb_mode_is_refused(tmp_path):
     with pytest.raises(ValueError, match="wandb_mode must be one of"):
         MetricsLogger(tmp_path, use_wandb=True, wandb_mode="offlne")
+
+
+def test_wandb_keeps_quiet_on_the_console(tmp_path, monkeypatch, capfd):
+    """W&B's start and end banners would bury the run's own last lines; one line says where it is."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    logger = MetricsLogger(tmp_path / "run", use_wandb=True, wandb_mode="offline", project="dflash-test")
+    logger.log(1, {"loss": 3.0})
+    logger.close()
+    output = capfd.readouterr()
+    assert not [line for line in (output.out + output.err).splitlines() if line.startswith("wandb")]
+    assert "W&B offline run in" in logger.where and "wandb sync" in logger.where

@@ -226,3 +226,14 @@ def test_describe_target_config_agrees_with_loaded_target(fixture_name, request)
     assert described == {"path": path, "config_hash": target.config_hash, "model_type": target.model_type,
                          "num_hidden_layers": target.num_layers, "hidden_size": target.hidden_size,
                          "vocab_size": target.vocab_size}
+
+
+def test_a_hybrid_target_on_the_cpu_says_in_one_line_how_linear_attention_runs(tiny_target_dir, capfd):
+    """Instead of transformers' per-kernel "falling back ... not installed" warnings."""
+    from dflash.target import load_causal_lm
+
+    model = load_causal_lm(str(tiny_target_dir), torch.float32, torch.device("cpu"))
+    model(input_ids=torch.tensor([[1, 2, 3]]))
+    captured = capfd.readouterr()
+    assert "linear-attention layers run on transformers' PyTorch path" in captured.out
+    assert "not installed" not in captured.out + captured.err

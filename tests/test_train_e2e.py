@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.config import load_config
 from dflash.export import load_exported
+from dflash.store import CorruptShardError
 from stages import extract, train
 
 pytestmark = pytest.mark.slow
@@ -202,3 +203,100 @@ def test_a_held_out_set_too_small_for_mixed_steps_still_evaluates():
     for eval_indices in (np.array([2]), np.array([1, 2])):
         batches = train.held_out_micro_batches(config, dist, reader, eval_indices)
         assert sorted(int(i) for batch in batches for i in batch) == eval_indices.tolist()
+
+
+def test_a_nan_in_the_store_stops_training_and_nothing_non_finite_is_saved(config_path, tmp_path):
+    """A stored row set to NaN (checksums valid): stage two names the step and rows, skips that
+    update, writes no checkpoint after it, and no export of non-finite weights is possible."""
+    import shutil
+
+    import numpy as np
+    import zarr
+
+    from dflash.drafter import DFlashDrafter, drafter_args
+    from dflash.export import ExportFormatError, export_drafter
+
+    config = load_config(config_path)
+    store = tmp_path / "store"
+    shutil.copytree(config.store.path, store)
+    root = zarr.open_group(str(store), mode="a")
+    for name in root["shards"].group_keys():
+        hidden = root["shards"][name]["hidden"]
+        hidden[:8] = np.full((8, hidden.shape[1]), 0x7F, dtype=np.uint8)  # fp8 e4m3 NaN, its first sample
+    poisoned = load_config(config_path, [f'store.path="{store}"', run_dir_override(tmp_path / "run")])
+    with pytest.raises(train.NonFiniteError, match=r"step \d+: the loss or gradient is not finite.*"
+                                                   r"\[rows \d+\] \(loss not finite\)") as error:
+        train.run(poisoned)
+    failed_step = int(str(error.value).split()[1].rstrip(":"))
+    for checkpoint in (tmp_path / "run" / "checkpoints").glob("step-*"):
+        saved = load_checkpoint(checkpoint)
+        assert saved.step < failed_step
+        assert all(bool(torch.isfinite(tensor).all()) for tensor in saved.model_state.values())
+
+    args = drafter_args("tiny")
+    state = DFlashDrafter(args).state_dict()
+    state["norm.weight"][0] = float("nan")
+    with pytest.raises(ExportFormatError, match="norm.weight holds non-finite"):
+        export_drafter(state, args, tmp_path / "export")
+    assert not (tmp_path / "export" / "model.safetensors").exists()
+
+
+def flip_a_byte_in_every_shards_features(store) -> None:
+    for hidden_file in sorted((store / "shards").glob("*/hidden/c/0/0")):
+        data = bytearray(hidden_file.read_bytes())
+        data[100] ^= 0xFF  # inside the first chunk's compressed bytes: its crc32c no longer holds
+        hidden_file.write_bytes(bytes(data))
+
+
+def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, tmp_path, capsys):
+    import shutil
+
+    config = load_config(config_path)
+    store = tmp_path / "store"
+    shutil.copytree(config.store.path, store)
+    flip_a_byte_in_every_shards_features(store)
+    overrides = [f'store.path="{store}"', "train.max_steps=0"]
+
+    with pytest.raises(CorruptShardError, match=r"shard b\d\d-\d+: cannot read sample \d+ \(row \d+\).*"
+                                                r"--verify --repair"):
+        train.run(load_config(config_path, overrides + [run_dir_override(tmp_path / "stop")]))
+
+    skipping = train.run(load_config(config_path, overrides + [run_dir_override(tmp_path / "skip"),
+                                                               "train.skip_corrupt_shards=true"]))
+    assert skipping.skipped_samples > 0 and skipping.steps > 0
+    assert logged_metric(tmp_path / "skip", "skipped_samples") == skipping.skipped_samples
+    last_lines = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert f"{skipping.skipped_samples} unreadable samples skipped; checkpoint {skipping.checkpoint}" in last_lines[0]
+    assert last_lines[1].strip() == f"export it for serving: dflash export {skipping.checkpoint} EXPORT_DIR"
+
+    cli = [sys.executable, "-m", "dflash.cli", "inspect-cache", str(store), "--verify", "--repair"]
+    repaired = subprocess.run(cli, capture_output=True, text=True)
+    assert repaired.returncode == 1 and "repair: removed" in repaired.stdout
+    extract.run(load_config(config_path, [f'store.path="{store}"']))
+    assert subprocess.run(cli, capture_output=True, text=True).returncode == 0
+
+
+def test_a_read_failure_saves_the_steps_trained_before_it(config_path, tmp_path, monkeypatch):
+    from dflash.store import StoreReader
+
+    config = load_config(config_path, [run_dir_override(tmp_path / "run"), "train.save_every=100"])
+    reads = []
+    real_read = StoreReader.read_sample
+
+    def failing_read(self, index):
+        reads.append(index)
+        if len(reads) > 12:  # a few steps in (2 micro-batches of a few samples each per step)
+            raise CorruptShardError(f"shard b00-00000: cannot read sample {index} (row 1): crc32c mismatch")
+        return real_read(self, index)
+
+    monkeypatch.setattr(StoreReader, "read_sample", failing_read)
+    with pytest.raises(CorruptShardError, match=r"Training stopped before step (\d+); saved .*step-0+(\d+)") as error:
+        train.run(config)
+    saved = latest_checkpoint(tmp_path / "run")
+    assert saved is not None and str(saved) in str(error.value)
+    assert f"before step {load_checkpoint(saved).step + 1}" in str(error.value)
+
+
+def logged_metric(run_dir: Path, key: str):
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [line[key] for line in lines if key in line][-1]
