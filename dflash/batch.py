@@ -102,6 +102,9 @@ def _pack_tokens(items: list[dict], num_tokens: int) -> dict[str, np.ndarray]:
     packed["loss_mask"][:num_real] = np.concatenate([item["loss_mask"] for item in items])
     packed["position_ids"][:num_real] = np.concatenate([np.arange(len(item["input_ids"])) for item in items])
     packed["doc_ids"][:num_real] = np.repeat(np.arange(len(items)), [len(item["input_ids"]) for item in items])
+    if items[0].get("labels") is not None:
+        packed["labels"] = np.zeros(num_tokens, dtype=np.int64)
+        packed["labels"][:num_real] = np.concatenate([item["labels"] for item in items])
     if items[0]["scale"] is not None:
         # pad rows decode to zero whatever the scale; 1.0 keeps them finite under any decode
         scale_TN = np.ones((num_tokens, items[0]["scale"].shape[1]), dtype=np.float32)
@@ -149,7 +152,8 @@ def collate_packed(items: list[dict], block_size: int, pad_multiple: int) -> dic
     """Pack `StoreDataset` items into one micro-batch of CPU tensors (see the module docstring).
 
     Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
-    `input_ids`, `loss_mask`, `position_ids`, `doc_ids` `(T,)`; `anchor_pos`, `anchor_doc`,
+    `input_ids`, `loss_mask`, `position_ids`, `doc_ids` `(T,)`, `labels (T,)` (stores of target
+    labels only); `anchor_pos`, `anchor_doc`,
     `anchor_index`, `anchor_valid` `(A,)`; per sample `lengths`, `row_ids`, `sample_indices`
     `(D,)`; scalars `bucket` (-1 if the samples' buckets differ), `epoch`, `num_tokens` (T),
     `num_real_tokens`, `num_real_anchors`; `valid_labels_per_slot (B,)`; and, when some samples

@@ -96,7 +96,8 @@ def main(debug):
     3. inspect-cache   statistics and verification of a cache
     4. export          write a checkpoint in the format inference engines load
     5. eval            served acceptance: speculative decoding with the target and an export
-    6. config show     every config key with its value, default and meaning
+    6. generate        regenerate a dataset's answers with the target (train on what it says)
+    7. config show     every config key with its value, default and meaning
     """
 
 
@@ -215,6 +216,44 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new
                                          max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                          device=device, out=out or "", plot=plot or "")
     evaluate_stage.run(config, options)
+
+
+@main.command("generate")
+@config_options
+@click.option("--out", required=True, type=click.Path(file_okay=False),
+              help="Output directory: part-NNNNN.jsonl shards that data.source reads, and a manifest.")
+@click.option("--max-new-tokens", default=1024, show_default=True, help="Answer tokens at most (longer ones are cut and counted).")
+@click.option("--temperature", default=0.0, show_default=True, help="0: greedy; > 0: sampling at this temperature.")
+@click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass (with --temperature > 0).")
+@click.option("--seed", default=0, show_default=True, help="Sampling seed (one stream per shard, so resumes draw the same).")
+@click.option("--batch-size", default=0, show_default=True, help="Prompts per generate call (0: 256 on CUDA, 8 on CPU).")
+@click.option("--rows-per-shard", default=1024, show_default=True, help="Answers per output file (the unit a resume keeps).")
+@click.option("--limit", default=0, show_default=True, help="Only the first N usable rows (0: all).")
+@click.option("--static-cache", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
+              help="transformers' static KV cache and compiled decoding (auto: on CUDA).")
+@click.option("--device", default="auto", show_default=True, help="auto (cuda:<local rank> when available), cpu, cuda:N.")
+@click.option("--gpus", help="Comma-separated GPU ids, one process each via torchrun (e.g. 0,1,2,3).")
+@click.option("--overwrite", is_flag=True, help="Replace answers generated with other settings in --out.")
+def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, seed, batch_size, rows_per_shard,
+             limit, static_cache, device, gpus, overwrite):
+    """Regenerate the answers of data.source with the target, for training on what it would say.
+
+    Each row is rendered up to its last assistant turn with the chat template stage one uses;
+    the target writes that turn; earlier turns are kept. Rows go out in source order as JSONL
+    shards written atomically, so a killed run resumes (finished shards are kept). Point
+    data.source at --out to build a store from the answers.
+    """
+    if gpus and not under_torchrun():
+        relaunch_without_gpus(gpus)
+    config = load_or_exit(config_path, overrides)
+    writes(out)
+    from stages import generate as generate_stage
+
+    options = generate_stage.GenerateOptions(
+        out=out, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device,
+        static_cache=static_cache, overwrite=overwrite)
+    generate_stage.run(config, options)
 
 
 @main.group("config")

@@ -51,6 +51,7 @@ class StoreConfig:
     codec: str = "fp8"  # or "bf16" (lossless)
     bucket_edges: tuple[int, ...] = (64, 256, 512, 1024, 2048, 3296, 8192)
     shard_tokens: int = 262_144
+    labels: str = "data"  # "data": train against the data tokens; "target": against the target's greedy tokens
     overwrite: bool = False
 
 
@@ -150,6 +151,8 @@ HELP = {
     "store.codec": "how features are stored: fp8 (e4m3, per-token-per-layer scales) or bf16 (lossless)",
     "store.bucket_edges": "sequence-length bucket edges; every optimizer step mixes several buckets",
     "store.shard_tokens": "tokens per shard (the unit written by one process and committed atomically)",
+    "store.labels": "what stage two trains against: data (the dataset's tokens) or target (the target's "
+                    "greedy next token at every position, computed and stored by stage one)",
     "store.overwrite": "replace an existing store that holds different content (--overwrite)",
     "extract.batch_tokens": "padded tokens per target forward in stage one",
     "extract.rows_per_chunk": "feature rows per compressed chunk",
@@ -200,6 +203,7 @@ HELP = {
 CHOICES = {
     "data.overlong": ("truncate", "drop"),
     "store.codec": ("bf16", "fp8"),
+    "store.labels": ("data", "target"),
     "target.dtype": ("auto", "bfloat16", "float16", "float32"),
     "train.decay": ("cosine", "linear"),
     "train.attention": ("auto", "flex", "dense"),

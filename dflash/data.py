@@ -200,6 +200,26 @@ def read_rows(source: str, split: str = "train") -> Iterator[tuple[int, dict]]:
 # ----------------------------------------------------------------------------- parsing
 
 
+def prompt_messages(row) -> list[dict]:
+    """The conversation before the last assistant turn; a row with no answer (a `prompt` string,
+    `turns` as in MT-Bench, or messages ending with the user) is a prompt as a whole."""
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and "response" not in row:
+        return [{"role": "user", "content": row["prompt"]}]
+    if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
+        return [{"role": "user", "content": str(row["turns"][0])}]
+    try:
+        messages = row_to_messages(row)
+    except RowProblem as problem:
+        if problem.reason != BAD_NO_ASSISTANT_TURN:
+            raise
+        raw = row.get("messages") or row.get("conversations")
+        return [parse_message(message, index) for index, message in enumerate(raw)]
+    last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
+    if last == 0:
+        raise RowProblem(BAD_EMPTY, "the first turn is the assistant's: no prompt")
+    return messages[:last]
+
+
 def _message_text(value, what: str) -> str:
     """Message content as a string; a list of OpenAI-style text parts is joined."""
     if isinstance(value, str):

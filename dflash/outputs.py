@@ -23,3 +23,15 @@ def follow_umask(path: str | Path) -> None:
     paths = [path, *path.rglob("*")] if path.is_dir() else [path]
     for item in paths:
         item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` whole or not at all: a temporary file beside it (named with the
+    process id, so concurrent writers never share one), flushed to disk, then renamed over it."""
+    path = Path(path)
+    partial = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with open(partial, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, path)

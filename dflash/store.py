@@ -39,6 +39,7 @@ CONTENT_KEYS = (
 )
 LOCATION_KEYS = {"target": ("path",)}
 HIDDEN_DTYPES = {"bf16": np.dtype(np.uint16), "fp8": np.dtype(np.uint8)}
+LABEL_CHOICES = ("data", "target")
 # bf16 compression, ratios vs raw bf16 in 64-row chunks: zstd-1 / blosc(zstd-1, byte shuffle) /
 # blosc(zstd-1, bit shuffle) = 1.255 / 1.254 / 1.349 on a trained encoder (MiniLM), 1.271 /
 # 1.271 / 1.057 on the tiny random target; 1.268 / 1.271 / - at the 27B shape (random weights).
@@ -49,6 +50,17 @@ DEFAULT_BF16_COMPRESSION = "blosc"
 WRITE_EVERY_CHUNK = {"write_empty_chunks": True}
 WEIGHT_CHUNK_BYTES = 4 << 20
 WEIGHT_CHUNKS_PER_SHARD = 16
+
+
+def row_array_names(codec: str, labels: bool) -> list[str]:
+    """The per-token arrays of a shard: features, ids, mask, and the fp8 scales and target labels
+    where the store has them."""
+    return ["hidden", "input_ids", "loss_mask"] + (["scale"] if codec == "fp8" else []) + (["labels"] if labels else [])
+
+
+def has_target_labels(attrs: dict) -> bool:
+    """Whether a store's root attributes say it holds the target's labels (older stores: data)."""
+    return attrs.get("labels", "data") == "target"
 
 
 class StoreMismatchError(DflashError, RuntimeError):
@@ -255,7 +267,7 @@ class ShardWriter:
     def __init__(
         self, group: zarr.Group, plan: ShardPlan, lengths: np.ndarray, row_ids: np.ndarray,
         codec: str, num_layers: int, hidden_size: int, rows_per_chunk: int,
-        rows_per_zarr_shard: int, bf16_compression: str = DEFAULT_BF16_COMPRESSION,
+        rows_per_zarr_shard: int, bf16_compression: str = DEFAULT_BF16_COMPRESSION, labels: bool = False,
     ):
         if codec not in HIDDEN_DTYPES:
             raise ValueError(f"shard {plan.name}: unknown codec {codec!r}")
@@ -264,7 +276,7 @@ class ShardWriter:
                 f"rows_per_zarr_shard ({rows_per_zarr_shard}) must be a positive multiple of "
                 f"rows_per_chunk ({rows_per_chunk})"
             )
-        self.plan, self.codec = plan, codec
+        self.plan, self.codec, self.with_labels = plan, codec, labels
         self.num_layers, self.hidden_size = num_layers, hidden_size
         indices = list(plan.sample_indices)
         self.sample_lengths = np.asarray(lengths, dtype=np.int64)[indices]
@@ -300,8 +312,7 @@ class ShardWriter:
             return True
 
     def _row_array_names(self) -> list[str]:
-        names = ["hidden", "input_ids", "loss_mask"]
-        return names + (["scale"] if self.codec == "fp8" else [])
+        return row_array_names(self.codec, self.with_labels)
 
     def _create_arrays(self, bf16_compression: str) -> dict[str, Any]:
         T, N, n = self.num_tokens, len(self.sample_lengths), self.num_layers
@@ -313,6 +324,8 @@ class ShardWriter:
         }
         if self.codec == "fp8":
             specs["scale"] = ((T, n), np.dtype(np.float32), _plain_compressors())
+        if self.with_labels:
+            specs["labels"] = ((T,), np.dtype(np.int32), _plain_compressors())
         arrays = {}
         for name, (shape, dtype, compressors) in specs.items():
             # zarr's cost is per chunk, not per byte: the small per-token arrays (a few bytes a
@@ -332,9 +345,10 @@ class ShardWriter:
 
     def write_sample(
         self, i: int, hidden: np.ndarray, scale: np.ndarray | None,
-        input_ids: np.ndarray, loss_mask: np.ndarray,
+        input_ids: np.ndarray, loss_mask: np.ndarray, labels: np.ndarray | None = None,
     ) -> None:
-        """Add kept sample `i` (the next one of the plan): hidden (len, n*H), scale (len, n) for fp8."""
+        """Add kept sample `i` (the next one of the plan): hidden (len, n*H), scale (len, n) for fp8,
+        labels (len,) int32 for a store of target labels."""
         local = self._next_sample
         if local >= len(self.sample_lengths) or self.plan.sample_indices[local] != i:
             expected = self.plan.sample_indices[local] if local < len(self.sample_lengths) else None
@@ -345,6 +359,10 @@ class ShardWriter:
             rows["scale"] = scale
         elif scale is not None:
             raise ValueError(f"shard {self.plan.name}: bf16 codec takes no scale (sample {i})")
+        if self.with_labels:
+            rows["labels"] = labels
+        elif labels is not None:
+            raise ValueError(f"shard {self.plan.name}: a store of data labels takes no labels (sample {i})")
         self._check_sample(local, rows)
         for name, value in rows.items():
             self._buffers[name].append(value)
@@ -423,9 +441,9 @@ def _read_root_attrs(root: zarr.Group, path: Any) -> dict:
     return attrs
 
 
-def _shard_index(shard: zarr.Group, codec: str) -> dict[str, np.ndarray]:
+def _shard_index(shard: zarr.Group, codec: str, labels: bool) -> dict[str, np.ndarray]:
     """Per-sample index of one complete shard; raises if its arrays cannot be opened or read."""
-    names = ["hidden", "input_ids", "loss_mask", "offsets", "row_ids"] + (["scale"] if codec == "fp8" else [])
+    names = row_array_names(codec, labels) + ["offsets", "row_ids"]
     arrays = {name: shard[name] for name in names}
     offsets = np.asarray(arrays["offsets"][:], dtype=np.int64)
     row_ids = np.asarray(arrays["row_ids"][:], dtype=np.int64)
@@ -456,6 +474,7 @@ class StoreReader:
         self.codec: str = self.attrs["codec"]
         self.hidden_size: int = int(self.attrs["hidden_size"])
         self.num_layers: int = len(self.attrs["target_layer_ids"])
+        self.has_labels: bool = has_target_labels(self.attrs)
         self.incomplete_shards: list[str] = []
         self.skipped_shards: dict[str, str] = {}
         self.shard_names: list[str] = []
@@ -471,7 +490,7 @@ class StoreReader:
             if shard is None or COMPLETE_KEY not in shard.attrs:
                 self.incomplete_shards.append(name)
                 return None
-            index = _shard_index(shard, self.codec)
+            index = _shard_index(shard, self.codec, self.has_labels)
             bucket = int(shard.attrs[COMPLETE_KEY]["bucket"])
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
@@ -513,13 +532,13 @@ class StoreReader:
             if self._root is None:
                 self._root = zarr.open_group(self.path, mode="r")
             shard = self._root["shards"][name]
-            keys = ["hidden", "input_ids", "loss_mask"] + (["scale"] if self.codec == "fp8" else [])
-            self._arrays[name] = {key: shard[key] for key in keys}
+            self._arrays[name] = {key: shard[key] for key in row_array_names(self.codec, self.has_labels)}
         return self._arrays[name]
 
     def read_sample(self, i: int) -> dict:
         """Sample i: hidden (len, n*H) uint16|uint8, scale (len, n) float32 or None,
-        input_ids int64, loss_mask bool, row_id."""
+        input_ids int64, loss_mask bool, labels int64 (the target's, or None in a store of data
+        labels), row_id."""
         name = self.shard_names[self.sample_shard[i]]
         start = int(self.sample_start[i])
         stop = start + int(self.sample_length[i])
@@ -530,6 +549,7 @@ class StoreReader:
                 "scale": arrays["scale"][start:stop] if "scale" in arrays else None,
                 "input_ids": arrays["input_ids"][start:stop].astype(np.int64),
                 "loss_mask": arrays["loss_mask"][start:stop].astype(bool),
+                "labels": arrays["labels"][start:stop].astype(np.int64) if "labels" in arrays else None,
                 "row_id": int(self.sample_row_id[i]),
             }
         except Exception as exc:
@@ -589,6 +609,8 @@ def _expected_arrays(attrs: dict, num_tokens: int, num_samples: int) -> dict[str
     }
     if codec == "fp8":
         expected["scale"] = ((num_tokens, n), np.dtype(np.float32))
+    if has_target_labels(attrs):
+        expected["labels"] = ((num_tokens,), np.dtype(np.int32))
     return expected
 
 
@@ -609,12 +631,13 @@ def _verify_shard(shard: zarr.Group, attrs: dict, planned: dict | None) -> tuple
     _expect(offsets[0] == 0 and offsets[-1] == num_tokens and bool(np.all(np.diff(offsets) > 0)),
             f"offsets do not split {num_tokens} rows into positive lengths")
     arrays["row_ids"][:]
-    _verify_rows(arrays, attrs["codec"])
+    _verify_rows(arrays, attrs["codec"], int(attrs.get("target", {}).get("vocab_size") or 0))
     return num_samples, num_tokens
 
 
-def _verify_rows(arrays: dict[str, Any], codec: str) -> None:
-    """Decode every chunk of the row arrays (crc32c checked by zarr) and look for NaN/Inf."""
+def _verify_rows(arrays: dict[str, Any], codec: str, vocab_size: int) -> None:
+    """Decode every chunk of the row arrays (crc32c checked by zarr), look for NaN/Inf and for
+    target labels outside the vocabulary."""
     hidden = arrays["hidden"]
     block = hidden.shards[0] if hidden.shards else hidden.chunks[0]
     for start in range(0, hidden.shape[0], block):
@@ -627,6 +650,10 @@ def _verify_rows(arrays: dict[str, Any], codec: str) -> None:
         mask = arrays["loss_mask"][start:stop]
         _expect(bool(np.isin(mask, (0, 1)).all()), f"loss_mask not 0/1 in rows {start}:{stop}")
         arrays["input_ids"][start:stop]
+        if "labels" in arrays:
+            labels = arrays["labels"][start:stop]
+            _expect(bool((labels >= 0).all()) and (not vocab_size or bool((labels < vocab_size).all())),
+                    f"target labels outside the vocabulary (0..{vocab_size - 1}) in rows {start}:{stop}")
 
 
 def _verify_weights(root: zarr.Group, attrs: dict, bad: dict[str, str]) -> None:
@@ -723,6 +750,21 @@ def _summary(lengths: np.ndarray, supervised: np.ndarray, stored_bytes: int, raw
     }
 
 
+def label_agreement(root: zarr.Group, names: list[str]) -> float | None:
+    """Share of supervised positions (after the first of each sample) where the data token equals
+    the target's stored label: how often the target itself would have written the data."""
+    same = total = 0
+    for name in names:
+        shard = root["shards"][name]
+        offsets = shard["offsets"][:]
+        predicted = np.ones(int(offsets[-1]), dtype=bool)
+        predicted[offsets[:-1]] = False  # a sample's first token has no prediction
+        supervised = (shard["loss_mask"][:] == 1) & predicted
+        same += int((shard["input_ids"][:] == shard["labels"][:])[supervised].sum())
+        total += int(supervised.sum())
+    return same / total if total else None
+
+
 def store_stats(path: Any) -> dict:
     """Per bucket, per shard and total statistics over the complete shards of a store.
 
@@ -747,6 +789,8 @@ def store_stats(path: Any) -> dict:
         buckets.append({"bucket": bucket, "lo": edges[bucket], "hi": edges[bucket + 1], **entry})
     weights_bytes = sum(int(root[n].nbytes_stored()) for n in ("embed_tokens", "lm_head") if n in root)
     return {
+        "labels": "target" if reader.has_labels else "data",
+        "label_agreement": label_agreement(root, reader.shard_names) if reader.has_labels else None,
         "codec": reader.codec, "num_layers": reader.num_layers, "hidden_size": reader.hidden_size,
         "raw_bytes_per_token": raw_per_token,
         "total": _summary(reader.sample_length, reader.sample_num_supervised, sum(shard_bytes), raw_per_token),

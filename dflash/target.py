@@ -264,21 +264,50 @@ def report_linear_attention_path(model: nn.Module, device: torch.device) -> None
               "flash-linear-attention and triton (pip install -e '.[gpu]') for their kernels")
 
 
+LABEL_ROWS = 8192  # rows of the final hidden state per LM-head chunk in greedy_tokens
+LABEL_VOCAB = 32768  # vocabulary entries per chunk: 8192 x 32768 bf16 logits are 512 MiB
+
+
+def greedy_tokens(hidden_RH: torch.Tensor, lm_head_VH: torch.Tensor, rows: int = LABEL_ROWS,
+                  vocab: int = LABEL_VOCAB) -> torch.Tensor:
+    """`argmax(hidden_RH @ lm_head_VH.T, -1)` as int32, `rows x vocab` logits at a time.
+
+    No full logits tensor exists at any moment; ties go to the lowest id, as `torch.argmax`
+    does on the whole row (a later chunk must be strictly larger to win). Logit soft-capping
+    and scaling, where a model has them, are monotonic and leave the argmax unchanged.
+    """
+    out_R = torch.empty(hidden_RH.shape[0], dtype=torch.int32, device=hidden_RH.device)
+    for start in range(0, hidden_RH.shape[0], rows):
+        chunk_rH = hidden_RH[start:start + rows]
+        best_r = torch.full((chunk_rH.shape[0],), -torch.inf, dtype=torch.float32, device=hidden_RH.device)
+        best_id_r = torch.zeros(chunk_rH.shape[0], dtype=torch.int64, device=hidden_RH.device)
+        for first in range(0, lm_head_VH.shape[0], vocab):
+            value_r, index_r = (chunk_rH @ lm_head_VH[first:first + vocab].T).max(dim=-1)
+            better_r = value_r.float() > best_r
+            best_r = torch.where(better_r, value_r.float(), best_r)
+            best_id_r = torch.where(better_r, index_r + first, best_id_r)
+        out_R[start:start + rows] = best_id_r.to(torch.int32)
+    return out_R
+
+
 class TargetModel:
     """A frozen causal LM cut after its last needed decoder layer, capturing those layers' outputs."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], config_hash: str, model_type: str):
+    def __init__(self, model: nn.Module, layer_ids: list[int], config_hash: str, model_type: str,
+                 predict_labels: bool = False):
         base_model, layers_attribute, layers = find_decoder_layers(model)
         self.num_layers = len(layers)
         validate_layer_ids(layer_ids, self.num_layers)
         self.layer_ids = list(layer_ids)
         self.config_hash = config_hash
         self.model_type = model_type
+        self.predict_labels = predict_labels
         if model.get_output_embeddings() is None:
             raise ValueError(f"target: {type(model).__name__} has no LM head (output embeddings)")
         self.vocab_size, self.hidden_size = model.get_input_embeddings().weight.shape
-        # Layers after the last needed id never run and, once dropped, hold no memory.
-        kept_layers = nn.ModuleList(layers[: self.layer_ids[-1] + 1])
+        # Without labels, layers after the last needed id never run and, once dropped, hold no
+        # memory; labels need every layer, the final norm and the LM head.
+        kept_layers = layers if predict_labels else nn.ModuleList(layers[: self.layer_ids[-1] + 1])
         setattr(base_model, layers_attribute, kept_layers)
         self.model = model
         self.base_model = base_model
@@ -315,7 +344,29 @@ class TargetModel:
 
     @torch.inference_mode()
     def capture(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
-        """Outputs of the `layer_ids` layers for a right-padded batch: `(B, T, n, H)` in the model dtype.
+        """Outputs of the `layer_ids` layers for a right-padded batch: `(B, T, n, H)` in the model dtype."""
+        return self._forward(input_ids_BT, attention_mask_BT)[0]
+
+    @torch.inference_mode()
+    def capture_with_labels(self, input_ids_BT: torch.Tensor,
+                            attention_mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`capture`'s features and the target's labels `(B, T)` int32 from the same forward.
+
+        The label of position p is the target's greedy (argmax) next token after reading the
+        tokens before p; position 0 has no prediction and keeps its own token. Needs a target
+        loaded with `predict_labels=True`. Everything stays on the device (no host sync).
+        """
+        if not self.predict_labels:
+            raise ValueError("capture_with_labels: the target was loaded without predict_labels")
+        captured_BTnH, last_BTH = self._forward(input_ids_BT, attention_mask_BT)
+        labels_BT = torch.empty(last_BTH.shape[:2], dtype=torch.int32, device=last_BTH.device)
+        labels_BT[:, 0] = input_ids_BT[:, 0].to(labels_BT.device, non_blocking=True)
+        next_R = greedy_tokens(last_BTH[:, :-1].reshape(-1, self.hidden_size), self.lm_head_weight())
+        labels_BT[:, 1:] = next_R.view(last_BTH.shape[0], -1)
+        return captured_BTnH, labels_BT
+
+    def _forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor):
+        """`(features (B, T, n, H), final normed hidden (B, T, H) or None)` for a right-padded batch.
 
         Rows at padded positions hold whatever the model computed there; callers keep only
         the first `attention_mask_BT[b].sum()` rows of each sequence.
@@ -342,14 +393,15 @@ class TargetModel:
         )
         self._filled_slots = set()
         try:
-            self.base_model(input_ids=input_ids_BT.to(self.device, non_blocking=True), use_cache=False)
+            output = self.base_model(input_ids=input_ids_BT.to(self.device, non_blocking=True), use_cache=False)
             captured_BTnH = self._capture_BTnH
         finally:
             self._capture_BTnH = None
         if len(self._filled_slots) != len(self.layer_ids):
             missed = [self.layer_ids[s] for s in range(len(self.layer_ids)) if s not in self._filled_slots]
             raise RuntimeError(f"capture: decoder layers {missed} did not run in {type(self.base_model).__name__}")
-        return captured_BTnH
+        # The base model's last_hidden_state has been through the final norm (what the LM head reads).
+        return captured_BTnH, (output.last_hidden_state if self.predict_labels else None)
 
 
 def load_target(
@@ -357,12 +409,14 @@ def load_target(
     device: torch.device | str,
     dtype: torch.dtype = torch.bfloat16,
     layer_ids: list[int] | None = None,
+    predict_labels: bool = False,
 ) -> TargetModel:
     """Load a causal LM checkpoint directory as a frozen `TargetModel` on `device`.
 
     `layer_ids=None` picks `default_layer_ids(num_layers)`. Qwen3.5/3.6 vision-language
     checkpoints load as their text model. flash-linear-attention is used by transformers
-    itself when it is importable.
+    itself when it is importable. `predict_labels` keeps the whole model for
+    `capture_with_labels`.
     """
     device = torch.device(device)
     config_hash, config_dict = read_config_hash(path)
@@ -370,7 +424,8 @@ def load_target(
     if layer_ids is None:
         _, _, layers = find_decoder_layers(model)
         layer_ids = default_layer_ids(len(layers))
-    target = TargetModel(model, layer_ids, config_hash, config_dict.get("model_type", model.config.model_type))
+    target = TargetModel(model, layer_ids, config_hash, config_dict.get("model_type", model.config.model_type),
+                         predict_labels=predict_labels)
     # Move only after the cut, so dropped layers never reach the device.
     target.model.to(device)
     return target

@@ -201,7 +201,7 @@ def source_prompts(source: str, split: str, tokenizer, num_prompts: int) -> list
     prompts, skipped = [], 0
     for row_id, row in data.read_rows(source, split):
         try:
-            messages = prompt_messages(row)
+            messages = data.prompt_messages(row)
         except data.RowProblem:
             skipped += 1
             continue
@@ -213,26 +213,6 @@ def source_prompts(source: str, split: str, tokenizer, num_prompts: int) -> list
     if skipped:
         print(f"prompts: skipped {skipped} row(s) of {source} with no usable conversation")
     return prompts
-
-
-def prompt_messages(row) -> list[dict]:
-    """The conversation before the last assistant turn; a row with no answer (a `prompt` string,
-    `turns` as in MT-Bench, or messages ending with the user) is a prompt as a whole."""
-    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and "response" not in row:
-        return [{"role": "user", "content": row["prompt"]}]
-    if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
-        return [{"role": "user", "content": str(row["turns"][0])}]
-    try:
-        messages = data.row_to_messages(row)
-    except data.RowProblem as problem:
-        if problem.reason != data.BAD_NO_ASSISTANT_TURN:
-            raise
-        raw = row.get("messages") or row.get("conversations")
-        return [data.parse_message(message, index) for index, message in enumerate(raw)]
-    last = max(i for i, message in enumerate(messages) if message["role"] == "assistant")
-    if last == 0:
-        raise data.RowProblem(data.BAD_EMPTY, "the first turn is the assistant's: no prompt")
-    return messages[:last]
 
 
 # ----------------------------------------------------------------------------- decoding

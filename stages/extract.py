@@ -75,7 +75,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
         dist.barrier()
         return result
     target = load_target(str(target_path), dist.device, dtype=target_dtype(config, dist.device),
-                         layer_ids=attrs["target_layer_ids"])
+                         layer_ids=attrs["target_layer_ids"], predict_labels=config.store.labels == "target")
     if needs_weights:
         store.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
     start = time.perf_counter()
@@ -136,6 +136,7 @@ def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) ->
         "target_text_config": text_config_summary(target_config),
         "hidden_size": target_info["hidden_size"],
         "codec": config.store.codec,
+        "labels": config.store.labels,
         "tokenizer": tokenizer_identity(tokenizer),
         "mask_token_id": choose_mask_token(tokenizer, (sample.input_ids for sample in samples)),
         "num_truncated": sum(sample.truncated for sample in samples),
@@ -159,7 +160,7 @@ def content_identity(config: Config) -> dict:
                  "split": config.data.split, "max_length": config.data.max_length,
                  "overlong": config.data.overlong, "min_supervised": config.drafter.block_size},
         "store": {"codec": config.store.codec, "bucket_edges": list(config.store.bucket_edges),
-                  "shard_tokens": config.store.shard_tokens},
+                  "shard_tokens": config.store.shard_tokens, "labels": config.store.labels},
     }
 
 
@@ -194,7 +195,8 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, result
                desc=f"extract (rank 0 of {dist.world_size})", dynamic_ncols=True)
     shard_options = {"codec": config.store.codec, "num_layers": len(target.layer_ids),
                      "hidden_size": target.hidden_size, "rows_per_chunk": config.extract.rows_per_chunk,
-                     "rows_per_zarr_shard": config.extract.rows_per_chunk * config.extract.chunks_per_file}
+                     "rows_per_zarr_shard": config.extract.rows_per_chunk * config.extract.chunks_per_file,
+                     "labels": target.predict_labels}
     writers = WriterPool(min(config.extract.writer_processes, len(shards)), config.store.path,
                          lengths, row_ids, shard_options, batch_bytes=encoded_batch_bytes(config, target))
     try:
@@ -225,10 +227,11 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, result
 
 def encoded_batch_bytes(config, target) -> int:
     """Upper bound of one encoded batch on the host: batch_tokens rows plus 25% for the
-    padding of short sequences, of `n*H` codec values (and n fp32 scales)."""
+    padding of short sequences, of `n*H` codec values (and n fp32 scales, an int32 label)."""
     num_layers = len(target.layer_ids)
     per_row = num_layers * target.hidden_size * store.HIDDEN_DTYPES[config.store.codec].itemsize
     per_row += 4 * num_layers if config.store.codec == "fp8" else 0
+    per_row += 4 if target.predict_labels else 0  # int32 target labels
     return int(1.25 * config.extract.batch_tokens) * per_row
 
 
@@ -272,12 +275,17 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
 
     Nothing here waits for the device: the copy lands in pinned memory and `CapturedBatch.wait`
     (called by a writer hand-off thread) waits for it, so the next forward is queued behind this one.
+    A target loaded with `predict_labels` adds `labels (B, T)` int32, its greedy next tokens.
     """
     cuda = device.type == "cuda"
     input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0, multiple=pad_multiple(device))
     if cuda:
         input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
-    hidden_BTnH = target.capture(input_ids, attention_mask)
+    labels_BT = None
+    if target.predict_labels:
+        hidden_BTnH, labels_BT = target.capture_with_labels(input_ids, attention_mask)
+    else:
+        hidden_BTnH = target.capture(input_ids, attention_mask)
     batch_size, seq_len, num_layers, hidden_size = hidden_BTnH.shape
     rows_RnH = hidden_BTnH.view(batch_size * seq_len, num_layers, hidden_size)
     parts = {}
@@ -287,6 +295,9 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
                 parts[name] = torch.empty((rows_RnH.shape[0], *chunk.shape[1:]), dtype=chunk.dtype, pin_memory=cuda)
             parts[name][start:start + chunk.shape[0]].copy_(chunk, non_blocking=cuda)
     parts = {name: part.view(batch_size, seq_len, *part.shape[1:]) for name, part in parts.items()}
+    if labels_BT is not None:
+        parts["labels"] = torch.empty(labels_BT.shape, dtype=torch.int32, pin_memory=cuda)
+        parts["labels"].copy_(labels_BT, non_blocking=cuda)
     ready = None
     if cuda:
         ready = torch.cuda.Event()

@@ -56,6 +56,13 @@ def _print_report(stats: dict, report: dict | None, per_shard: bool, store_path:
         print()
         print(format_table("shard", [(s["name"], s) for s in stats["shards"]]))
     print(f"frozen weights: {format_bytes(stats['frozen_weights_bytes'])}")
+    if stats["labels"] == "target":
+        agreement = stats["label_agreement"]
+        shown = "-" if agreement is None else f"{agreement:.1%}"
+        print(f"labels: the target's greedy tokens (store.labels = target); the data token equals "
+              f"the target's label at {shown} of the supervised positions")
+    else:
+        print("labels: the data tokens (store.labels = data)")
     if stats["num_truncated"] is not None:
         print(f"{stats['num_truncated']} samples cut at max_length ({stats['max_length']} tokens)")
     if stats["incomplete_shards"]:

@@ -92,6 +92,7 @@ def run(config: Config, resume: str | None = None) -> TrainResult:
 def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     torch.manual_seed(config.train.seed)
     reader = StoreReader(config.store.path, on_corrupt="skip" if config.train.skip_corrupt_shards else "raise")
+    check_labels(config, reader.attrs)
     args = build_drafter_args(config, reader.attrs)
     train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
     # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
@@ -121,6 +122,15 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         stop.restore()
         logger.close()
     return result
+
+
+def check_labels(config: Config, attrs: dict) -> None:
+    """The labels stage two trains against are the store's; a config that asks for others is refused."""
+    stored = attrs.get("labels", "data")
+    if stored != config.store.labels:
+        raise StoreMismatch(f"store.labels: the store at {config.store.path} holds {stored} labels, the config "
+                            f"asks for {config.store.labels}; run stage one with store.labels = "
+                            f"{config.store.labels} (into another store.path) or set store.labels = {stored}")
 
 
 def build_drafter_args(config: Config, attrs: dict) -> DrafterArgs:
@@ -275,8 +285,10 @@ def forward_loss(model, ctx: TrainContext, batch: dict):
     with ctx.autocast:
         hidden_QH = model(feature_TF, embeds_QH, batch["position_ids"],
                           block_positions(batch["anchor_pos"], args.block_size), masks)
-    labels_AB, valid_AB = block_labels(batch["input_ids"], batch["loss_mask"], batch["doc_ids"],
-                                       batch["anchor_index"], batch["anchor_valid"], args.block_size)
+    # A store of target labels trains every slot against the target's greedy token there.
+    labels_AB, valid_AB = block_labels(batch.get("labels", batch["input_ids"]), batch["loss_mask"],
+                                       batch["doc_ids"], batch["anchor_index"], batch["anchor_valid"],
+                                       args.block_size)
     # The final norm returns float32 under autocast; the frozen head is bf16 on CUDA.
     out = dflash_loss(hidden_QH.to(ctx.lm_head_VH.dtype), ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B,
                       ctx.loss_chunk)
@@ -285,7 +297,7 @@ def forward_loss(model, ctx: TrainContext, batch: dict):
 
 # Token- and anchor-axis tensors go to the device; per-sample bookkeeping (lengths, bucket,
 # counts) stays on the host so metrics never force a device sync.
-DEVICE_KEYS = ("hidden", "scale", "input_ids", "loss_mask", "position_ids", "doc_ids",
+DEVICE_KEYS = ("hidden", "scale", "input_ids", "labels", "loss_mask", "position_ids", "doc_ids",
                "anchor_pos", "anchor_doc", "anchor_index", "anchor_valid")
 
 
@@ -652,7 +664,8 @@ def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epo
     args = model.args
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"store {config.store.path}: {len(reader)} samples ({train_indices.size} train, "
-          f"{eval_indices.size} held out), codec {reader.attrs['codec']}")
+          f"{eval_indices.size} held out), codec {reader.attrs['codec']}, "
+          f"{'the target' if reader.has_labels else 'data'} labels")
     for name, reason in reader.skipped_shards.items():
         print(f"  skipped corrupt shard {name}: {reason}")
     if reader.skipped_shards or reader.incomplete_shards:

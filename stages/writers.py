@@ -338,10 +338,12 @@ def write_batch(shard_writer, indices, samples, parts: dict, copy: bool) -> None
     copied out first (`copy`): the real rows only, in this process."""
     hidden_BTF = parts["hidden"].numpy()
     scale_BTn = parts["scale"].numpy() if "scale" in parts else None
+    labels_BT = parts["labels"].numpy() if "labels" in parts else None
     for row, (index, (input_ids, loss_mask)) in enumerate(zip(indices, samples)):
         length = len(input_ids)
         hidden = hidden_BTF[row, :length]
         scale = None if scale_BTn is None else scale_BTn[row, :length]
+        labels = None if labels_BT is None else labels_BT[row, :length].copy()
         if copy:
             hidden, scale = hidden.copy(), None if scale is None else scale.copy()
-        shard_writer.write_sample(index, hidden, scale, input_ids, loss_mask)
+        shard_writer.write_sample(index, hidden, scale, input_ids, loss_mask, labels=labels)

@@ -237,3 +237,46 @@ def test_a_hybrid_target_on_the_cpu_says_in_one_line_how_linear_attention_runs(t
     captured = capfd.readouterr()
     assert "linear-attention layers run on transformers' PyTorch path" in captured.out
     assert "not installed" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize("fixture_name,vocab_size", [("qwen35_vl", 248320), ("llama", 512)])
+def test_target_labels_equal_an_independent_argmax_of_the_target(fixture_name, vocab_size, request):
+    """Labels of a right-padded batch: position p holds the argmax of the full model's logits at
+    p - 1 (its own token at 0), as a plain transformers forward of each sequence alone gives them."""
+    from transformers import AutoModelForCausalLM
+
+    path, _ = request.getfixturevalue(fixture_name)
+    target = load_target(path, "cpu", dtype=torch.float32, layer_ids=[0, 2], predict_labels=True)
+    assert len(target.base_model.layers) == target.num_layers  # labels keep every layer
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    seqs = random_seqs([23, 4, 40], vocab_size, seed=9)
+    features_BTnH, labels_BT = target.capture_with_labels(*pad_batch(seqs, pad_id=0))
+    assert labels_BT.dtype == torch.int32 and labels_BT.shape == (3, 40)
+    torch.testing.assert_close(features_BTnH, target.capture(*pad_batch(seqs, pad_id=0)))
+    for row, seq in enumerate(seqs):
+        with torch.no_grad():
+            logits_TV = reference(input_ids=torch.as_tensor(seq)[None]).logits[0]
+        expected = torch.cat([torch.as_tensor(seq[:1]), logits_TV[:-1].argmax(dim=-1)])
+        assert torch.equal(labels_BT[row, :len(seq)].long(), expected), f"row {row}"
+
+
+def test_chunked_greedy_tokens_equal_the_whole_argmax_and_break_ties_low():
+    from dflash.target import greedy_tokens
+
+    generator = torch.Generator().manual_seed(10)
+    hidden_RH = torch.randn(37, 16, generator=generator)
+    head_VH = torch.randn(301, 16, generator=generator)
+    head_VH[250] = head_VH[7]  # exact ties across vocabulary chunks: the lower id wins
+    head_VH[120] = head_VH[119]  # and inside one chunk
+    hidden_RH[:5] = head_VH[7] * 10
+    hidden_RH[5:9] = head_VH[119] * 10
+    expected = (hidden_RH @ head_VH.T).argmax(dim=-1)
+    for rows, vocab in ((8, 64), (37, 301), (1, 1), (100, 1000)):
+        assert torch.equal(greedy_tokens(hidden_RH, head_VH, rows=rows, vocab=vocab).long(), expected), (rows, vocab)
+    assert expected[:5].tolist() == [7] * 5 and expected[5:9].tolist() == [119] * 4
+
+
+def test_a_target_without_labels_refuses_to_label(llama):
+    target = load_target(llama[0], "cpu", dtype=torch.float32, layer_ids=[1])
+    with pytest.raises(ValueError, match="predict_labels"):
+        target.capture_with_labels(*pad_batch(random_seqs([5], 512, seed=11), pad_id=0))

@@ -27,6 +27,9 @@ and what the target's thread was doing meanwhile (the explanation of any gap bet
     python tools/bench_stage1.py --out bench/stage1.json            # H200
     python tools/bench_stage1.py --quick --out /tmp/stage1.json     # tiny target on CPU
 
+`--labels` also times the capture with the target's greedy labels (`store.labels = "target"`:
+every layer, the final norm and the chunked LM-head argmax) against the capture without them.
+
 Shared helpers of the other tools (`print_table`, `write_results`, `log_uniform_lengths`)
 live here; run the tools as scripts so `tools/` is on sys.path.
 """
@@ -499,6 +502,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--writer-processes", type=int, default=4, help="extract.writer_processes of the full path")
     parser.add_argument("--store-dir", default="", help="where the temporary stores go (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--labels", action="store_true",
+                        help="also time capture with the target's greedy labels (store.labels = target)")
     parser.add_argument("--profile", default="", help="directory for profiler traces of the capture-only and full "
                                                       "passes, run once more after the timed ones")
     args = parser.parse_args(argv)
@@ -549,11 +554,22 @@ def main(argv: list[str]) -> int:
     time_bare_forward(model, warmup, device, mask=False)
     unmasked_seconds = time_bare_forward(model, batches, device, mask=False)
     progress(f"bare forward without the padding mask: {real_tokens / unmasked_seconds:,.0f} tokens/s")
-    target = TargetModel(model, layer_ids, config_hash="random-init", model_type=config.model_type)
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    labels_seconds = None
+    if args.labels:  # before the cut: target labels run every layer, the final norm and the LM head
+        labelled = TargetModel(model, layer_ids, config_hash="random-init", model_type=config.model_type,
+                               predict_labels=True)
+        time_capture_only(labelled, warmup, codecs[0], device)
+        labels_seconds = time_capture_only(labelled, batches, codecs[0], device)
+        progress(f"capture + target labels + encode {codecs[0]} + copy: {real_tokens / labels_seconds:,.0f} tokens/s")
+        del labelled
+    target = TargetModel(model, layer_ids, config_hash="random-init", model_type=config.model_type)
     time_capture_only(target, warmup, codecs[0], device)
     capture_seconds = time_capture_only(target, batches, codecs[0], device)
     progress(f"capture + encode {codecs[0]} + copy: {real_tokens / capture_seconds:,.0f} tokens/s")
+    if labels_seconds is not None:
+        progress(f"target labels cost {labels_seconds / capture_seconds:.3f}x the time of data labels "
+                 f"(capture + encode + copy; goal <= 1.10x)")
     store_root = Path(args.store_dir or tempfile.mkdtemp(prefix="bench-stage1-"))
     full, writers_only = {}, {}
     try:
@@ -578,7 +594,8 @@ def main(argv: list[str]) -> int:
     flops = {"bare": 2 * all_params * real_tokens + attention_flops(config, config.num_hidden_layers, lengths),
              "cut": 2 * cut_params * real_tokens + attention_flops(config, layer_ids[-1] + 1, lengths)}
     report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,
-           bare_seconds, unmasked_seconds, capture_seconds, codecs[0], full, writers_only, profiled)
+           bare_seconds, unmasked_seconds, capture_seconds, codecs[0], full, writers_only, profiled,
+           labels_seconds)
     return 0
 
 
@@ -593,7 +610,7 @@ def say_full(name: str, numbers: dict) -> None:
 
 def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,
            bare_seconds, unmasked_seconds, capture_seconds, capture_codec, full, writers_only,
-           profiled=None) -> None:
+           profiled=None, labels_seconds=None) -> None:
     raw_bytes = REAL_LAYER_COUNT * config.hidden_size * 2
     bare_rate = real_tokens / bare_seconds
     rows = [["bare forward (logits_to_keep=1)", bare_rate, 1.0, mfu(flops["bare"], bare_seconds), "", "", ""]]
@@ -603,6 +620,10 @@ def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params
     rate = real_tokens / capture_seconds
     rows.append([f"capture + encode {capture_codec} + copy to host", rate, rate / bare_rate,
                  mfu(flops["cut"], capture_seconds), "", "", ""])
+    if labels_seconds is not None:
+        rate = real_tokens / labels_seconds
+        rows.append([f"capture + target labels + encode {capture_codec} + copy ({labels_seconds / capture_seconds:.3f}x "
+                     f"the time without)", rate, rate / bare_rate, mfu(flops["bare"], labels_seconds), "", "", ""])
     for codec, numbers in full.items():
         rate = numbers["tokens"] / numbers["seconds"]
         rows.append([f"full stage one, {codec} (zarr write)", rate, rate / bare_rate,
@@ -634,6 +655,7 @@ def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params
         report_profile(profiled)
     write_results(args.out, {
         "meta": run_metadata(["tools/bench_stage1.py", *argv]), "quick": args.quick, "profile": profiled,
+        "capture_seconds": capture_seconds, "capture_with_labels_seconds": labels_seconds,
         "target": {"num_hidden_layers": config.num_hidden_layers, "hidden_size": config.hidden_size,
                    "layer_ids": layer_ids, "layer_params": all_params, "layer_params_run": cut_params},
         "tokens": real_tokens, "padded_tokens": padded_tokens, "tflop": {k: v / 1e12 for k, v in flops.items()},

@@ -68,7 +68,7 @@ def main(argv=None) -> None:
         if keep is not None and row_id not in keep:
             continue
         try:
-            messages = evaluate.prompt_messages(row)
+            messages = data.prompt_messages(row)
         except data.RowProblem:
             continue
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

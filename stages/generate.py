@@ -1,0 +1,278 @@
+"""`dflash generate`: regenerate the answers of a chat dataset with the target.
+
+A drafter is accepted where it predicts the target, not the dataset's author, so the
+published DFlash recipe trains on the target's own answers. This stage renders every row up
+to its last assistant turn with the chat template stage one uses, lets the target write that
+turn (greedy by default, or temperature / top-p sampling), keeps the earlier turns, and writes
+JSONL rows `{"messages": [..., {"role": "assistant", "content": ANSWER}], "source_row": N,
+"cut": bool}` that `data.source` reads (`source_row` is the 1-based row of the source, `cut`
+says the answer reached --max-new-tokens).
+
+The rows are planned first, in source order, into shards of `--rows-per-shard`; each shard is
+generated in length-sorted, left-padded batches and written atomically as `part-NNNNN.jsonl`,
+so a killed run resumes where it stopped (finished shards are kept) and writes the same files
+as an uninterrupted one. `generate-manifest.txt` (JSON; not a data suffix, so `data.source`
+never reads it) records what the output holds: a rerun with other content settings is refused
+unless --overwrite. Under torchrun (`--gpus`) rank r writes shards r, r + world, ...
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dflash import data
+from dflash.config import Config, ConfigError
+from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
+from dflash.errors import DflashError
+from dflash.outputs import write_text_atomic
+from dflash.target import load_causal_lm, prepare_checkpoint, weights_fingerprint
+from dflash.tokenizer import load_target_tokenizer, tokenizer_identity
+from stages.evaluate import eval_dtype, stop_token_ids
+
+MANIFEST = "generate-manifest.txt"
+BAD_PROMPT_TOO_LONG = "prompt_too_long"  # the prompt alone reaches data.max_length: no answer could be trained on
+PAD_WIDTH = 64  # prompt widths round up to this on CUDA: few shapes for the static cache's compiled decoding
+
+
+class GenerateMismatchError(DflashError, ValueError):
+    """The output directory holds answers generated with other settings."""
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    out: str
+    max_new_tokens: int = 1024
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 0  # 0: 256 on CUDA, 8 on CPU
+    rows_per_shard: int = 1024
+    limit: int = 0  # only the first N usable rows (0: all)
+    device: str = "auto"
+    static_cache: str = "auto"  # "auto": on CUDA (compiled decoding), "on", "off"
+    overwrite: bool = False
+
+
+@dataclass
+class Prompt:
+    row_id: int
+    messages: list[dict]
+    input_ids: list[int]
+
+
+@dataclass
+class GenerateResult:
+    out: str
+    num_rows: int = 0  # rows read from the source
+    num_prompts: int = 0  # rows with a usable prompt (planned)
+    bad_rows: dict = field(default_factory=dict)
+    shards_written: int = 0
+    shards_kept: int = 0
+    answers: int = 0
+    tokens: int = 0
+    cut: int = 0
+    seconds: float = 0.0
+
+
+def run(config: Config, options: GenerateOptions) -> GenerateResult:
+    check_options(options)
+    dist = init_distributed(options.device)
+    try:
+        return generate(config, options, dist)
+    finally:
+        shutdown(dist)
+
+
+def check_options(options: GenerateOptions) -> None:
+    for name in ("max_new_tokens", "rows_per_shard"):
+        if getattr(options, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(options, name)}")
+    if options.temperature < 0 or not 0 < options.top_p <= 1:
+        raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {options.temperature}, "
+                          f"{options.top_p}")
+    if options.batch_size < 0 or options.limit < 0:
+        raise ConfigError("--batch-size and --limit must be >= 0")
+    if options.static_cache not in ("auto", "on", "off"):
+        raise ConfigError(f"--static-cache must be auto, on or off, got {options.static_cache!r}")
+
+
+def generate(config: Config, options: GenerateOptions, dist: DistState) -> GenerateResult:
+    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir) if dist.is_main else None
+    dist.barrier()
+    checkpoint = checkpoint or prepare_checkpoint(config.target.path, config.data.cache_dir)
+    tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
+    result = GenerateResult(out=options.out)
+    prompts = read_prompts(config, options, tokenizer, result)
+    shards = [prompts[i:i + options.rows_per_shard] for i in range(0, len(prompts), options.rows_per_shard)]
+    out = Path(options.out)
+    if dist.is_main:
+        manifest = {"content": content_identity(config, options, checkpoint, tokenizer),
+                    "num_prompts": len(prompts), "num_shards": len(shards)}
+        prepare_output(out, manifest, options.overwrite)
+        report_plan(result, len(shards), sum(shard_path(out, k).exists() for k in range(len(shards))))
+    dist.barrier()
+    mine = [k for k in range(dist.rank, len(shards), dist.world_size)]
+    todo = [k for k in mine if not shard_path(out, k).exists()]
+    result.shards_kept = len(mine) - len(todo)
+    if todo:
+        target = load_causal_lm(str(checkpoint), eval_dtype(config, dist.device), dist.device)
+        generator = Generator(target, tokenizer, options, dist.device)
+        start = time.perf_counter()
+        bar = tqdm(total=sum(len(shards[k]) for k in todo), unit="answer", disable=not dist.is_main,
+                   desc=f"generate (rank 0 of {dist.world_size})", dynamic_ncols=True)
+        for k in todo:
+            rows = generator.shard(shards[k], options.seed * 1_000_003 + k, bar, result, start)
+            write_text_atomic(shard_path(out, k), "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+            result.shards_written += 1
+        bar.close()
+        result.seconds = time.perf_counter() - start
+    dist.barrier()
+    summarize(dist, result, options)
+    return result
+
+
+def read_prompts(config: Config, options: GenerateOptions, tokenizer, result: GenerateResult) -> list[Prompt]:
+    """Every usable row's prompt, in source order; unusable rows are counted per reason (and,
+    with data.strict, the first one in file order stops the run)."""
+    prompts = []
+    for row_id, row in data.read_rows(config.data.source, config.data.split):
+        result.num_rows += 1
+        try:
+            messages = data.prompt_messages(row)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(input_ids) >= config.data.max_length:
+                raise data.RowProblem(BAD_PROMPT_TOO_LONG, f"prompt of {len(input_ids)} tokens, data.max_length "
+                                                           f"is {config.data.max_length}")
+        except data.RowProblem as problem:
+            if config.data.strict:
+                raise data.BadRowError(row_id, problem.reason, str(problem)) from None
+            result.bad_rows.setdefault(problem.reason, []).append(row_id)
+            continue
+        prompts.append(Prompt(row_id, messages, input_ids))
+        if len(prompts) == options.limit:
+            break
+    result.num_prompts = len(prompts)
+    if not prompts:
+        raise ConfigError(f"data.source {config.data.source}: no row has a usable prompt")
+    return prompts
+
+
+def content_identity(config: Config, options: GenerateOptions, checkpoint: Path, tokenizer) -> dict:
+    """What the answers depend on: the rows, the target, its template and the decoding settings
+    (not the batch size, device or number of processes)."""
+    return {
+        "source": data.content_fingerprint(config.data.source, config.data.split),
+        "target_weights": weights_fingerprint(checkpoint),
+        "tokenizer": tokenizer_identity(tokenizer)["hash"],
+        "max_length": config.data.max_length,
+        **{key: value for key, value in asdict(options).items()
+           if key in ("max_new_tokens", "temperature", "top_p", "seed", "rows_per_shard", "limit")},
+    }
+
+
+def shard_path(out: Path, k: int) -> Path:
+    return out / f"part-{k:05d}.jsonl"
+
+
+def prepare_output(out: Path, manifest: dict, overwrite: bool) -> None:
+    """Create the output directory or continue it; other content is refused (or, with
+    `overwrite`, its shards removed)."""
+    path = out / MANIFEST
+    for partial in out.glob("*.tmp-*"):  # a shard that a killed run was writing
+        partial.unlink()
+    if path.exists():
+        old = json.loads(path.read_text())
+        differing = [key for key in sorted(set(old["content"]) | set(manifest["content"]))
+                     if old["content"].get(key) != manifest["content"].get(key)]
+        if not differing:
+            return
+        if not overwrite:
+            details = "; ".join(f"{key}: output has {old['content'].get(key)!r}, now {manifest['content'].get(key)!r}"
+                                for key in differing)
+            raise GenerateMismatchError(f"{out} holds answers generated with other settings ({details}); "
+                                        f"pass --overwrite to replace them, or choose another --out")
+        for part in out.glob("part-*.jsonl"):
+            part.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(manifest, indent=1) + "\n")
+
+
+def report_plan(result: GenerateResult, num_shards: int, num_done: int) -> None:
+    skipped = sum(len(rows) for rows in result.bad_rows.values())
+    print(f"data: {result.num_rows} rows, {result.num_prompts} prompts, {skipped} skipped")
+    for reason, rows in sorted(result.bad_rows.items()):
+        examples = ", ".join(str(r + 1) for r in rows[:5])
+        print(f"  skipped {len(rows)} row(s): {reason} (e.g. rows {examples})")
+    print(f"plan: {num_shards} shards, {num_done} already written")
+
+
+class Generator:
+    """Batched generation of one shard's answers with the target (transformers `generate`)."""
+
+    def __init__(self, target, tokenizer, options: GenerateOptions, device: torch.device):
+        self.target, self.tokenizer, self.options, self.device = target, tokenizer, options, device
+        self.stops = stop_token_ids(tokenizer, target)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
+        cuda = device.type == "cuda"
+        self.batch_size = options.batch_size or (256 if cuda else 8)
+        self.static = options.static_cache == "on" or (options.static_cache == "auto" and cuda)
+        self.width_multiple = PAD_WIDTH if self.static else 1
+
+    def shard(self, prompts: list[Prompt], seed: int, bar, result: GenerateResult, start: float) -> list[dict]:
+        """The shard's output rows in source order; its prompts run longest first (memory peaks early)."""
+        torch.manual_seed(seed)  # sampling: one seed per shard, so a resumed run draws the same
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i].input_ids))
+        answers: dict[int, tuple[str, bool]] = {}
+        for first in range(0, len(order), self.batch_size):
+            batch = [prompts[i] for i in order[first:first + self.batch_size]]
+            for i, (answer_ids, cut) in zip(order[first:first + self.batch_size], self.batch(batch)):
+                answers[i] = (self.tokenizer.decode(answer_ids, skip_special_tokens=True), cut)
+                result.answers += 1
+                result.tokens += len(answer_ids)
+                result.cut += cut
+            bar.update(len(batch))
+            bar.set_postfix(tokens_per_s=f"{result.tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
+        return [{"messages": prompt.messages + [{"role": "assistant", "content": answers[i][0]}],
+                 "source_row": prompt.row_id + 1, "cut": answers[i][1]} for i, prompt in enumerate(prompts)]
+
+    @torch.inference_mode()
+    def batch(self, prompts: list[Prompt]) -> list[tuple[list[int], bool]]:
+        """Each prompt's answer tokens (up to the first end token, which is dropped) and whether it was cut."""
+        width = -(-max(len(p.input_ids) for p in prompts) // self.width_multiple) * self.width_multiple
+        input_ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding: every answer starts at column `width`
+            input_ids[row, width - len(prompt.input_ids):] = torch.tensor(prompt.input_ids)
+            attention[row, width - len(prompt.input_ids):] = 1
+        sampling = {"do_sample": True, "temperature": self.options.temperature, "top_p": self.options.top_p} \
+            if self.options.temperature > 0 else {"do_sample": False}
+        generated = self.target.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+            max_new_tokens=self.options.max_new_tokens, eos_token_id=self.stops, pad_token_id=self.pad,
+            cache_implementation="static" if self.static else None, **sampling)
+        out = []
+        for answer_ids in generated[:, width:].tolist():
+            ended = next((i for i, token in enumerate(answer_ids) if token in self.stops), None)
+            out.append((answer_ids if ended is None else answer_ids[:ended], ended is None))
+        return out
+
+
+def summarize(dist: DistState, result: GenerateResult, options: GenerateOptions) -> None:
+    totals = all_reduce_sum(dist, [result.shards_written, result.shards_kept, result.answers, result.tokens,
+                                   result.cut, result.seconds])
+    if not dist.is_main:
+        return
+    written, kept, answers, tokens, cut = (int(v) for v in totals[:5])
+    seconds = totals[5] / dist.world_size
+    rate = f"{tokens / seconds:,.0f} tokens/s" if seconds > 0 else "-"
+    print(f"generate done: {answers} answers, {tokens:,} tokens in {seconds:.1f} s ({rate} over "
+          f"{dist.world_size} process(es)); {cut} cut at --max-new-tokens ({options.max_new_tokens}); "
+          f"{written} shards written, {kept} kept from an earlier run")
+    print(f"train on them: --set data.source=\"{options.out}\" (stage one reads every part-*.jsonl)")

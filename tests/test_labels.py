@@ -1,0 +1,144 @@
+"""Target labels end to end on CPU: stage one stores the target's greedy next tokens, inspect
+reports their agreement with the data, verification checks them, stage two trains against them.
+
+The store comes from the embedded tiny Qwen3.5 target over real offline rows; the labels are
+compared with an independent forward of the whole target (transformers' own LM head and argmax).
+"""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from dflash.config import load_config
+from dflash.store import StoreReader, verify_store
+from stages import extract, inspect, train
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def labelled(tmp_path_factory, pipeline_config):
+    root = tmp_path_factory.mktemp("labels")
+    config_path = pipeline_config(root, 30, 10, f"""
+[store]
+path = "{root / 'store'}"
+labels = "target"
+codec = "bf16"
+bucket_edges = [64, 192, 320, 512]
+shard_tokens = 4096
+[extract]
+batch_tokens = 2048
+[drafter]
+size = "auto"
+num_layers = 1
+[train]
+out_dir = "{root / 'run'}"
+epochs = 1
+max_steps = 2
+token_budget = 512
+accum_steps = 2
+max_anchors = 8
+loss_chunk = 512
+holdout_fraction = 0.2
+log_every = 1
+save_every = 2
+num_workers = 0
+wandb = "disabled"
+""")
+    extract.run(load_config(config_path))
+    return root, config_path
+
+
+def test_stored_labels_are_the_targets_argmax_after_the_data_prefix(labelled, embedded_cache_dir):
+    from transformers import AutoModelForCausalLM
+
+    root, _ = labelled
+    reader = StoreReader(root / "store")
+    assert reader.has_labels and reader.attrs["labels"] == "target"
+    model = AutoModelForCausalLM.from_pretrained(embedded_cache_dir / "target-tiny", dtype=torch.float32).eval()
+    checked = 0
+    for i in np.linspace(0, len(reader) - 1, 6).astype(int):  # six samples across the shards
+        sample = reader.read_sample(i)
+        with torch.no_grad():
+            logits_TV = model(input_ids=torch.as_tensor(sample["input_ids"])[None]).logits[0]
+        expected = np.concatenate([sample["input_ids"][:1], logits_TV[:-1].argmax(dim=-1).numpy()])
+        differ = np.flatnonzero(sample["labels"] != expected)
+        # Stage one ran the sequence in a padded batch: float32 rounding may only flip exact near-ties.
+        gaps = (logits_TV[differ - 1].max(dim=-1).values - logits_TV[differ - 1, sample["labels"][differ]]).numpy()
+        assert np.all(gaps < 1e-5), f"sample {i}: labels differ at {differ[:5]} by logit gaps {gaps[:5]}"
+        assert len(differ) <= len(expected) // 100, f"sample {i}: {len(differ)} labels differ"
+        checked += len(expected)
+    assert checked > 600
+
+
+def test_inspect_reports_label_agreement_and_verify_checks_labels(labelled, capsys):
+    root, _ = labelled
+    result = inspect.run(root / "store", verify=True)
+    assert result["ok"]
+    out = capsys.readouterr().out
+    assert "labels: the target's greedy tokens (store.labels = target)" in out
+    reader = StoreReader(root / "store")
+    same = total = 0
+    for i in range(len(reader)):
+        sample = reader.read_sample(i)
+        supervised = sample["loss_mask"].copy()
+        supervised[0] = False
+        same += int((sample["labels"] == sample["input_ids"])[supervised].sum())
+        total += int(supervised.sum())
+    assert result["stats"]["label_agreement"] == pytest.approx(same / total)
+    assert f"{same / total:.1%} of the supervised positions" in out
+
+    # A label outside the vocabulary is caught like a bad checksum.
+    copy = root / "broken"
+    subprocess.run(["cp", "-r", str(root / "store"), str(copy)], check=True)
+    name = reader.shard_names[0]
+    labels = zarr.open_group(str(copy), mode="r+")["shards"][name]["labels"]
+    labels[3] = 248320
+    report = verify_store(copy)
+    assert not report.ok and "target labels outside the vocabulary" in report.bad[name]
+
+
+def test_stage_two_trains_against_the_target_labels(labelled, tmp_path):
+    root, config_path = labelled
+    result = train.run(load_config(config_path, [f'train.out_dir="{tmp_path / "run"}"']))
+    assert result.checkpoint is not None and result.steps == 2
+    refused = subprocess.run([sys.executable, "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+                              "--set", "store.labels=data", "--set", f'train.out_dir="{tmp_path / "other"}"'],
+                             capture_output=True, text=True)
+    assert refused.returncode == 1
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"Error: store.labels: the store at {root / 'store'} holds target labels, the config asks for data; "
+        f"run stage one with store.labels = data (into another store.path) or set store.labels = target")
+
+
+def test_the_loss_reads_the_stored_labels_not_the_data_tokens(labelled):
+    """The same micro-batch with its labels replaced by the data tokens gives another loss."""
+    from dflash.batch import StoreDataset, collate_packed
+
+    root, config_path = labelled
+    reader = StoreReader(root / "store")
+    items = [StoreDataset(reader, max_anchors=8, seed=0)[(0, i)] for i in range(3)]
+    batch = collate_packed(items, block_size=16, pad_multiple=16)
+    np.testing.assert_array_equal(batch["labels"][:int(batch["num_real_tokens"])].numpy(),
+                                  np.concatenate([item["labels"] for item in items]))
+    assert not torch.equal(batch["labels"], batch["input_ids"])
+    from dflash.dist import init_distributed, shutdown
+
+    config = load_config(config_path)
+    dist = init_distributed("cpu")
+    try:
+        args = train.build_drafter_args(config, reader.attrs)
+        model = train.build_model(config, args, dist)
+        ctx = train.build_context(config, args, reader, dist)
+        with torch.no_grad():
+            stored = train.forward_loss(model, ctx, batch)[0].loss
+            as_data = dict(batch, labels=batch["input_ids"])
+            data = train.forward_loss(model, ctx, as_data)[0].loss
+            without = train.forward_loss(model, ctx, {k: v for k, v in batch.items() if k != "labels"})[0].loss
+    finally:
+        shutdown(dist)
+    assert torch.equal(data, without) and not torch.equal(stored, data)
