@@ -222,16 +222,21 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new
 @config_options
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Output directory: part-NNNNN.jsonl shards that data.source reads, and a manifest.")
-@click.option("--max-new-tokens", default=1024, show_default=True, help="Answer tokens at most (longer ones are cut and counted).")
+@click.option("--max-new-tokens", default=1024, show_default=True,
+              help="Answer tokens at most (longer ones are cut and counted).")
 @click.option("--temperature", default=0.0, show_default=True, help="0: greedy; > 0: sampling at this temperature.")
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass (with --temperature > 0).")
-@click.option("--seed", default=0, show_default=True, help="Sampling seed (one stream per shard, so resumes draw the same).")
-@click.option("--batch-size", default=0, show_default=True, help="Prompts per generate call (0: 256 on CUDA, 8 on CPU).")
-@click.option("--rows-per-shard", default=1024, show_default=True, help="Answers per output file (the unit a resume keeps).")
+@click.option("--seed", default=0, show_default=True,
+              help="Sampling seed (one stream per shard, so resumes draw the same).")
+@click.option("--batch-size", default=0, show_default=True,
+              help="Prompts per generate call (0: 256 on CUDA, 8 on CPU).")
+@click.option("--rows-per-shard", default=1024, show_default=True,
+              help="Answers per output file (the unit a resume keeps).")
 @click.option("--limit", default=0, show_default=True, help="Only the first N usable rows (0: all).")
 @click.option("--static-cache", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
               help="transformers' static KV cache and compiled decoding (auto: on CUDA).")
-@click.option("--device", default="auto", show_default=True, help="auto (cuda:<local rank> when available), cpu, cuda:N.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (cuda:<local rank> when available), cpu, cuda:N.")
 @click.option("--gpus", help="Comma-separated GPU ids, one process each via torchrun (e.g. 0,1,2,3).")
 @click.option("--overwrite", is_flag=True, help="Replace answers generated with other settings in --out.")
 def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, seed, batch_size, rows_per_shard,

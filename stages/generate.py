@@ -30,6 +30,7 @@ from dflash import data
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
 from dflash.errors import DflashError
+from dflash.generation import Answer, Generator, Prompt
 from dflash.outputs import write_text_atomic
 from dflash.target import load_causal_lm, prepare_checkpoint, weights_fingerprint
 from dflash.tokenizer import load_target_tokenizer, tokenizer_identity
@@ -37,7 +38,6 @@ from stages.evaluate import eval_dtype, stop_token_ids
 
 MANIFEST = "generate-manifest.txt"
 BAD_PROMPT_TOO_LONG = "prompt_too_long"  # the prompt alone reaches data.max_length: no answer could be trained on
-PAD_WIDTH = 64  # prompt widths round up to this on CUDA: few shapes for the static cache's compiled decoding
 
 
 class GenerateMismatchError(DflashError, ValueError):
@@ -57,13 +57,6 @@ class GenerateOptions:
     device: str = "auto"
     static_cache: str = "auto"  # "auto": on CUDA (compiled decoding), "on", "off"
     overwrite: bool = False
-
-
-@dataclass
-class Prompt:
-    row_id: int
-    messages: list[dict]
-    input_ids: list[int]
 
 
 @dataclass
@@ -122,12 +115,15 @@ def generate(config: Config, options: GenerateOptions, dist: DistState) -> Gener
     result.shards_kept = len(mine) - len(todo)
     if todo:
         target = load_causal_lm(str(checkpoint), eval_dtype(config, dist.device), dist.device)
-        generator = Generator(target, tokenizer, options, dist.device)
+        generator = Generator(target, tokenizer, stop_token_ids(tokenizer, target), dist.device,
+                              batch_size=options.batch_size, static_cache=options.static_cache,
+                              max_new_tokens=options.max_new_tokens, temperature=options.temperature,
+                              top_p=options.top_p)
         start = time.perf_counter()
         bar = tqdm(total=sum(len(shards[k]) for k in todo), unit="answer", disable=not dist.is_main,
                    desc=f"generate (rank 0 of {dist.world_size})", dynamic_ncols=True)
         for k in todo:
-            rows = generator.shard(shards[k], options.seed * 1_000_003 + k, bar, result, start)
+            rows = generate_shard(generator, shards[k], options.seed * 1_000_003 + k, bar, result, start)
             write_text_atomic(shard_path(out, k), "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
             result.shards_written += 1
         bar.close()
@@ -213,55 +209,21 @@ def report_plan(result: GenerateResult, num_shards: int, num_done: int) -> None:
     print(f"plan: {num_shards} shards, {num_done} already written")
 
 
-class Generator:
-    """Batched generation of one shard's answers with the target (transformers `generate`)."""
+def generate_shard(generator: Generator, prompts: list[Prompt], seed: int, bar, result: GenerateResult,
+                   start: float) -> list[dict]:
+    """One shard's output rows, in source order."""
+    torch.manual_seed(seed)  # sampling: one seed per shard, so a resumed run draws the same
 
-    def __init__(self, target, tokenizer, options: GenerateOptions, device: torch.device):
-        self.target, self.tokenizer, self.options, self.device = target, tokenizer, options, device
-        self.stops = stop_token_ids(tokenizer, target)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stops[0]
-        cuda = device.type == "cuda"
-        self.batch_size = options.batch_size or (256 if cuda else 8)
-        self.static = options.static_cache == "on" or (options.static_cache == "auto" and cuda)
-        self.width_multiple = PAD_WIDTH if self.static else 1
+    def count(answers: list[Answer]) -> None:
+        result.answers += len(answers)
+        result.tokens += sum(len(answer.token_ids) for answer in answers)
+        result.cut += sum(answer.cut for answer in answers)
+        bar.update(len(answers))
+        bar.set_postfix(tokens_per_s=f"{result.tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
 
-    def shard(self, prompts: list[Prompt], seed: int, bar, result: GenerateResult, start: float) -> list[dict]:
-        """The shard's output rows in source order; its prompts run longest first (memory peaks early)."""
-        torch.manual_seed(seed)  # sampling: one seed per shard, so a resumed run draws the same
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i].input_ids))
-        answers: dict[int, tuple[str, bool]] = {}
-        for first in range(0, len(order), self.batch_size):
-            batch = [prompts[i] for i in order[first:first + self.batch_size]]
-            for i, (answer_ids, cut) in zip(order[first:first + self.batch_size], self.batch(batch)):
-                answers[i] = (self.tokenizer.decode(answer_ids, skip_special_tokens=True), cut)
-                result.answers += 1
-                result.tokens += len(answer_ids)
-                result.cut += cut
-            bar.update(len(batch))
-            bar.set_postfix(tokens_per_s=f"{result.tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
-        return [{"messages": prompt.messages + [{"role": "assistant", "content": answers[i][0]}],
-                 "source_row": prompt.row_id + 1, "cut": answers[i][1]} for i, prompt in enumerate(prompts)]
-
-    @torch.inference_mode()
-    def batch(self, prompts: list[Prompt]) -> list[tuple[list[int], bool]]:
-        """Each prompt's answer tokens (up to the first end token, which is dropped) and whether it was cut."""
-        width = -(-max(len(p.input_ids) for p in prompts) // self.width_multiple) * self.width_multiple
-        input_ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding: every answer starts at column `width`
-            input_ids[row, width - len(prompt.input_ids):] = torch.tensor(prompt.input_ids)
-            attention[row, width - len(prompt.input_ids):] = 1
-        sampling = {"do_sample": True, "temperature": self.options.temperature, "top_p": self.options.top_p} \
-            if self.options.temperature > 0 else {"do_sample": False}
-        generated = self.target.generate(
-            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-            max_new_tokens=self.options.max_new_tokens, eos_token_id=self.stops, pad_token_id=self.pad,
-            cache_implementation="static" if self.static else None, **sampling)
-        out = []
-        for answer_ids in generated[:, width:].tolist():
-            ended = next((i for i, token in enumerate(answer_ids) if token in self.stops), None)
-            out.append((answer_ids if ended is None else answer_ids[:ended], ended is None))
-        return out
+    answers = generator.answers(prompts, on_batch=count)
+    return [{"messages": prompt.messages + [{"role": "assistant", "content": answer.text}],
+             "source_row": prompt.row_id + 1, "cut": answer.cut} for prompt, answer in zip(prompts, answers)]
 
 
 def summarize(dist: DistState, result: GenerateResult, options: GenerateOptions) -> None:
