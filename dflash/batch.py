@@ -132,23 +132,7 @@ def _pack_anchors(items: list[dict], num_tokens: int, num_anchors: int) -> dict[
     return packed
 
 
-def valid_labels_per_slot(tokens: dict, anchors: dict, lengths: np.ndarray, block_size: int) -> np.ndarray:
-    """(B,) count of valid labels at each block slot (the rule of dflash.loss.block_labels).
-
-    With the gamma weights this gives the micro-batch's loss normaliser on the host, so
-    normalising over accumulation steps and ranks needs no device sync.
-    """
-    valid = anchors["anchor_valid"]
-    pos_A, index_A = anchors["anchor_pos"][valid], anchors["anchor_index"][valid]
-    length_A = lengths[anchors["anchor_doc"][valid]]
-    slots = np.arange(block_size)
-    inside_AB = pos_A[:, None] + slots[None, :] < length_A[:, None]
-    target_AB = np.minimum(index_A[:, None] + slots[None, :], len(tokens["loss_mask"]) - 1)
-    valid_AB = inside_AB & tokens["loss_mask"][target_AB] & (slots[None, :] >= 1)
-    return valid_AB.sum(axis=0).astype(np.int64)
-
-
-def collate_packed(items: list[dict], block_size: int, pad_multiple: int) -> dict[str, torch.Tensor]:
+def collate_packed(items: list[dict], pad_multiple: int) -> dict[str, torch.Tensor]:
     """Pack `StoreDataset` items into one micro-batch of CPU tensors (see the module docstring).
 
     Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
@@ -156,7 +140,7 @@ def collate_packed(items: list[dict], block_size: int, pad_multiple: int) -> dic
     labels only); `anchor_pos`, `anchor_doc`,
     `anchor_index`, `anchor_valid` `(A,)`; per sample `lengths`, `row_ids`, `sample_indices`
     `(D,)`; scalars `bucket` (-1 if the samples' buckets differ), `epoch`, `num_tokens` (T),
-    `num_real_tokens`, `num_real_anchors`; `valid_labels_per_slot (B,)`; and, when some samples
+    `num_real_tokens`, `num_real_anchors`; and, when some samples
     could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
     whose every sample was skipped is `{"skipped": [...], "empty": True}`.
     """
@@ -179,7 +163,6 @@ def collate_packed(items: list[dict], block_size: int, pad_multiple: int) -> dic
         "lengths": lengths,
         "row_ids": np.array([item["row_id"] for item in items], dtype=np.int64),
         "sample_indices": np.array([item["sample_index"] for item in items], dtype=np.int64),
-        "valid_labels_per_slot": valid_labels_per_slot(tokens, anchors, lengths, block_size),
     }
     batch = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}
     scalars = {
@@ -199,19 +182,18 @@ def build_loader(
     dataset: StoreDataset,
     sampler: torch.utils.data.Sampler,
     *,
-    block_size: int,
     pad_multiple: int,
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = 2,
 ) -> torch.utils.data.DataLoader:
-    """A DataLoader yielding packed micro-batches in `sampler` order (a batch sampler such as
-    `dflash.sampler.MicroBatchSampler`); workers persist across epochs when num_workers > 0."""
+    """A DataLoader yielding packed micro-batches in `sampler` order (a batch sampler yielding, per
+    micro-batch, its `(epoch, sample_index)` keys); workers persist across epochs when num_workers > 0."""
     workers_used = num_workers > 0
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=partial(collate_packed, block_size=block_size, pad_multiple=pad_multiple),
+        collate_fn=partial(collate_packed, pad_multiple=pad_multiple),
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if workers_used else None,

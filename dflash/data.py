@@ -31,7 +31,6 @@ import json
 import multiprocessing
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.errors import DflashError
-from dflash.outputs import follow_umask
+from dflash.outputs import atomic_file
 
 # Bad-row reasons (the keys of TokenizedData.bad_rows).
 BAD_MISSING_FIELDS = "missing_fields"  # no recognised row format, or a message without role/content
@@ -495,24 +494,16 @@ def _save_cache(path: Path, data: TokenizedData) -> None:
     lengths = np.array([len(s) for s in data.samples], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     meta = {"bad_rows": data.bad_rows, "examples": data.examples, "num_rows": data.num_rows}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".partial")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(
-                handle,
-                input_ids=np.concatenate([s.input_ids for s in data.samples] or [np.zeros(0, np.int32)]),
-                loss_mask=np.concatenate([s.loss_mask for s in data.samples] or [np.zeros(0, np.uint8)]),
-                offsets=offsets,
-                row_ids=np.array([s.row_id for s in data.samples], dtype=np.int64),
-                truncated=np.array([s.truncated for s in data.samples], dtype=bool),
-                meta=np.array(json.dumps(meta)),
-            )
-        follow_umask(partial)
-        os.replace(partial, path)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    with atomic_file(path) as partial, open(partial, "wb") as handle:
+        np.savez(
+            handle,
+            input_ids=np.concatenate([s.input_ids for s in data.samples] or [np.zeros(0, np.int32)]),
+            loss_mask=np.concatenate([s.loss_mask for s in data.samples] or [np.zeros(0, np.uint8)]),
+            offsets=offsets,
+            row_ids=np.array([s.row_id for s in data.samples], dtype=np.int64),
+            truncated=np.array([s.truncated for s in data.samples], dtype=bool),
+            meta=np.array(json.dumps(meta)),
+        )
 
 
 def _load_cache(path: Path) -> TokenizedData:

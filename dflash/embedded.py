@@ -8,15 +8,12 @@ real text (see ENVIRONMENT.md).
 import functools
 import gzip
 import json
-import os
-import shutil
 import sysconfig
-import tempfile
 from pathlib import Path
 
 from transformers import Qwen3_5TextConfig
 
-from dflash.outputs import follow_umask
+from dflash.outputs import atomic_dir
 
 EMBEDDED_TARGET = "embedded:tiny"
 # The real Qwen3.5/3.6 vocabulary size (embedding rows, padded past the tokenizer's ids).
@@ -231,19 +228,11 @@ def build_tiny_target(out_dir: str | Path, tokenizer_cache_dir: str | Path | Non
         return out_dir
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} is not empty and lacks some of {CHECKPOINT_FILES}; remove it to rebuild")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
     try:
-        _write_tiny_target(staging, tokenizer_cache_dir)
-        follow_umask(staging)  # mkdtemp and safetensors make it private; the checkpoint is ordinary output
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        os.rename(staging, out_dir)
+        with atomic_dir(out_dir) as staging:  # out_dir, if it exists, is empty (checked above)
+            _write_tiny_target(staging, tokenizer_cache_dir)
     except OSError:
         # Another process may have renamed its own complete build into place first.
         if not _is_complete_checkpoint(out_dir):
             raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     return out_dir

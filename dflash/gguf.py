@@ -14,12 +14,9 @@ renamed into place, so a crash never leaves a half checkpoint that looks complet
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from dflash.outputs import follow_umask
+from dflash.outputs import atomic_dir
 
 GGUF_SUFFIX = ".gguf"
 SOURCE_NAME = "dflash-gguf-source.json"  # written last: the completion mark
@@ -51,18 +48,9 @@ def converted_dir(gguf_path: str | Path, cache_dir: str | Path) -> Path:
     out_dir = Path(cache_dir) / f"target-gguf-{sha256[:16]}"
     if (out_dir / SOURCE_NAME).is_file():
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
-    try:
+    with atomic_dir(out_dir) as staging:  # replaces an incomplete earlier attempt (no completion mark)
         write_checkpoint(gguf_path, staging)
         (staging / SOURCE_NAME).write_text(json.dumps({"gguf": str(gguf_path.resolve()), "sha256": sha256}) + "\n")
-        follow_umask(staging)  # mkdtemp and safetensors make it private; the checkpoint is ordinary output
-        if out_dir.exists():
-            shutil.rmtree(out_dir)  # an incomplete earlier attempt (no completion mark)
-        os.rename(staging, out_dir)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging)
     return out_dir
 
 

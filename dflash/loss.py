@@ -122,7 +122,6 @@ class LossOutput:
     loss: torch.Tensor  # scalar, sum(w * ce) / sum(w); differentiable
     loss_sum: torch.Tensor  # scalar, sum(w * ce); differentiable (for normalising over micro-batches)
     weight_sum: torch.Tensor  # scalar, sum(w) over valid slots
-    ce: torch.Tensor  # (A, B) float32 per-slot cross entropy, detached (0 where invalid)
     correct: torch.Tensor  # (A, B) bool, top-1 prediction equals a valid label
 
 
@@ -141,18 +140,16 @@ def dflash_loss(
     row_weight_AB = weights_B.to(device=hidden_QH.device, dtype=torch.float32)[None, :] * valid_AB
     # Slot 0 (the anchor token) is never a label: only slots 1.. go through the LM head.
     hidden_AKH = hidden_QH.view(num_anchors, block_size, -1)[:, 1:]
-    loss_sum, ce_Q, argmax_Q = _ChunkedLMHeadCrossEntropy.apply(
+    loss_sum, _, argmax_Q = _ChunkedLMHeadCrossEntropy.apply(
         hidden_AKH.reshape(-1, hidden_QH.shape[1]), lm_head_VH, labels_AB[:, 1:].reshape(-1),
         row_weight_AB[:, 1:].reshape(-1), chunk_size,
     )
     weight_sum = row_weight_AB.sum()
     # An all-padding micro-batch gives loss 0 (and zero gradients), not NaN.
     loss = loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
-    ce_AB = F.pad(ce_Q.view(num_anchors, block_size - 1), (1, 0))
-    ce_AB = torch.where(valid_AB, ce_AB, 0.0)
     argmax_AB = F.pad(argmax_Q.view(num_anchors, block_size - 1), (1, 0), value=IGNORE_LABEL)
     correct_AB = (argmax_AB == labels_AB) & valid_AB
-    return LossOutput(loss=loss, loss_sum=loss_sum, weight_sum=weight_sum, ce=ce_AB, correct=correct_AB)
+    return LossOutput(loss=loss, loss_sum=loss_sum, weight_sum=weight_sum, correct=correct_AB)
 
 
 def block_metrics(correct_AB: torch.Tensor, valid_AB: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ layers see the whole block, sliding-window layers are causal inside the block an
 keys at absolute positions within the window (`p + j - key_pos < W`).
 
 The same `mask_mod` builds a flex-attention `BlockMask` (CUDA) or a dense boolean mask for
-SDPA (CPU, where flex has no backward), so CPU tests check the real mask logic.
-`reference_dense_mask` is a separate loop-by-loop statement of the rule for the tests.
+SDPA (CPU, where flex has no backward), so CPU tests check the real mask logic against a
+loop-by-loop statement of the rule (tests/support.py).
 """
 
 from collections.abc import Mapping
@@ -21,14 +21,6 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, crea
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 PADDING_DOC = -1  # doc id of padded context tokens and padded anchors
-BUCKET_MULTIPLE = 128  # flex-attention tile size: padding T and A to it bounds recompiles
-
-
-def pad_to_bucket(n: int, multiple: int = BUCKET_MULTIPLE) -> int:
-    """The smallest positive multiple of `multiple` that is >= n (for padding T and A)."""
-    if n < 0 or multiple <= 0:
-        raise ValueError(f"pad_to_bucket: need n >= 0 and multiple > 0, got n={n}, multiple={multiple}")
-    return max(1, -(-n // multiple)) * multiple
 
 
 def make_mask_mod(ctx_doc_T, ctx_pos_T, anchor_doc_A, anchor_pos_A, block_size: int, window: int | None):
@@ -123,28 +115,3 @@ def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mas
         attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
         return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask, enable_gqa=True)
     return F.scaled_dot_product_attention(q_1NQD, k_1MKD, v_1MKD, attn_mask=mask, enable_gqa=True)
-
-
-def reference_dense_mask(ctx_doc, ctx_pos, anchor_doc, anchor_pos, block_size: int, window: int | None) -> torch.Tensor:
-    """The rule of ARCHITECTURE.md spelled out with Python loops: boolean `(A*B, T + A*B)`.
-
-    Written independently of `make_mask_mod`, for tests only (slow).
-    """
-    ctx_doc, ctx_pos = [int(x) for x in ctx_doc], [int(x) for x in ctx_pos]
-    anchor_doc, anchor_pos = [int(x) for x in anchor_doc], [int(x) for x in anchor_pos]
-    num_context, num_anchors = len(ctx_doc), len(anchor_doc)
-    mask = torch.zeros(num_anchors * block_size, num_context + num_anchors * block_size, dtype=torch.bool)
-    for anchor in range(num_anchors):
-        for slot in range(block_size):
-            query = anchor * block_size + slot
-            query_pos = anchor_pos[anchor] + slot
-            if anchor_doc[anchor] != PADDING_DOC:
-                for key in range(num_context):
-                    same_doc = ctx_doc[key] == anchor_doc[anchor]
-                    before_anchor = ctx_pos[key] < anchor_pos[anchor]
-                    in_window = window is None or query_pos - ctx_pos[key] < window
-                    mask[query, key] = same_doc and before_anchor and in_window
-            for other_slot in range(block_size):
-                visible = window is None or other_slot <= slot
-                mask[query, num_context + anchor * block_size + other_slot] = visible
-    return mask

@@ -4,10 +4,14 @@
 files and 0700 directories, and safetensors writes 0600 files; a checkpoint or export made
 that way cannot be read by a serving process running as another user. `follow_umask(path)`
 sets a file to 0666 and a directory (recursively, with its contents) to 0777, both masked by
-the umask, as `open()` and `mkdir()` would have.
+the umask, as `open()` and `mkdir()` would have. `atomic_file` and `atomic_dir` are the one
+temp-then-rename write of the package: whole or nothing, with those permissions.
 """
 
+import contextlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -25,13 +29,45 @@ def follow_umask(path: str | Path) -> None:
         item.chmod((0o777 if item.is_dir() else 0o666) & ~mask)
 
 
-def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write `text` to `path` whole or not at all: a temporary file beside it (named with the
-    process id, so concurrent writers never share one), flushed to disk, then renamed over it."""
+@contextlib.contextmanager
+def atomic_file(path: str | Path):
+    """Yield a temporary path beside `path`; when the block ends without an error the file written
+    there gets the umask's permissions and is renamed over `path` (whole or not at all). The
+    temporary name carries the process id, so concurrent writers never share one."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    with open(partial, "w") as out:
+    try:
+        yield partial
+        follow_umask(partial)
+        os.replace(partial, path)
+    finally:
+        if partial.exists():
+            partial.unlink()
+
+
+def write_text_atomic(path: str | Path, text: str) -> None:
+    """Write `text` to `path` atomically (`atomic_file`), flushed to disk before the rename."""
+    with atomic_file(path) as partial, open(partial, "w") as out:
         out.write(text)
         out.flush()
         os.fsync(out.fileno())
-    os.replace(partial, path)
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: str | Path):
+    """Yield a fresh staging directory beside `out_dir`; when the block ends without an error it
+    gets the umask's permissions and replaces `out_dir` (an existing one, incomplete by the
+    caller's judgement, is removed first). A crash never leaves a half-written `out_dir`."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    try:
+        yield staging
+        follow_umask(staging)  # mkdtemp and safetensors make it private
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(staging, out_dir)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)

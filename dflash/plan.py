@@ -112,10 +112,3 @@ def assign_ranks(shards: list[ShardPlan], world_size: int) -> list[list[ShardPla
 def rank_token_counts(assignment: list[list[ShardPlan]]) -> list[int]:
     """Tokens each rank writes under an assignment."""
     return [sum(s.num_tokens for s in shards) for shards in assignment]
-
-
-def rank_imbalance(assignment: list[list[ShardPlan]]) -> float:
-    """max / mean of the per-rank token counts (1.0 is perfect balance)."""
-    counts = rank_token_counts(assignment)
-    mean = sum(counts) / len(counts)
-    return max(counts) / mean if mean > 0 else 1.0

@@ -26,7 +26,6 @@ import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
-import torch.utils.data
 
 # Second key of the hold-out rng, so it never coincides with a (seed, epoch, bucket) stream.
 _HOLDOUT_STREAM = 0x484F4C44  # "HOLD"
@@ -408,51 +407,3 @@ def build_epoch_schedule(
         dtype=np.int64,
     ).reshape(num_steps, world_size, accum_steps)
     return EpochSchedule(epoch, world_size, accum_steps, micro_batches, mb_buckets_M, tokens_M, rank_plan, packing.num_splits)
-
-
-class MicroBatchSampler(torch.utils.data.Sampler):
-    """Batch sampler for one rank: yields lists of `(epoch, sample_index)`, one per micro-batch.
-
-    Starts at `cursor` (resume: the epoch's schedule is rebuilt and steps before
-    `cursor.step` are skipped without being read) and runs `num_epochs` epochs in all
-    (counted from epoch 0), or forever when `num_epochs` is None. Every rank yields exactly
-    `accum_steps` micro-batches per optimizer step, so ranks stay in lock-step.
-    """
-
-    def __init__(
-        self,
-        lengths: np.ndarray,
-        buckets: np.ndarray,
-        *,
-        token_budget: int,
-        world_size: int,
-        rank: int,
-        accum_steps: int,
-        seed: int,
-        cursor: DataCursor | None = None,
-        num_epochs: int | None = None,
-        sample_indices: np.ndarray | None = None,
-    ):
-        super().__init__()
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-        self.lengths, self.buckets = np.asarray(lengths), np.asarray(buckets)
-        self.token_budget, self.world_size, self.rank = token_budget, world_size, rank
-        self.accum_steps, self.seed = accum_steps, seed
-        self.cursor = cursor if cursor is not None else DataCursor()
-        self.num_epochs = num_epochs
-        self.sample_indices = sample_indices
-
-    def schedule(self, epoch: int) -> EpochSchedule:
-        return build_epoch_schedule(
-            self.lengths, self.buckets, self.token_budget, self.world_size, self.accum_steps,
-            self.seed, epoch, self.sample_indices,
-        )
-
-    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        epoch = self.cursor.epoch
-        start_step = self.cursor.step
-        while self.num_epochs is None or epoch < self.num_epochs:
-            for _, _, samples in self.schedule(epoch).rank_batches(self.rank, start_step):
-                yield [(epoch, sample) for sample in samples]
-            epoch, start_step = epoch + 1, 0

@@ -34,7 +34,7 @@ COMPLETE_KEY = "complete"
 # target's `path` is not compared (a moved checkpoint is the same target; its weights
 # fingerprint and config hash are), nor paths and worker counts (`content` leaves them out).
 CONTENT_KEYS = (
-    "content", "target", "target_layer_ids", "hidden_size", "codec",
+    "schema_version", "content", "target", "target_layer_ids", "hidden_size", "codec",
     "tokenizer", "max_length", "bucket_edges", "shards",
 )
 LOCATION_KEYS = {"target": ("path",)}
@@ -438,7 +438,18 @@ def _read_root_attrs(root: zarr.Group, path: Any) -> dict:
     attrs = root.attrs.get(ATTRS_KEY)
     if attrs is None:
         raise StoreMismatchError(f"{path} has no '{ATTRS_KEY}' attributes: not a dflash store")
+    check_schema_version(attrs, path)
     return attrs
+
+
+def check_schema_version(attrs: dict, path: Any) -> None:
+    """A store of another format version is refused by name, before any array is read."""
+    version = attrs.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise StoreMismatchError(
+            f"store {path} has schema version {version} (written by dflash {attrs.get('package_version', '?')}); "
+            f"this dflash reads version {SCHEMA_VERSION}: rewrite it with this version's stage one "
+            f"(--overwrite), or read it with the version that wrote it")
 
 
 def _shard_index(shard: zarr.Group, codec: str, labels: bool) -> dict[str, np.ndarray]:
@@ -707,6 +718,10 @@ def verify_store(path: Any) -> VerifyReport:
     attrs = root.attrs.get(ATTRS_KEY)
     if attrs is None:
         return VerifyReport(ok=False, bad={"<root>": f"no '{ATTRS_KEY}' attributes: not a dflash store"})
+    try:
+        check_schema_version(attrs, path)
+    except StoreMismatchError as error:
+        return VerifyReport(ok=False, bad={"<root>": str(error)})
     planned = {entry["name"]: entry for entry in attrs.get("shards", [])}
     report = VerifyReport(ok=True)
     for name in shard_names(root):

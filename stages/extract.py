@@ -23,9 +23,6 @@ from dflash.target import load_target, pad_batch, prepare_checkpoint
 from dflash.tokenizer import choose_mask_token, load_target_tokenizer
 from stages.writers import WriterPool
 
-SCHEMA_VERSION = 1
-
-
 @dataclass
 class ExtractResult:
     store_path: str
@@ -129,7 +126,7 @@ def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) ->
     layer_ids = list(config.target.layer_ids) or default_layer_ids(
         target_info["num_hidden_layers"], config.target.num_layer_ids)
     return {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": store.SCHEMA_VERSION,
         "package_version": dflash.__version__,
         "target": target_info,
         "target_layer_ids": layer_ids,

@@ -458,7 +458,7 @@ class StopFlag:
 def loop(config, dist, wrapped, model, optimizer, ctx, reader, eval_indices,
          schedules, total_steps, cursor, step, logger, result, stop) -> None:
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
-    loader_options = {"block_size": ctx.args.block_size, "pad_multiple": pad_multiple(ctx)}
+    loader_options = {"pad_multiple": pad_multiple(ctx)}
     collate = functools.partial(collate_packed, **loader_options)
     eval_micro_batches = held_out_micro_batches(config, dist, reader, eval_indices)
     bar = tqdm(total=total_steps, initial=step, unit="step", disable=not dist.is_main, dynamic_ncols=True,

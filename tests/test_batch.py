@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dflash.batch import StoreDataset, build_loader, collate_packed
-from dflash.loss import block_labels
-from dflash.sampler import DataCursor, MicroBatchSampler
+from dflash.sampler import DataCursor
+from support import MicroBatchSampler
 
 NUM_LAYERS, HIDDEN = 2, 4
 BLOCK_SIZE = 4
@@ -57,7 +57,7 @@ def test_collate_lays_out_the_packed_micro_batch(codec):
     dataset = StoreDataset(reader, max_anchors=5, seed=3)
     picked = [4, 0, 7]
     items = [dataset[(1, i)] for i in picked]
-    batch = collate_packed(items, block_size=BLOCK_SIZE, pad_multiple=16)
+    batch = collate_packed(items, pad_multiple=16)
     lengths = [len(reader.samples[i]["input_ids"]) for i in picked]
     num_real = sum(lengths)
     T, A = batch["input_ids"].shape[0], batch["anchor_pos"].shape[0]
@@ -96,27 +96,16 @@ def check_anchors(batch, items, reader, picked):
         assert reader.samples[picked[doc]]["loss_mask"][pos + 1]  # the next token is supervised
 
 
-def test_label_counts_match_the_loss_labels():
-    reader = make_reader()
-    dataset = StoreDataset(reader, max_anchors=8, seed=0)
-    batch = collate_packed([dataset[(0, i)] for i in (1, 2, 3, 5)], block_size=BLOCK_SIZE, pad_multiple=8)
-    _, valid_AB = block_labels(
-        batch["input_ids"], batch["loss_mask"], batch["doc_ids"], batch["anchor_index"], batch["anchor_valid"], BLOCK_SIZE
-    )
-    assert torch.equal(batch["valid_labels_per_slot"], valid_AB.sum(dim=0))
-    assert batch["valid_labels_per_slot"][1] == batch["num_real_anchors"]  # slot 1 is always supervised
-
-
 def test_micro_batch_metadata():
     reader = make_reader()
     dataset = StoreDataset(reader, max_anchors=4, seed=0)
     same_bucket = [i for i in range(len(reader)) if reader.index["bucket"][i] == 1][:3]
-    batch = collate_packed([dataset[(2, i)] for i in same_bucket], block_size=BLOCK_SIZE, pad_multiple=8)
+    batch = collate_packed([dataset[(2, i)] for i in same_bucket], pad_multiple=8)
     assert batch["bucket"].item() == 1 and batch["epoch"].item() == 2
     assert batch["sample_indices"].tolist() == same_bucket
     assert batch["lengths"].tolist() == reader.index["length"][same_bucket].tolist()
     mixed = [same_bucket[0], int(np.flatnonzero(reader.index["bucket"] == 0)[0])]
-    assert collate_packed([dataset[(0, i)] for i in mixed], BLOCK_SIZE, 8)["bucket"].item() == -1
+    assert collate_packed([dataset[(0, i)] for i in mixed], 8)["bucket"].item() == -1
 
 
 def test_anchors_are_reproducible_and_keyed_by_row_id():
@@ -145,7 +134,7 @@ def test_sample_with_inconsistent_arrays_is_named():
 def test_pad_multiple_one_pads_nothing_but_keeps_one_anchor_slot():
     reader = FakeStoreReader([3], [0])
     reader.samples[0]["loss_mask"][:] = False  # no anchors at all
-    batch = collate_packed([StoreDataset(reader, 4, 0)[(0, 0)]], BLOCK_SIZE, pad_multiple=1)
+    batch = collate_packed([StoreDataset(reader, 4, 0)[(0, 0)]], pad_multiple=1)
     assert batch["input_ids"].shape == (3,) and batch["anchor_pos"].shape == (1,)
     assert not batch["anchor_valid"].any() and batch["anchor_doc"].item() == -1
 
@@ -156,7 +145,7 @@ def loader_batches(num_workers):
         reader.index["length"], reader.index["bucket"], token_budget=64, world_size=1, rank=0,
         accum_steps=2, seed=4, cursor=DataCursor(0, 0), num_epochs=2,
     )
-    loader = build_loader(StoreDataset(reader, max_anchors=6, seed=4), sampler, block_size=BLOCK_SIZE,
+    loader = build_loader(StoreDataset(reader, max_anchors=6, seed=4), sampler,
                           pad_multiple=8, num_workers=num_workers, prefetch_factor=2)
     return list(loader)
 

@@ -122,7 +122,7 @@ def test_the_loss_reads_the_stored_labels_not_the_data_tokens(labelled):
     root, config_path = labelled
     reader = StoreReader(root / "store")
     items = [StoreDataset(reader, max_anchors=8, seed=0)[(0, i)] for i in range(3)]
-    batch = collate_packed(items, block_size=16, pad_multiple=16)
+    batch = collate_packed(items, pad_multiple=16)
     np.testing.assert_array_equal(batch["labels"][:int(batch["num_real_tokens"])].numpy(),
                                   np.concatenate([item["labels"] for item in items]))
     assert not torch.equal(batch["labels"], batch["input_ids"])

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.masks import attend, build_masks, default_backend, pad_to_bucket, reference_dense_mask
+from dflash.masks import attend, build_masks, default_backend
+from support import reference_dense_mask
 
 LAYER_TYPES = ["sliding_attention", "full_attention"]
 
@@ -90,11 +91,7 @@ def test_flex_block_mask_matches_dense_sdpa(seed):
         torch.testing.assert_close(flex_out, dense_out, atol=1e-5, rtol=1e-5)
 
 
-def test_pad_to_bucket_and_default_backend():
-    assert [pad_to_bucket(n, 128) for n in (0, 1, 128, 129, 300)] == [128, 128, 128, 256, 384]
-    assert pad_to_bucket(5, 4) == 8
-    with pytest.raises(ValueError):
-        pad_to_bucket(-1, 128)
+def test_default_backend():
     assert default_backend("cpu") == "dense" and default_backend("cuda") == "flex"
 
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from dflash.plan import ShardPlan, assign_bucket, assign_ranks, plan_shards, rank_imbalance, rank_token_counts
+from dflash.plan import ShardPlan, assign_bucket, assign_ranks, plan_shards, rank_token_counts
+from support import rank_imbalance
 
 EDGES = [16, 64, 256, 1024]
 

@@ -8,11 +8,11 @@ import pytest
 from dflash.sampler import (
     DataCursor,
     _assign_ranks,
-    MicroBatchSampler,
     build_epoch_schedule,
     interleave_buckets,
     split_holdout,
 )
+from support import MicroBatchSampler
 
 BUCKET_EDGES = [64, 128, 256, 512]
 

@@ -257,3 +257,20 @@ def test_stats_match_hand_computed(tmp_path):
         assert entry["stored_bytes"] == sum(s["stored_bytes"] for s in stats["shards"] if s["bucket"] == entry["bucket"])
     assert stats["total"]["tokens"] == lengths.sum()
     json.dumps(stats)
+
+
+def test_a_store_of_another_schema_version_is_refused_by_name(tmp_path):
+    import zarr
+
+    path = tmp_path / "store"
+    build_store(path, count=4)
+    root = zarr.open_group(str(path), mode="r+")
+    attrs = dict(root.attrs["dflash"])
+    attrs["schema_version"] = 99
+    root.attrs["dflash"] = attrs
+    with pytest.raises(StoreMismatchError, match="schema version 99 .* this dflash reads version 1"):
+        StoreReader(path)
+    report = verify_store(path)
+    assert not report.ok and "schema version 99" in report.bad["<root>"]
+    with pytest.raises(StoreMismatchError, match="schema_version: store has 99, config gives 1"):
+        create_or_open_store(path, root_attrs(), overwrite=False)

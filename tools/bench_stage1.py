@@ -476,8 +476,10 @@ def profile_passes(target, batches, samples, bucket_edges, codec: str, args, dev
 
 
 def synthetic_store_attrs(target, codec: str, bucket_edges, shards) -> dict:
+    from dflash import store
+
     return {
-        "schema_version": 1, "package_version": "bench",
+        "schema_version": store.SCHEMA_VERSION, "package_version": "bench",
         "target": {"path": "random-init", "config_hash": "", "model_type": target.model_type,
                    "num_hidden_layers": target.num_layers, "hidden_size": target.hidden_size,
                    "vocab_size": target.vocab_size},

@@ -148,7 +148,7 @@ def peer_steps(pool, args_drafter, num_distinct: int, seed: int) -> list[list[di
     steps = []
     for step in range(num_distinct):
         item = synthetic_item(pool, 8192, step, 0, 512, args_drafter.vocab_size, rng, num_anchors=512)
-        steps.append([collate_packed([item], block_size=args_drafter.block_size, pad_multiple=128)])
+        steps.append([collate_packed([item], pad_multiple=128)])
     return steps
 
 
@@ -174,7 +174,7 @@ def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_
         for samples in schedule.step(step)[0]:
             items = [synthetic_item(pool, int(lengths[i]), int(i), int(buckets[i]), config.train.max_anchors,
                                     args_drafter.vocab_size, rng, start=int(starts[i])) for i in samples]
-            micro_batches.append(collate_packed(items, block_size=args_drafter.block_size, pad_multiple=pad_multiple))
+            micro_batches.append(collate_packed(items, pad_multiple=pad_multiple))
         steps.append(micro_batches)
     return steps
 
@@ -416,7 +416,7 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
     lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), num_tokens)) + 1]
     row_ids = np.arange(len(lengths), dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(edges), config.store.shard_tokens)
-    attrs = {"schema_version": 1, "codec": "fp8", "hidden_size": args_drafter.hidden_size,
+    attrs = {"schema_version": store.SCHEMA_VERSION, "codec": "fp8", "hidden_size": args_drafter.hidden_size,
              "target_layer_ids": list(args_drafter.target_layer_ids), "bucket_edges": list(edges),
              "max_length": high, "target": {"vocab_size": args_drafter.vocab_size}, "config_hash": "bench",
              "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
@@ -453,7 +453,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     for epoch in range(epochs):
         schedule = schedule_for(config, reader, np.arange(len(reader)), dist, epoch)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
-    loader = build_loader(dataset, batches, block_size=ctx.args.block_size, pad_multiple=pad_multiple(ctx),
+    loader = build_loader(dataset, batches, pad_multiple=pad_multiple(ctx),
                           num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
     return reader, batches, loader
 
