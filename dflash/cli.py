@@ -175,9 +175,9 @@ def export(checkpoint, out_dir):
     OUT_DIR gets config.json (Qwen3 config with dflash_config) and model.safetensors.
     """
     writes(out_dir)
-    from stages import train
+    from dflash.export import export_checkpoint
 
-    path = train.export_checkpoint(checkpoint, out_dir)
+    path = export_checkpoint(checkpoint, out_dir)
     click.echo(f"exported {checkpoint} -> {path}")
 
 

@@ -11,6 +11,14 @@ query may see is decided by the per-layer-type masks from `dflash.masks`.
 Parameter names equal the inference export keys (`layers.{i}.self_attn.q_proj.weight`, ...,
 `norm.weight`, `fc.weight`, `hidden_norm.weight`); embedding and LM head are not part of
 the module. No I/O, no distributed code: wrappers are applied from outside.
+
+Shape suffixes (a tensor named `x_QH` is `(Q, H)`):
+  T  context tokens of the packed micro-batch       A  anchors (blocks)
+  B  block size (slots per block)                   Q  block rows, A * B (the queries)
+  K  keys, T + Q                                    L  rows of one RoPE application (T or Q)
+  N  attention heads (query or KV)                  D  head dim
+  H  hidden size                                    F  feature width, n * H (n target layers)
+  V  vocabulary                                     R  rows of one LM-head chunk
 """
 
 from dataclasses import dataclass, fields, replace

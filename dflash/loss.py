@@ -9,6 +9,9 @@ is 2G elements), so `dflash_loss` runs the LM head and the cross entropy `chunk_
 at a time in a custom autograd function that computes each chunk's gradient while its
 logits exist (the loss ends the graph): peak memory is O(chunk_size * V), the head runs
 once per row, and slot-0 rows (never labelled) skip it. Everything stays on the device.
+
+Shapes: A anchors, B block size, Q = A * B block rows, K = B - 1 labelled slots, H hidden,
+V vocabulary, R rows of one chunk, T tokens of the packed micro-batch.
 """
 
 import functools

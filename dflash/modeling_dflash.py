@@ -16,6 +16,9 @@ see the whole block; sliding-window layers are causal inside the block and see a
 keys are never cached, so after verification nothing has to be cropped from it (the same
 state an engine reaches by cropping its draft cache to the committed length).
 
+Shape suffixes (`x_1BH` is `(1, B, H)`): B block size, N new context tokens of this step,
+H hidden size, V vocabulary.
+
 Usage, as in the reference inference code:
 
     draft = AutoModel.from_pretrained(export_dir, trust_remote_code=True, dtype=torch.bfloat16).to("cuda")

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from dflash import config as config_module
 from dflash.cli import main, one_line
-from stages.writers import describe_failure
+from dflash.writers import describe_failure
 
 
 def invoke(*args, env=None):

@@ -15,6 +15,7 @@ import zarr
 
 from dflash.config import load_config
 from dflash.store import StoreReader, verify_store
+from dflash import trainer
 from stages import extract, inspect, train
 
 pytestmark = pytest.mark.slow
@@ -132,13 +133,13 @@ def test_the_loss_reads_the_stored_labels_not_the_data_tokens(labelled):
     dist = init_distributed("cpu")
     try:
         args = train.build_drafter_args(config, reader.attrs)
-        model = train.build_model(config, args, dist)
-        ctx = train.build_context(config, args, reader, dist)
+        model = trainer.build_model(config, args, dist)
+        ctx = trainer.build_context(config, args, reader, dist)
         with torch.no_grad():
-            stored = train.forward_loss(model, ctx, batch)[0].loss
+            stored = trainer.forward_loss(model, ctx, batch)[0].loss
             as_data = dict(batch, labels=batch["input_ids"])
-            data = train.forward_loss(model, ctx, as_data)[0].loss
-            without = train.forward_loss(model, ctx, {k: v for k, v in batch.items() if k != "labels"})[0].loss
+            data = trainer.forward_loss(model, ctx, as_data)[0].loss
+            without = trainer.forward_loss(model, ctx, {k: v for k, v in batch.items() if k != "labels"})[0].loss
     finally:
         shutdown(dist)
     assert torch.equal(data, without) and not torch.equal(stored, data)

@@ -21,6 +21,7 @@ from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.config import load_config
 from dflash.export import load_exported
 from dflash.store import CorruptShardError
+from dflash.trainer import NonFiniteError
 from stages import extract, train
 
 pytestmark = pytest.mark.slow
@@ -224,7 +225,7 @@ def test_a_nan_in_the_store_stops_training_and_nothing_non_finite_is_saved(confi
         hidden = root["shards"][name]["hidden"]
         hidden[:8] = np.full((8, hidden.shape[1]), 0x7F, dtype=np.uint8)  # fp8 e4m3 NaN, its first sample
     poisoned = load_config(config_path, [f'store.path="{store}"', run_dir_override(tmp_path / "run")])
-    with pytest.raises(train.NonFiniteError, match=r"step \d+: the loss or gradient is not finite.*"
+    with pytest.raises(NonFiniteError, match=r"step \d+: the loss or gradient is not finite.*"
                                                    r"\[rows \d+\] \(loss not finite\)") as error:
         train.run(poisoned)
     failed_step = int(str(error.value).split()[1].rstrip(":"))

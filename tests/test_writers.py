@@ -1,4 +1,4 @@
-"""Stage one's writer processes (stages/writers.py): what they write equals the input, errors surface."""
+"""Stage one's writer processes (dflash/writers.py): what they write equals the input, errors surface."""
 
 from types import SimpleNamespace
 
@@ -8,8 +8,8 @@ import torch
 
 from dflash.plan import plan_shards
 from dflash.store import StoreReader, bf16_to_bits, create_or_open_store
-from stages.extract import CapturedBatch
-from stages.writers import WriterError, WriterPool
+from dflash.capture import CapturedBatch
+from dflash.writers import WriterError, WriterPool
 from test_store import EDGES, HIDDEN, N_LAYERS, root_attrs  # pytest puts tests/ on sys.path
 
 OPTIONS = {"codec": "bf16", "num_layers": N_LAYERS, "hidden_size": HIDDEN, "rows_per_chunk": 8,
@@ -61,7 +61,7 @@ def write_store(path, rng, lengths, row_ids, processes, poison=None, batch_bytes
 def test_writer_processes_write_what_they_are_given(tmp_path, monkeypatch, slot_rows):
     """Batches travel in reused shared-memory slots, or in fresh shared tensors when larger than a
     slot (batches here hold 3 to 189 rows); either way every row lands as given."""
-    import stages.writers as writers
+    import dflash.writers as writers
 
     fresh = []
     monkeypatch.setattr(writers, "to_shared_memory",
@@ -111,7 +111,7 @@ def test_writer_process_error_names_the_row(tmp_path):
 
 
 def test_shared_memory_shortfall_is_announced(tmp_path):
-    from stages.writers import check_shared_memory
+    from dflash.writers import check_shared_memory
 
     assert check_shared_memory(4, 1 << 20, where=str(tmp_path))  # 16 MiB fits any test disk
     with pytest.warns(UserWarning, match=r"extract.writer_processes or extract.batch_tokens"):

@@ -10,7 +10,7 @@ length-bucketed batches through
      `codecs.encode` on the GPU + copy to host, nothing written,
   3. the writers alone: the same path fed with already captured batches (no forward), the
      ceiling of compression and writing,
-  4. the full stage-one path, per codec: `stages.extract.write_shards` (writer processes,
+  4. the full stage-one path, per codec: `dflash.capture.write_shards` (writer processes,
      `store.ShardWriter`, zstd, zarr) into a local temporary store.
 The full path is also reported over its forward span alone, from the first batch's forward to
 the end of the last batch's device copies: starting the writer pool before it and the writers
@@ -35,7 +35,6 @@ live here; run the tools as scripts so `tools/` is on sys.path.
 """
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -175,7 +174,7 @@ def make_samples(lengths: np.ndarray, vocab_size: int, seed: int) -> list:
 def bucketed_batches(samples: list, bucket_edges, batch_tokens: int) -> list[list]:
     """Samples grouped by bucket (plan order) then cut into right-padded batches, as stage one does."""
     from dflash.plan import assign_bucket
-    from stages.extract import padded_batches
+    from dflash.capture import padded_batches
 
     by_bucket: dict[int, list] = {}
     for sample in samples:
@@ -232,8 +231,8 @@ def time_bare_forward(model, batches, device, mask: bool = True) -> float:
 
 
 def time_capture_only(target, batches, codec: str, device) -> float:
-    """Seconds for capture + encode on the device + copy to host (stages.extract.capture_batch)."""
-    from stages.extract import capture_batch
+    """Seconds for capture + encode on the device + copy to host (dflash.capture.capture_batch)."""
+    from dflash.capture import capture_batch
 
     synchronize(device)
     start = time.perf_counter()
@@ -245,7 +244,7 @@ def time_capture_only(target, batches, codec: str, device) -> float:
 
 def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
     """Encoded host rows `(R, ...)` of real captured batches, R >= the largest padded batch."""
-    from stages.extract import capture_batch, pad_multiple
+    from dflash.capture import capture_batch, pad_multiple
 
     multiple = pad_multiple(device)
     needed = max(len(b) * -(-max(len(s) for s in b) // multiple) * multiple for b in batches)
@@ -260,22 +259,9 @@ def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-@contextlib.contextmanager
-def replaced_capture_batch(make):
-    """Inside the block, `stages.extract.capture_batch` is `make(original)` (write_shards calls it per batch)."""
-    import stages.extract as extract
-
-    original = extract.capture_batch
-    extract.capture_batch = make(original)
-    try:
-        yield
-    finally:
-        extract.capture_batch = original
-
-
 def captures_from_pool(pool: dict[str, np.ndarray], device):
-    """Make stages.extract.capture_batch return views of `pool` (no forward): the writers alone."""
-    from stages.extract import CapturedBatch, pad_multiple
+    """A capture function for `write_shards` that returns views of `pool` (no forward): the writers alone."""
+    from dflash.capture import CapturedBatch, pad_multiple
 
     multiple = pad_multiple(device)
 
@@ -285,7 +271,7 @@ def captures_from_pool(pool: dict[str, np.ndarray], device):
         return CapturedBatch(parts={k: torch.from_numpy(v[:rows].reshape(len(batch), padded, *v.shape[1:]))
                                     for k, v in pool.items()}, ready=None)
 
-    return replaced_capture_batch(lambda original: capture_batch)
+    return capture_batch
 
 
 def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, writer_processes: int, device,
@@ -297,7 +283,7 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     from dflash import plan, store
     from dflash.config import Config, replace
     from dflash.dist import DistState
-    from stages.extract import ExtractResult, write_shards
+    from dflash.capture import capture_batch, write_shards
 
     # A real run has thousands of shards spread over the writer processes; a short benchmark
     # with the default 262K-token shards would leave one process writing most of the data.
@@ -313,12 +299,11 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     attrs = synthetic_store_attrs(target, codec, bucket_edges, shards)
     store.create_or_open_store(str(store_dir), attrs, overwrite=True)
     dist = DistState(rank=0, world_size=1, local_rank=0, device=device)
-    result = ExtractResult(store_path=str(store_dir))
     synchronize(device)
     start = time.perf_counter()
     span = ForwardSpan(device)
-    with captures_from_pool(pool, device) if pool else span.watch():
-        write_shards(config, dist, target, samples, lengths, row_ids, shards, result)
+    capture = captures_from_pool(pool, device) if pool else span.timed(capture_batch)
+    result = write_shards(config, dist, target, samples, lengths, row_ids, shards, capture=capture)
     seconds = time.perf_counter() - start
     stats = store.store_stats(str(store_dir))
     numbers = {"seconds": seconds, "stored_bytes": stats["total"]["stored_bytes"], "tokens": stats["total"]["tokens"],
@@ -341,9 +326,6 @@ class ForwardSpan:
         self.cuda = device.type == "cuda"
         self.first_call = self.last_return = 0.0
         self.start_event = self.end_event = None
-
-    def watch(self):
-        return replaced_capture_batch(self.timed)
 
     def timed(self, original):
         def capture_batch(*args, **kwargs):

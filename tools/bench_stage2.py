@@ -1,11 +1,11 @@
 """Benchmark stage two: the real training step at the `qwen3.6-27b` drafter size on synthetic data.
 
-Builds the drafter with stages/train.py's own pieces (`build_model`: fp32 master weights,
+Builds the drafter with dflash/trainer.py's own pieces (`build_model`: fp32 master weights,
 `build_optimizer`: fused AdamW, `apply_parallelism`: compiled layers), a frozen random
 248,320 x 5120 bf16 embedding and LM head, and synthetic packed micro-batches of the real
 shape made by `dflash.batch.collate_packed`: sequences from a log-uniform length mix over
 64..4096, random fp8-encoded context features (5 x 5120 per token), loss masks ~70%
-supervised, up to 512 anchors per sequence, block 16. Every step is `stages.train.train_step`.
+supervised, up to 512 anchors per sequence, block 16. Every step is `dflash.trainer.train_step`.
 
 Modes:
   peer     exactly 8,192 source tokens (one 8,192-token sequence) and 512 anchors x 16 per
@@ -72,7 +72,7 @@ def build_trainer(config, dist):
     from dflash.drafter import drafter_args
     from dflash.loss import default_gamma, gamma_weights
     from dflash.masks import default_backend
-    from stages.train import TrainContext, apply_parallelism, build_model, build_optimizer
+    from dflash.trainer import TrainContext, apply_parallelism, build_model, build_optimizer
 
     device = dist.device
     # The named size's own mask token (the config's -1 means "the store's choice"; there is no store here).
@@ -202,7 +202,7 @@ def step_flops(args_drafter, source_tokens: int, anchors: int) -> float:
 
 
 def run_step(wrapped, ctx, optimizer, step: list[dict], config):
-    from stages.train import to_device, train_step
+    from dflash.trainer import to_device, train_step
 
     micro_batches = [to_device(batch, ctx.device) for batch in step]
     return train_step(wrapped, ctx, micro_batches, optimizer, config.train.lr, config.train.clip)
@@ -444,7 +444,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     from dflash.batch import StoreDataset, build_loader
     from dflash.dist import DistState
     from dflash.store import StoreReader
-    from stages.train import pad_multiple, schedule_for
+    from dflash.trainer import pad_multiple, schedule_for
 
     reader = StoreReader(str(store_dir))
     dist = DistState(rank=0, world_size=1, local_rank=0, device=ctx.device)
@@ -459,7 +459,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
 
 
 def measure_fed(config, ctx, store_dir: Path, epochs: int, step_fn, warm_steps: int = 2) -> dict:
-    """Optimizer steps fed by the real loader, as stages.train.loop runs them: `step_fn(micro_batches)`
+    """Optimizer steps fed by the real loader, as stages/train.py's loop runs them: `step_fn(micro_batches)`
     is the step. The data-wait fraction is the host time blocked in `next(loader)` over the wall
     time of the timed steps (the first `warm_steps` steps, worker start-up and new shapes, are not timed)."""
     _, batches, loader = loader_over_store(config, ctx, store_dir, epochs)
@@ -577,7 +577,7 @@ def run(args, argv, dist) -> int:
         return run_loader_only(args, argv, config, device)
     model, optimizer, wrapped, ctx = build_trainer(config, dist)
     from dflash.drafter import count_parameters
-    from stages.train import pad_multiple
+    from dflash.trainer import pad_multiple
 
     say = print if dist.is_main else (lambda *a, **k: None)
     say(f"drafter {config.drafter.size}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
@@ -700,7 +700,7 @@ def report(args, results: dict) -> None:
         consumed = consumed or results.get("fed", {}).get("stand_in_tokens_per_s", 0.0)
         loader["trainer_tokens_per_s"] = consumed
         loader["headroom"] = loader["tokens_per_s"] / consumed if consumed else None
-        print_table("loader (stages.train.epoch_loader over a synthetic fp8 store)",
+        print_table("loader (dflash.trainer.epoch_loader over a synthetic fp8 store)",
                     ["workers", "micro-batches", "tokens/s", "trainer consumes tokens/s", "headroom"],
                     [[loader["num_workers"], loader["micro_batches"], loader["tokens_per_s"], consumed,
                       loader["headroom"] if loader["headroom"] is not None else "n/a"]])
