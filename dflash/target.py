@@ -152,6 +152,21 @@ def rope_base(text_config) -> float | None:
     return float(theta) if theta is not None else None
 
 
+def target_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`target.dtype`: "auto" is bfloat16 on CUDA and float32 on the CPU, else the named dtype."""
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def stop_token_ids(tokenizer, model) -> list[int]:
+    """The tokenizer's end-of-turn token and the model's generation-config end tokens."""
+    ids = {tokenizer.eos_token_id}
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
+    return sorted(i for i in ids if i is not None)
+
+
 def prepare_checkpoint(path: str, cache_dir: str) -> Path:
     """The checkpoint directory for `target.path`: a directory as is, a `.gguf` file converted
     once into `cache_dir`, or the embedded tiny target built there."""

@@ -29,7 +29,8 @@ from dflash import data
 from dflash.config import Config, ConfigError
 from dflash.data import row_label
 from dflash.modeling_dflash import DFlashDraftModel, greedy_generate, speculative_generate
-from dflash.target import find_decoder_layers, load_causal_lm, prepare_checkpoint
+from dflash.target import (find_decoder_layers, load_causal_lm, prepare_checkpoint, stop_token_ids,
+                           target_dtype)
 from dflash.tokenizer import load_target_tokenizer, tokenizer_identity
 
 HELDOUT = "heldout"
@@ -86,7 +87,7 @@ class EvalResult:
 
 def run(config: Config, options: EvalOptions) -> list[EvalResult]:
     device = resolve_device(options.device)
-    dtype = eval_dtype(config, device)
+    dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
     target = load_causal_lm(str(checkpoint), dtype, device)
@@ -124,12 +125,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def eval_dtype(config: Config, device: torch.device) -> torch.dtype:
-    if config.target.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.target.dtype)
-
-
 def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
     """The export as served, checked against the target it drafts for."""
     if not (Path(export_dir) / "config.json").is_file():
@@ -148,14 +143,6 @@ def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.devi
     if problems:
         raise ValueError(f"--drafter {export_dir} does not fit the target: {'; '.join(problems)}")
     return draft
-
-
-def stop_token_ids(tokenizer, target) -> list[int]:
-    """The tokenizer's end-of-turn token and the target's generation config end tokens."""
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    ids.update(configured if isinstance(configured, (list, tuple)) else [configured])
-    return sorted(i for i in ids if i is not None)
 
 
 # ----------------------------------------------------------------------------- prompts

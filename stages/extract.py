@@ -11,14 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 import dflash
 from dflash import codecs, data, plan, store
 from dflash.capture import write_shards
 from dflash.config import Config
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
-from dflash.target import load_target, prepare_checkpoint
+from dflash.target import load_target, prepare_checkpoint, target_dtype
 from dflash.tokenizer import choose_mask_token, load_target_tokenizer
 
 @dataclass
@@ -69,7 +68,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
             print(f"store {config.store.path} is complete ({len(shards)} shards); nothing to do")
         dist.barrier()
         return result
-    target = load_target(str(target_path), dist.device, dtype=target_dtype(config, dist.device),
+    target = load_target(str(target_path), dist.device, dtype=target_dtype(config.target.dtype, dist.device),
                          layer_ids=attrs["target_layer_ids"], predict_labels=config.store.labels == "target")
     if needs_weights:
         store.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
@@ -160,12 +159,6 @@ def content_identity(config: Config) -> dict:
         "store": {"codec": config.store.codec, "bucket_edges": list(config.store.bucket_edges),
                   "shard_tokens": config.store.shard_tokens, "labels": config.store.labels},
     }
-
-
-def target_dtype(config: Config, device: torch.device) -> torch.dtype:
-    if config.target.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, config.target.dtype)
 
 
 def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int, max_length: int) -> None:

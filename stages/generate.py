@@ -32,9 +32,9 @@ from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
 from dflash.errors import DflashError
 from dflash.generation import Answer, Generator, Prompt
 from dflash.outputs import write_text_atomic
-from dflash.target import load_causal_lm, prepare_checkpoint, weights_fingerprint
+from dflash.target import (load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype,
+                           weights_fingerprint)
 from dflash.tokenizer import load_target_tokenizer, tokenizer_identity
-from stages.evaluate import eval_dtype, stop_token_ids
 
 MANIFEST = "generate-manifest.txt"
 BAD_PROMPT_TOO_LONG = "prompt_too_long"  # the prompt alone reaches data.max_length: no answer could be trained on
@@ -114,7 +114,7 @@ def generate(config: Config, options: GenerateOptions, dist: DistState) -> Gener
     todo = [k for k in mine if not shard_path(out, k).exists()]
     result.shards_kept = len(mine) - len(todo)
     if todo:
-        target = load_causal_lm(str(checkpoint), eval_dtype(config, dist.device), dist.device)
+        target = load_causal_lm(str(checkpoint), target_dtype(config.target.dtype, dist.device), dist.device)
         generator = Generator(target, tokenizer, stop_token_ids(tokenizer, target), dist.device,
                               batch_size=options.batch_size, static_cache=options.static_cache,
                               max_new_tokens=options.max_new_tokens, temperature=options.temperature,

@@ -62,7 +62,7 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
     assert [m["role"] for m in written[0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
     assert written[2]["messages"][0] == {"role": "user", "content": "Name a prime."}
 
-    from dflash.target import load_causal_lm, prepare_checkpoint
+    from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids
     from dflash.tokenizer import load_target_tokenizer
 
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
@@ -71,8 +71,8 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
     for row in written:
         prompt = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
         ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
-        expected = greedy_generate(target, ids, 6, generate.stop_token_ids(tokenizer, target))
-        expected = [t for t in expected if t not in generate.stop_token_ids(tokenizer, target)]
+        expected = greedy_generate(target, ids, 6, stop_token_ids(tokenizer, target))
+        expected = [t for t in expected if t not in stop_token_ids(tokenizer, target)]
         assert row["messages"][-1]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
         assert row["cut"] == (len(expected) == 6)
 

@@ -37,13 +37,12 @@ from dflash.generation import Generator, Prompt  # noqa: E402
 def real_prompts(config, count: int, source: str, device):
     """(target, tokenizer, stops, prompts) of the config's target over `source`."""
     from dflash import data
-    from dflash.target import load_causal_lm, prepare_checkpoint
+    from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
     from dflash.tokenizer import load_target_tokenizer
-    from stages.evaluate import eval_dtype, stop_token_ids
 
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
-    target = load_causal_lm(str(checkpoint), eval_dtype(config, device), device)
+    target = load_causal_lm(str(checkpoint), target_dtype(config.target.dtype, device), device)
     prompts = []
     for row_id, row in data.read_rows(source):
         try:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import load_config  # noqa: E402
 from dflash.modeling_dflash import speculative_generate  # noqa: E402
-from dflash.target import load_causal_lm, prepare_checkpoint  # noqa: E402
+from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype  # noqa: E402
 from dflash.tokenizer import load_target_tokenizer  # noqa: E402
 from stages import evaluate  # noqa: E402
 
@@ -109,7 +109,7 @@ def main(argv=None) -> None:
 
     config = load_config(args.config, args.overrides)
     device = evaluate.resolve_device(args.device)
-    dtype = evaluate.eval_dtype(config, device)
+    dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
     target = load_causal_lm(str(checkpoint), dtype, device)
@@ -119,7 +119,7 @@ def main(argv=None) -> None:
     theirs.config._attn_implementation = "eager" if args.reference_attention == "engine" else "sdpa"
     options = evaluate.EvalOptions(drafters=(args.drafter,), prompts=args.prompts, num_prompts=args.num_prompts)
     prompts = evaluate.load_prompts(config, options, tokenizer)
-    stops = evaluate.stop_token_ids(tokenizer, target)
+    stops = stop_token_ids(tokenizer, target)
     rows, same_lengths, same_outputs = [], 0, 0
     for prompt_id, prompt_ids in prompts:
         input_ids = torch.as_tensor(prompt_ids, device=device)[None]

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash import data  # noqa: E402
 from dflash.config import load_config  # noqa: E402
-from dflash.target import load_causal_lm, prepare_checkpoint  # noqa: E402
+from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype  # noqa: E402
 from dflash.tokenizer import load_target_tokenizer  # noqa: E402
 from stages import evaluate  # noqa: E402
 
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     device = evaluate.resolve_device("auto")
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
-    target = load_causal_lm(str(checkpoint), evaluate.eval_dtype(config, device), device)
+    target = load_causal_lm(str(checkpoint), target_dtype(config.target.dtype, device), device)
     keep = None
     if args.train_split_of:
         fraction = config.train.holdout_fraction if args.holdout_fraction is None else args.holdout_fraction
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
         if len(prompts) == args.limit:
             break
     prompts.sort(key=lambda item: len(item[1]))
-    stops = evaluate.stop_token_ids(tokenizer, target)
+    stops = stop_token_ids(tokenizer, target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     written, cut, tokens, start = 0, 0, 0, time.perf_counter()
     bar = tqdm(total=len(prompts), unit="prompt", desc="regenerate")
