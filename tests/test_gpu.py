@@ -1,0 +1,135 @@
+"""The CUDA paths against their plain references, on fresh random inputs (skipped without CUDA).
+
+- flex attention with its compiled BlockMask vs the dense SDPA mask, through the training
+  forward and backward of a tiny drafter;
+- the compiled drafter layers (`train.compile`) vs eager, one optimizer step each;
+- stage one's capture with the fp8 codec encoded on the GPU vs the same features encoded on
+  the CPU, and target labels on the GPU vs the model's own argmax.
+Run on a GPU machine: `pytest -m gpu`.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.batch import StoreDataset, collate_packed
+from dflash.drafter import DFlashDrafter, compile_layers, drafter_args
+from dflash.loss import gamma_weights
+from dflash.trainer import TrainContext, forward_loss, to_device, train_step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NUM_LAYERS, HIDDEN, VOCAB = 3, 64, 512
+
+
+class RandomReader:
+    """A StoreReader stand-in: random bf16 features, ids and loss masks of the tiny drafter's shape."""
+
+    def __init__(self, lengths, seed: int):
+        rng = np.random.default_rng(seed)
+        self.attrs = {"codec": "bf16"}
+        self.samples = []
+        for row_id, length in enumerate(lengths):
+            features = torch.randn(length, NUM_LAYERS * HIDDEN, generator=torch.Generator().manual_seed(seed + row_id))
+            self.samples.append({
+                "hidden": features.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+                "scale": None, "labels": None,
+                "input_ids": rng.integers(0, VOCAB, length).astype(np.int64),
+                "loss_mask": rng.random(length) < 0.7,
+                "row_id": row_id,
+            })
+        self.index = {"bucket": np.zeros(len(lengths), dtype=np.int64)}
+
+    def __len__(self):
+        return len(self.samples)
+
+    def read_sample(self, i):
+        return dict(self.samples[i])
+
+
+def micro_batch(seed: int, device) -> dict:
+    rng = np.random.default_rng(seed)
+    reader = RandomReader(rng.integers(40, 400, 6).tolist(), seed)
+    items = [StoreDataset(reader, max_anchors=32, seed=seed)[(0, i)] for i in range(len(reader))]
+    return to_device(collate_packed(items, pad_multiple=128), device)
+
+
+def context(backend: str, device, seed: int = 0) -> TrainContext:
+    generator = torch.Generator().manual_seed(seed)
+    args = drafter_args("tiny", mask_token_id=VOCAB - 1, vocab_size=VOCAB)
+    return TrainContext(args=args, codec="bf16",
+                        embed_VH=(0.02 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device, torch.bfloat16),
+                        lm_head_VH=(0.02 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device, torch.bfloat16),
+                        weights_B=gamma_weights(args.block_size, 7.0, device=device), backend=backend,
+                        loss_chunk=256, device=device)
+
+
+def fresh_drafter(args, device) -> DFlashDrafter:
+    torch.manual_seed(0)
+    return DFlashDrafter(args).to(device)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed):
+    device = torch.device("cuda")
+    batch = micro_batch(seed, device)
+    results = {}
+    for backend in ("dense", "flex"):
+        ctx = context(backend, device)
+        model = fresh_drafter(ctx.args, device)
+        out, _ = forward_loss(model, ctx, batch)
+        out.loss.backward()
+        results[backend] = (out.loss.detach().float(), [p.grad.float() for p in model.parameters()])
+    torch.testing.assert_close(results["flex"][0], results["dense"][0], rtol=2e-3, atol=2e-3)
+    for flex_grad, dense_grad in zip(results["flex"][1], results["dense"][1]):
+        torch.testing.assert_close(flex_grad, dense_grad, rtol=5e-2, atol=5e-3)
+
+
+def test_compiled_layers_equal_eager_over_one_optimizer_step():
+    device = torch.device("cuda")
+    batches = [micro_batch(10, device), micro_batch(11, device)]
+    after = {}
+    for compiled in (False, True):
+        ctx = context("flex", device)
+        model = fresh_drafter(ctx.args, device)
+        if compiled:
+            compile_layers(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        stats = train_step(model, ctx, batches, optimizer, lr=1e-3, clip=1.0, step=1)
+        after[compiled] = (float(stats.values[0]) / stats.micro_batches,
+                           [p.detach().float().clone() for p in model.parameters()])
+    assert after[True][0] == pytest.approx(after[False][0], rel=5e-3)
+    for compiled_param, eager_param in zip(after[True][1], after[False][1]):
+        torch.testing.assert_close(compiled_param, eager_param, rtol=1e-2, atol=1e-4)
+
+
+def test_fp8_capture_on_the_gpu_equals_the_cpu_encode_and_labels_equal_the_argmax(tiny_target_dir):
+    from transformers import AutoModelForCausalLM
+
+    from dflash import codecs
+    from dflash.capture import capture_batch, pad_multiple
+    from dflash.data import Sample
+    from dflash.target import load_target, pad_batch
+
+    device = torch.device("cuda")
+    target = load_target(str(tiny_target_dir), device, dtype=torch.float32, layer_ids=[1, 3, 5],
+                         predict_labels=True)
+    rng = np.random.default_rng(5)
+    samples = [Sample(row_id=i, input_ids=rng.integers(0, 248000, n).astype(np.int32),
+                      loss_mask=np.ones(n, dtype=np.uint8)) for i, n in enumerate([37, 5, 90])]
+    captured = capture_batch(target, samples, "fp8", device)
+    captured.wait()
+    input_ids, mask = pad_batch([s.input_ids for s in samples], pad_id=0, multiple=pad_multiple(device))
+    hidden_BTnH = target.capture(input_ids, mask).cpu()
+    expected = codecs.encode(hidden_BTnH.reshape(-1, *hidden_BTnH.shape[2:]), "fp8")
+    got_scale = captured.parts["scale"].reshape(-1, expected["scale"].shape[1])
+    torch.testing.assert_close(got_scale, expected["scale"], rtol=1e-6, atol=0)
+    got_bits = captured.parts["hidden"].reshape(expected["hidden"].shape)
+    assert (got_bits != expected["hidden"]).float().mean() < 1e-3  # a rounding tie may differ, nothing more
+    reference = AutoModelForCausalLM.from_pretrained(str(tiny_target_dir), dtype=torch.float32).to(device).eval()
+    for row, sample in enumerate(samples):
+        with torch.no_grad():
+            logits_TV = reference(input_ids=torch.as_tensor(sample.input_ids, device=device).long()[None]).logits[0]
+        argmax = logits_TV[:-1].argmax(dim=-1).cpu()
+        labels = captured.parts["labels"][row, 1:len(sample.input_ids)].long()
+        assert (labels != argmax).float().mean() < 0.01, f"row {row}"
