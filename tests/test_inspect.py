@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.plan import plan_shards
-from dflash.store import ShardWriter, bf16_to_bits, create_or_open_store
+from dflash.store import SCHEMA_VERSION, ShardWriter, bf16_to_bits, create_or_open_store
 from stages import inspect as inspect_stage
 
 EDGES = [0, 16, 64]
@@ -21,7 +21,8 @@ def store_path(tmp_path):
     row_ids = np.arange(len(lengths))
     plans = plan_shards(lengths, row_ids, EDGES, shard_tokens=100)
     attrs = {
-        "codec": "bf16", "hidden_size": HIDDEN, "target_layer_ids": [0, 2, 4], "bucket_edges": EDGES,
+        "schema_version": SCHEMA_VERSION, "codec": "bf16", "hidden_size": HIDDEN, "target_layer_ids": [0, 2, 4],
+        "bucket_edges": EDGES,
         "max_length": 63, "shards": [{"name": p.name, "bucket": p.bucket, "num_samples": len(p.sample_indices),
                                       "num_tokens": p.num_tokens} for p in plans],
     }
