@@ -63,7 +63,7 @@ REAL_LAYER_COUNT = 5
 
 
 def print_table(title: str, header: list[str], rows: list[list]) -> None:
-    """A Markdown table on stdout (pastes straight into BENCHMARKS.md)."""
+    """A Markdown table on stdout (pastes straight into docs/benchmarks-log.md and BENCHMARKS.md)."""
     print(f"\n## {title}")
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join(" --- " for _ in header) + "|")
@@ -82,7 +82,7 @@ def format_cell(value) -> str:
 
 
 def run_metadata(argv: list[str]) -> dict:
-    """Command, date, machine and commit, stored beside every result (BENCHMARKS.md needs them)."""
+    """Command, date, machine and commit, stored beside every result (every BENCHMARKS.md row cites them)."""
     # DFLASH_COMMIT: set by whoever copied the tree to a machine whose .git is not this tree's.
     commit = os.environ.get("DFLASH_COMMIT", "")
     try:

@@ -9,7 +9,7 @@
 #            then DDP over both GPUs
 #   part c:  what part b could not finish cold (each process compiles flex attention for ~3 min):
 #            DDP over both GPUs, then the default budget with loader, fed steps and profile
-# Parts a-c ran on 2026-11-30 (BENCHMARKS.md); d and e are what they could not finish, each
+# Parts a-c ran on 2026-11-30 (docs/benchmarks-log.md); d and e are what they could not finish, each
 # with a whole call's time (bench_stage2 prints its compile time so far every 30 s):
 #   part d:  DDP over both GPUs, the peers' step (against the one-GPU 303.4 ms)
 #   part e:  GPU 0: default budget, loader, steps fed by the loader (data wait), profile;
