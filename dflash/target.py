@@ -182,6 +182,14 @@ def prepare_checkpoint(path: str, cache_dir: str) -> Path:
     return Path(path)
 
 
+def prepare_checkpoint_in_order(path: str, cache_dir: str, dist) -> Path:
+    """`prepare_checkpoint` on every rank of `dist` (a DistState), rank 0 first: it converts a GGUF
+    or builds the embedded target once, the other ranks then find it in the cache."""
+    prepared = prepare_checkpoint(path, cache_dir) if dist.is_main else None
+    dist.barrier()
+    return prepared if dist.is_main else prepare_checkpoint(path, cache_dir)
+
+
 def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, str, nn.ModuleList]:
     """Return `(owner, attribute, layers)`: the base model that owns the decoder layer list."""
     for dotted in DECODER_LAYER_PATHS:
@@ -374,10 +382,13 @@ class TargetModel:
         if not self.predict_labels:
             raise ValueError("capture_with_labels: the target was loaded without predict_labels")
         captured_BTnH, last_BTH = self._forward(input_ids_BT, attention_mask_BT)
-        labels_BT = torch.empty(last_BTH.shape[:2], dtype=torch.int32, device=last_BTH.device)
+        batch_size, seq_len = last_BTH.shape[:2]
+        # Every row through the head (the last one's prediction is not needed: one row in T) rather
+        # than copying the (B, T-1, H) slice into a contiguous buffer first.
+        next_BT = greedy_tokens(last_BTH.reshape(-1, self.hidden_size), self.lm_head_weight()).view(batch_size, seq_len)
+        labels_BT = torch.empty_like(next_BT)
         labels_BT[:, 0] = input_ids_BT[:, 0].to(labels_BT.device, non_blocking=True)
-        next_R = greedy_tokens(last_BTH[:, :-1].reshape(-1, self.hidden_size), self.lm_head_weight())
-        labels_BT[:, 1:] = next_R.view(last_BTH.shape[0], -1)
+        labels_BT[:, 1:] = next_BT[:, :-1]
         return captured_BTnH, labels_BT
 
     def _forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor):

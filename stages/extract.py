@@ -7,7 +7,7 @@ processes in dflash/writers.py compress and write while the target runs).
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +17,7 @@ from dflash import codecs, data, plan, store
 from dflash.capture import write_shards
 from dflash.config import Config
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
-from dflash.target import load_target, prepare_checkpoint, target_dtype
+from dflash.target import load_target, prepare_checkpoint_in_order, target_dtype
 from dflash.tokenizer import choose_mask_token, load_target_tokenizer
 
 @dataclass
@@ -48,7 +48,7 @@ def run(config: Config) -> ExtractResult:
 
 
 def extract(config: Config, dist: DistState) -> ExtractResult:
-    target_path = resolve_target_path(config, dist)
+    target_path = prepare_checkpoint_in_order(config.target.path, config.data.cache_dir, dist)
     tokenizer = load_target_tokenizer(target_path, config.target.chat_template)
     tokenized = tokenize_in_order(config, tokenizer, dist)
     lengths = np.array([len(s.input_ids) for s in tokenized.samples], dtype=np.int64)
@@ -75,19 +75,11 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     start = time.perf_counter()
     written = write_shards(config, dist, target, tokenized.samples, lengths, row_ids, mine)
     result.seconds = time.perf_counter() - start
-    for name in ("shards_written", "num_samples", "num_tokens", "stored_bytes", "writer_wait_seconds",
-                 "drain_seconds", "handoff"):
+    for name in (f.name for f in fields(written)):  # ExtractResult holds every WriteStats field
         setattr(result, name, getattr(written, name))
     dist.barrier()
     summarize(dist, attrs, result)
     return result
-
-
-def resolve_target_path(config: Config, dist: DistState) -> Path:
-    """The checkpoint directory (a GGUF file is converted, the embedded target built, by rank 0 first)."""
-    path = prepare_checkpoint(config.target.path, config.data.cache_dir) if dist.is_main else None
-    dist.barrier()
-    return path if dist.is_main else prepare_checkpoint(config.target.path, config.data.cache_dir)
 
 
 def tokenize_in_order(config: Config, tokenizer, dist: DistState) -> data.TokenizedData:

@@ -32,7 +32,7 @@ from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
 from dflash.errors import DflashError
 from dflash.generation import Answer, Generator, Prompt
 from dflash.outputs import write_text_atomic
-from dflash.target import (load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype,
+from dflash.target import (load_causal_lm, prepare_checkpoint_in_order, stop_token_ids, target_dtype,
                            weights_fingerprint)
 from dflash.tokenizer import load_target_tokenizer, tokenizer_identity
 
@@ -96,9 +96,7 @@ def check_options(options: GenerateOptions) -> None:
 
 
 def generate(config: Config, options: GenerateOptions, dist: DistState) -> GenerateResult:
-    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir) if dist.is_main else None
-    dist.barrier()
-    checkpoint = checkpoint or prepare_checkpoint(config.target.path, config.data.cache_dir)
+    checkpoint = prepare_checkpoint_in_order(config.target.path, config.data.cache_dir, dist)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
     result = GenerateResult(out=options.out)
     prompts = read_prompts(config, options, tokenizer, result)
