@@ -7,8 +7,10 @@ baseline) and then speculatively with each drafter through `dflash.modeling_dfla
 and loop an export serves). Several drafters (checkpoints of one run, or rival runs) share the
 prompts and the baseline. For each it reports the acceptance
 length tau (tokens committed per verifying target forward), its histogram over 1..B, the
-acceptance of each block slot, the wall-clock speedup over the baseline, and, at temperature
-0, whether the speculative output equals the baseline token for token.
+acceptance of each block slot, the wall-clock speedup over the baseline (every loop decodes the
+first prompt once untimed first), and, at temperature 0, whether the speculative output equals
+the baseline token for token, telling rounding near-ties of a bf16 target apart from real
+mismatches. The decoding, results and report are `dflash.evaluation`'s.
 
 Prompts end where the answer starts: a held-out sample's tokens before its first supervised
 token (the chat template's generation prompt included), or a row's conversation before its
@@ -16,9 +18,7 @@ last assistant turn rendered with `add_generation_prompt=True`. Nothing here was
 the held-out split is the one stage two holds out (`train.holdout_fraction`, `train.seed`).
 """
 
-import json
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +28,9 @@ from tqdm import tqdm
 from dflash import data
 from dflash.config import Config, ConfigError
 from dflash.data import row_label
-from dflash.modeling_dflash import DFlashDraftModel, greedy_generate, speculative_generate
+from dflash.evaluation import (EvalResult, decode_prompt, plot, print_report, summarize, timed, warm_up,
+                               write_json)
+from dflash.modeling_dflash import DFlashDraftModel, greedy_generate
 from dflash.target import (find_decoder_layers, load_causal_lm, prepare_checkpoint, stop_token_ids,
                            target_dtype)
 from dflash.tokenizer import load_target_tokenizer, tokenizer_identity
@@ -49,42 +51,6 @@ class EvalOptions:
     plot: str = ""  # PNG path
 
 
-@dataclass
-class PromptResult:
-    prompt_id: str  # "sample <i> (row <r>)" or "row <r>"
-    prompt_tokens: int
-    generated_tokens: int
-    acceptance_lengths: list[int]
-    target_forwards: int
-    spec_seconds: float
-    baseline_tokens: int = 0
-    baseline_seconds: float = 0.0
-    first_mismatch: int | None = None  # index into the generated tokens; None when identical
-
-
-@dataclass
-class EvalResult:
-    drafter: str
-    target: str
-    prompts_source: str
-    device: str
-    dtype: str
-    block_size: int
-    temperature: float
-    max_new_tokens: int
-    num_prompts: int = 0
-    generated_tokens: int = 0
-    verifications: int = 0
-    tau: float = 0.0
-    histogram: list[int] = field(default_factory=list)  # index k-1: verifications that committed k tokens
-    slot_acceptance: list[float] = field(default_factory=list)  # slot k (1..B-1): fraction accepting it
-    spec_tokens_per_s: float = 0.0
-    baseline_tokens_per_s: float = 0.0
-    speedup: float = 0.0
-    mismatched_prompts: int = 0
-    per_prompt: list[PromptResult] = field(default_factory=list)
-
-
 def run(config: Config, options: EvalOptions) -> list[EvalResult]:
     device = resolve_device(options.device)
     dtype = target_dtype(config.target.dtype, device)
@@ -99,14 +65,15 @@ def run(config: Config, options: EvalOptions) -> list[EvalResult]:
                for path, draft in zip(options.drafters, drafts)]
     stops = stop_token_ids(tokenizer, target)
     generator = torch.Generator(device=device).manual_seed(options.seed)
-    warm_up(drafts[0], target, prompts[0][1], stops, device)
+    warm_up(drafts, target, prompts[0][1], options.max_new_tokens, stops, device)
     bar = tqdm(prompts, unit="prompt", desc="eval", dynamic_ncols=True)
     for prompt_id, prompt_ids in bar:
         input_ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)[None]
         baseline = timed(device, lambda: greedy_generate(target, input_ids, options.max_new_tokens, stops))
         for draft, result in zip(drafts, results):
-            result.per_prompt.append(decode_prompt(draft, target, prompt_id, input_ids, baseline, options, stops,
-                                                   generator, device))
+            result.per_prompt.append(decode_prompt(draft, target, prompt_id, input_ids, baseline,
+                                                   options.max_new_tokens, options.temperature, stops, generator,
+                                                   device))
         bar.set_postfix(tau="/".join(f"{summarize(result).tau:.2f}" for result in results))
     bar.close()
     for result in results:
@@ -200,127 +167,3 @@ def source_prompts(source: str, split: str, tokenizer, num_prompts: int) -> list
     if skipped:
         print(f"prompts: skipped {skipped} row(s) of {source} with no usable conversation")
     return prompts
-
-
-# ----------------------------------------------------------------------------- decoding
-
-
-def timed(device: torch.device, fn):
-    """`(fn(), seconds)`; on CUDA the queue is drained before and after."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # sync: timing only, outside the decoding loops
-    start = time.perf_counter()
-    value = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # sync: timing only
-    return value, time.perf_counter() - start
-
-
-def warm_up(draft, target, prompt_ids: np.ndarray, stops, device: torch.device) -> None:
-    """One short untimed run of both loops, so kernel selection and allocator growth are not timed."""
-    input_ids = torch.as_tensor(prompt_ids[-64:], device=device)[None]
-    greedy_generate(target, input_ids, 8, stops)
-    speculative_generate(draft, target, input_ids, 2 * draft.block_size, stops, 0.0)
-
-
-def decode_prompt(draft, target, prompt_id, input_ids, baseline, options: EvalOptions, stops, generator, device):
-    """Speculative decoding of one prompt, compared with the baseline `(tokens, seconds)`."""
-    spec, spec_seconds = timed(device, lambda: speculative_generate(
-        draft, target, input_ids, options.max_new_tokens, stops, options.temperature, generator))
-    baseline_tokens, baseline_seconds = baseline
-    result = PromptResult(prompt_id=prompt_id, prompt_tokens=input_ids.shape[1], generated_tokens=len(spec.generated),
-                          acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
-                          spec_seconds=spec_seconds, baseline_tokens=len(baseline_tokens),
-                          baseline_seconds=baseline_seconds)
-    if options.temperature <= 0 and spec.generated != baseline_tokens:
-        result.first_mismatch = next((i for i, (a, b) in enumerate(zip(spec.generated, baseline_tokens)) if a != b),
-                                     min(len(spec.generated), len(baseline_tokens)))
-    return result
-
-
-# ----------------------------------------------------------------------------- reporting
-
-
-def summarize(result: EvalResult) -> EvalResult:
-    lengths = [length for prompt in result.per_prompt for length in prompt.acceptance_lengths]
-    block = result.block_size
-    result.num_prompts = len(result.per_prompt)
-    result.generated_tokens = sum(prompt.generated_tokens for prompt in result.per_prompt)
-    result.verifications = len(lengths)
-    result.tau = float(np.mean(lengths)) if lengths else 0.0
-    counts = np.bincount(np.asarray(lengths, dtype=np.int64), minlength=block + 1)
-    result.histogram = counts[1:block + 1].tolist()
-    result.slot_acceptance = [float(np.mean(np.asarray(lengths) > slot)) if lengths else 0.0
-                              for slot in range(1, block)]
-    spec_seconds = sum(prompt.spec_seconds for prompt in result.per_prompt)
-    baseline_seconds = sum(prompt.baseline_seconds for prompt in result.per_prompt)
-    baseline_tokens = sum(prompt.baseline_tokens for prompt in result.per_prompt)
-    result.spec_tokens_per_s = result.generated_tokens / spec_seconds if spec_seconds else 0.0
-    result.baseline_tokens_per_s = baseline_tokens / baseline_seconds if baseline_seconds else 0.0
-    result.speedup = result.spec_tokens_per_s / result.baseline_tokens_per_s if result.baseline_tokens_per_s else 0.0
-    result.mismatched_prompts = sum(prompt.first_mismatch is not None for prompt in result.per_prompt)
-    return result
-
-
-def print_report(results: list[EvalResult]) -> None:
-    first = results[0]
-    print(f"\ndflash eval: target {first.target}, {first.device} {first.dtype}, temperature {first.temperature:g}, "
-          f"up to {first.max_new_tokens} new tokens, {first.num_prompts} prompts ({first.prompts_source})")
-    print("| drafter | generated tokens | verifications | tau | spec tokens/s | greedy tokens/s | speedup | lossless |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-    for result in results:
-        lossless = "n/a (sampling)" if result.temperature > 0 else \
-            "yes" if result.mismatched_prompts == 0 else f"NO: {result.mismatched_prompts} prompts differ"
-        print(f"| {result.drafter} | {result.generated_tokens:,} | {result.verifications:,} | {result.tau:.3f} | "
-              f"{result.spec_tokens_per_s:,.1f} | {result.baseline_tokens_per_s:,.1f} | {result.speedup:.2f}x | "
-              f"{lossless} |")
-    for result in results:
-        total = max(result.verifications, 1)
-        print(f"{result.drafter}:\n  tokens committed per verification (1..B): "
-              + " ".join(f"{k}:{count / total:.1%}" for k, count in enumerate(result.histogram, start=1) if count))
-        print("  slot acceptance (slot 1..B-1): " + " ".join(f"{value:.2f}" for value in result.slot_acceptance))
-        if result.temperature > 0:
-            print("  lossless check: not applicable at temperature > 0 (sampled outputs differ by design)")
-        elif result.mismatched_prompts == 0:
-            print(f"  lossless: speculative output equals plain greedy output on all {result.num_prompts} prompts")
-        else:
-            print(f"  MISMATCH: {result.mismatched_prompts} of {result.num_prompts} prompts differ from plain greedy:")
-            for prompt in result.per_prompt:
-                if prompt.first_mismatch is not None:
-                    print(f"    {prompt.prompt_id}: first differing generated token {prompt.first_mismatch}")
-    if first.device == "cpu":
-        print("(speedup on the CPU is not the served speedup: measure it on the GPU the target serves on)")
-
-
-def write_json(results: list[EvalResult], path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"results": [asdict(result) for result in results]}, indent=1) + "\n")
-    print(f"wrote {path}")
-
-
-def plot(results: list[EvalResult], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    block = results[0].block_size
-    width = 0.8 / len(results)
-    for index, result in enumerate(results):
-        label = f"{Path(result.drafter).name or result.drafter}: tau {result.tau:.2f}"
-        fractions = [count / max(result.verifications, 1) for count in result.histogram]
-        left.bar([k + (index - (len(results) - 1) / 2) * width for k in range(1, block + 1)], fractions, width,
-                 label=label)
-        right.plot(range(1, block), result.slot_acceptance, marker="o", label=label)
-    left.set(xlabel="tokens committed per target forward", ylabel="fraction of verifications",
-             title="acceptance length", xticks=list(range(1, block + 1)))
-    right.set(xlabel="block slot", ylabel="fraction of blocks accepting it", ylim=(0, 1),
-              title="per-slot acceptance", xticks=list(range(1, block)))
-    right.legend(fontsize="small")
-    figure.suptitle(f"dflash eval: {results[0].num_prompts} prompts, up to {results[0].max_new_tokens} new tokens")
-    figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    print(f"wrote {path}")

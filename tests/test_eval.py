@@ -5,6 +5,8 @@
 - The loop commits exactly what an oracle drafter proposes up to its first wrong token, and
   its output equals plain greedy decoding, on a Llama target (cache cropped) and a Qwen3.5
   target (linear attention: cache replayed).
+- A differing output is told apart: where the target's top two tokens tie exactly, a baseline that
+  took the other one is a near-tie (logit gap 0); a baseline token the target ranks far lower is not.
 - `dflash eval` end to end on the embedded tiny target with an `auto` drafter: lossless, tau >= 1.
 """
 
@@ -17,6 +19,7 @@ import torch
 from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
 
 from dflash.drafter import DFlashDrafter, drafter_args
+from dflash.evaluation import EvalResult, decode_prompt, lossless_verdict, summarize
 from dflash.export import AUTO_MAP, MODELING_NAME, export_drafter
 from dflash.modeling_dflash import DFlashDraftModel, accept, greedy_generate, speculative_generate
 from test_inference_equivalence import VOCAB, packed_training_logits, random_packed_batch, tiny_setup
@@ -127,6 +130,37 @@ def test_loop_commits_what_an_oracle_drafter_gets_right(wrong_slot):
     committed_per_block = 16 if wrong_slot is None else wrong_slot
     assert stats.acceptance_lengths[:-1] == [committed_per_block] * (len(stats.acceptance_lengths) - 1)
     assert sum(stats.acceptance_lengths) >= 79  # the first token comes from the prefill
+
+
+def test_a_mismatch_at_a_rounding_tie_is_told_apart_from_a_real_one():
+    target = tiny_llama()
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 250]])
+    truth = greedy_generate(target, prompt, 30)
+    chosen = truth[10]
+    twin = max(set(range(chosen + 1, 300)) - set(truth) - set(prompt[0].tolist()))
+    head = target.get_output_embeddings().weight
+    with torch.no_grad():
+        head[twin] = head[chosen]  # an exact tie: argmax keeps the lower id, `chosen`
+    truth = greedy_generate(target, prompt, 30)
+    assert truth[10] == chosen
+    with torch.no_grad():
+        logits = target(input_ids=torch.cat([prompt, torch.tensor([truth[:10]])], 1)).logits[0, -1]
+    unlikely = int(logits.argmin())
+
+    def compared(baseline_token):  # a baseline that took `baseline_token` at position 10
+        baseline = truth[:10] + [baseline_token] + truth[11:]
+        return decode_prompt(OracleDrafter(truth, prompt.shape[1], None), target, "row 1", prompt, (baseline, 1.0),
+                             30, 0.0, [], None, torch.device("cpu"))
+
+    tie, real = compared(twin), compared(unlikely)
+    assert tie.first_mismatch == real.first_mismatch == 10
+    assert tie.mismatch_gap == 0.0 and tie.near_tie
+    assert real.mismatch_gap == pytest.approx(float(logits[unlikely] - logits[chosen]), abs=1e-5)
+    assert real.mismatch_gap < -real.tie_tolerance and not real.near_tie
+    result = EvalResult("d", "t", "p", "cpu", "float32", 16, 0.0, 30, per_prompt=[tie])
+    assert lossless_verdict(summarize(result)) == "yes up to float32 near-ties (1 prompts)"
+    result.per_prompt.append(real)
+    assert lossless_verdict(summarize(result)) == "NO: 1 prompts differ (+1 near-ties)"
 
 
 def test_spec_generate_equals_greedy_on_llama_and_qwen35(tmp_path, tiny_target_dir):

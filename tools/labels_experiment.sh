@@ -32,6 +32,8 @@ SOURCE=${SOURCE:-embedded:code-docs}
 EDGES=${EDGES:-[64, 160, 256, 512, 2048]}
 REGEN_TOKENS=${REGEN_TOKENS:-384}
 REGEN_BATCH=${REGEN_BATCH:-512}
+GENERATE_TIMEOUT=${GENERATE_TIMEOUT:-240}
+STATIC=${STATIC:-auto}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 mkdir -p "$WORK/logs" "$WORK/results" "$LOGS"
 dflash=(python3 -m dflash.cli)
@@ -132,14 +134,21 @@ chain() {
   echo "$EDGES" > "$WORK/edges-target"
   stage_one data || { touch "$WORK/chain.failed"; return; }
   stage_one target || { touch "$WORK/chain.failed"; return; }
-  # shellcheck disable=SC2046
-  timed generate "${dflash[@]}" generate "${common[@]}" --set "data.source=$WORK/train.jsonl" "${extra[@]}" \
-    --out "$WORK/regen" --max-new-tokens "$REGEN_TOKENS" --batch-size "$REGEN_BATCH" \
-    > "$WORK/logs/generate.log" 2>&1 || { touch "$WORK/chain.failed"; return; }
-  quartile_edges "$WORK/regen" > "$WORK/edges-regen" || { touch "$WORK/chain.failed"; return; }
-  stage_one regen --set "store.bucket_edges=$(cat "$WORK/edges-regen")" || { touch "$WORK/chain.failed"; return; }
-  for mode in data target regen; do train "$mode" & done
+  # data and target train (and the curve is evaluated) while the target regenerates the answers
+  for mode in data target; do train "$mode" & done
   follow_curve &
+  # $STATIC (auto: the static cache with compiled decoding) first; if it fails or outlasts
+  # $GENERATE_TIMEOUT s, the dynamic cache finishes the rows left (finished shards are kept).
+  local regen=(generate "${common[@]}" --set "data.source=$WORK/train.jsonl" "${extra[@]}" --out "$WORK/regen"
+               --max-new-tokens "$REGEN_TOKENS" --batch-size "$REGEN_BATCH")
+  timed "generate (shared GPU)" timeout "$GENERATE_TIMEOUT" "${dflash[@]}" "${regen[@]}" --static-cache "$STATIC" \
+    > "$WORK/logs/generate.log" 2>&1 \
+    || timed "generate-dynamic (shared GPU)" "${dflash[@]}" "${regen[@]}" --static-cache off \
+      > "$WORK/logs/generate-dynamic.log" 2>&1 \
+    || { touch "$WORK/chain.failed"; wait; return; }
+  quartile_edges "$WORK/regen" > "$WORK/edges-regen" || { touch "$WORK/chain.failed"; wait; return; }
+  stage_one regen --set "store.bucket_edges=$(cat "$WORK/edges-regen")" || { touch "$WORK/chain.failed"; wait; return; }
+  train regen
   wait
   for mode in data target regen; do
     "${dflash[@]}" export "$WORK/run-$mode/checkpoints/step-$(printf %08d "$STEPS")" "$WORK/export/$mode-$STEPS" \
@@ -152,7 +161,7 @@ chain() {
 case $command in
   launch)
     : "${GGUF:?GGUF must name the .gguf file of the target}"
-    setsid nohup bash -c "$(declare -p WORK GGUF STEPS SAVE PROMPTS NEW_TOKENS SOURCE EDGES REGEN_TOKENS REGEN_BATCH \
+    setsid nohup bash -c "$(declare -p WORK GGUF STEPS SAVE PROMPTS NEW_TOKENS SOURCE EDGES REGEN_TOKENS REGEN_BATCH GENERATE_TIMEOUT STATIC \
       common training extra dflash); $(declare -f mode_args timed split_source stage_one train quartile_edges \
       evaluate follow_curve chain); chain" > "$WORK/logs/chain.log" 2>&1 < /dev/null &
     echo "launched (logs in $WORK/logs, results in $WORK/results)"
@@ -176,6 +185,7 @@ case $command in
     done
     for log in "$WORK"/logs/*.log; do
       tr '\r' '\n' < "$log" | grep -v -E '^(train|extract|generate|eval|Loading)' > "$WORK/collected/$(basename "$log")"
+      tr '\r' '\n' < "$log" | grep -v '^\s*$' | tail -n 20 > "$WORK/collected/tail-$(basename "$log")"
     done
     tar czf "$LOGS/labels-experiment.tgz" -C "$WORK" collected
     for log in "$WORK"/results/eval-*.log; do

@@ -1,0 +1,231 @@
+"""Served acceptance, measured: one prompt decoded plainly (greedy, the baseline) and then
+speculatively by each drafter through `dflash.modeling_dflash` (the class and loop an export
+serves), the results per prompt and per drafter, the report, its JSON and its plot. The engine
+of `dflash eval` (stages/evaluate.py) and of tools/compare_reference.py.
+
+Lossless at temperature 0 means the speculative output equals plain greedy decoding. In bf16 a
+block verification and a one-token step can round a near-tie the other way, so a differing
+prompt is checked where it first differs: the target's logits of the two tokens, read in one
+forward over the prompt and the baseline's tokens before that point. A gap within a few
+rounding steps of the dtype at that logit size (`TIE_ULPS` x eps x |top logit|) is a near-tie
+of the arithmetic, not a drafting error, and is reported as such; a wider gap is a mismatch.
+"""
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash.modeling_dflash import greedy_generate, speculative_generate
+
+TIE_ULPS = 4  # a logit gap within this many rounding steps of the dtype is a near-tie
+
+
+@dataclass
+class PromptResult:
+    prompt_id: str  # "sample <i> (row <r>)" or "row <r>"
+    prompt_tokens: int
+    generated_tokens: int
+    acceptance_lengths: list[int]
+    target_forwards: int
+    spec_seconds: float
+    baseline_tokens: int = 0
+    baseline_seconds: float = 0.0
+    first_mismatch: int | None = None  # index into the generated tokens; None when identical
+    mismatch_gap: float | None = None  # target logit of the baseline's token minus the speculative one's there
+    tie_tolerance: float | None = None  # the largest gap that is a rounding near-tie at that point
+    near_tie: bool = False  # the outputs differ only where the target's top two tokens tie within rounding
+
+
+@dataclass
+class EvalResult:
+    drafter: str
+    target: str
+    prompts_source: str
+    device: str
+    dtype: str
+    block_size: int
+    temperature: float
+    max_new_tokens: int
+    num_prompts: int = 0
+    generated_tokens: int = 0
+    verifications: int = 0
+    tau: float = 0.0
+    histogram: list[int] = field(default_factory=list)  # index k-1: verifications that committed k tokens
+    slot_acceptance: list[float] = field(default_factory=list)  # slot k (1..B-1): fraction accepting it
+    spec_tokens_per_s: float = 0.0
+    baseline_tokens_per_s: float = 0.0
+    speedup: float = 0.0
+    mismatched_prompts: int = 0  # near-ties included
+    near_tie_prompts: int = 0
+    per_prompt: list[PromptResult] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def timed(device: torch.device, fn):
+    """`(fn(), seconds)`; on CUDA the queue is drained before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # sync: timing only, outside the decoding loops
+    start = time.perf_counter()
+    value = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # sync: timing only
+    return value, time.perf_counter() - start
+
+
+def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, device: torch.device) -> None:
+    """One untimed run of the first prompt by the baseline and every drafter, so that kernel
+    selection, lazy module loading and allocator growth are timed by none of them."""
+    input_ids = torch.as_tensor(prompt_ids, device=device)[None]
+    greedy_generate(target, input_ids, max_new_tokens, stops)
+    for draft in drafts:
+        speculative_generate(draft, target, input_ids, max_new_tokens, stops, 0.0)
+
+
+def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
+                  temperature: float, stops, generator, device: torch.device) -> PromptResult:
+    """Speculative decoding of one prompt, compared with the baseline `(tokens, seconds)`."""
+    spec, spec_seconds = timed(device, lambda: speculative_generate(
+        draft, target, input_ids, max_new_tokens, stops, temperature, generator))
+    baseline_tokens, baseline_seconds = baseline
+    result = PromptResult(prompt_id=prompt_id, prompt_tokens=input_ids.shape[1], generated_tokens=len(spec.generated),
+                          acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
+                          spec_seconds=spec_seconds, baseline_tokens=len(baseline_tokens),
+                          baseline_seconds=baseline_seconds)
+    if temperature <= 0 and spec.generated != baseline_tokens:
+        index = next((i for i, (a, b) in enumerate(zip(spec.generated, baseline_tokens)) if a != b),
+                     min(len(spec.generated), len(baseline_tokens)))
+        result.first_mismatch = index
+        if index < min(len(spec.generated), len(baseline_tokens)):
+            result.mismatch_gap, result.tie_tolerance = logit_gap(target, input_ids, baseline_tokens[:index],
+                                                                  baseline_tokens[index], spec.generated[index])
+            result.near_tie = abs(result.mismatch_gap) <= result.tie_tolerance
+    return result
+
+
+@torch.inference_mode()
+def logit_gap(target, input_ids: torch.Tensor, before: list[int], expected: int, other: int) -> tuple[float, float]:
+    """`(logit[expected] - logit[other], tie tolerance)` of the target after the prompt and `before`,
+    in one forward at the target's dtype; the tolerance is `TIE_ULPS` rounding steps of the
+    dtype at the size of the largest logit."""
+    context = torch.cat([input_ids, torch.tensor([before], dtype=torch.long, device=input_ids.device)], 1)
+    logits = target(input_ids=context, logits_to_keep=1).logits[0, -1]
+    eps = torch.finfo(logits.dtype).eps
+    logits = logits.float()
+    tolerance = TIE_ULPS * eps * max(float(logits.abs().max()), 1.0)
+    return float(logits[expected] - logits[other]), tolerance
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def summarize(result: EvalResult) -> EvalResult:
+    lengths = [length for prompt in result.per_prompt for length in prompt.acceptance_lengths]
+    block = result.block_size
+    result.num_prompts = len(result.per_prompt)
+    result.generated_tokens = sum(prompt.generated_tokens for prompt in result.per_prompt)
+    result.verifications = len(lengths)
+    result.tau = float(np.mean(lengths)) if lengths else 0.0
+    counts = np.bincount(np.asarray(lengths, dtype=np.int64), minlength=block + 1)
+    result.histogram = counts[1:block + 1].tolist()
+    result.slot_acceptance = [float(np.mean(np.asarray(lengths) > slot)) if lengths else 0.0
+                              for slot in range(1, block)]
+    spec_seconds = sum(prompt.spec_seconds for prompt in result.per_prompt)
+    baseline_seconds = sum(prompt.baseline_seconds for prompt in result.per_prompt)
+    baseline_tokens = sum(prompt.baseline_tokens for prompt in result.per_prompt)
+    result.spec_tokens_per_s = result.generated_tokens / spec_seconds if spec_seconds else 0.0
+    result.baseline_tokens_per_s = baseline_tokens / baseline_seconds if baseline_seconds else 0.0
+    result.speedup = result.spec_tokens_per_s / result.baseline_tokens_per_s if result.baseline_tokens_per_s else 0.0
+    result.mismatched_prompts = sum(prompt.first_mismatch is not None for prompt in result.per_prompt)
+    result.near_tie_prompts = sum(prompt.near_tie for prompt in result.per_prompt)
+    return result
+
+
+def print_report(results: list[EvalResult]) -> None:
+    first = results[0]
+    print(f"\ndflash eval: target {first.target}, {first.device} {first.dtype}, temperature {first.temperature:g}, "
+          f"up to {first.max_new_tokens} new tokens, {first.num_prompts} prompts ({first.prompts_source})")
+    print("| drafter | generated tokens | verifications | tau | spec tokens/s | greedy tokens/s | speedup | lossless |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for result in results:
+        lossless = lossless_verdict(result)
+        print(f"| {result.drafter} | {result.generated_tokens:,} | {result.verifications:,} | {result.tau:.3f} | "
+              f"{result.spec_tokens_per_s:,.1f} | {result.baseline_tokens_per_s:,.1f} | {result.speedup:.2f}x | "
+              f"{lossless} |")
+    for result in results:
+        total = max(result.verifications, 1)
+        print(f"{result.drafter}:\n  tokens committed per verification (1..B): "
+              + " ".join(f"{k}:{count / total:.1%}" for k, count in enumerate(result.histogram, start=1) if count))
+        print("  slot acceptance (slot 1..B-1): " + " ".join(f"{value:.2f}" for value in result.slot_acceptance))
+        if result.temperature > 0:
+            print("  lossless check: not applicable at temperature > 0 (sampled outputs differ by design)")
+        elif result.mismatched_prompts == 0:
+            print(f"  lossless: speculative output equals plain greedy output on all {result.num_prompts} prompts")
+        else:
+            real = result.mismatched_prompts - result.near_tie_prompts
+            print(f"  {'MISMATCH' if real else 'near-ties only'}: {result.mismatched_prompts} of {result.num_prompts} "
+                  f"prompts differ from plain greedy, {result.near_tie_prompts} of them at a {result.dtype} near-tie "
+                  f"(the target's top two tokens within {TIE_ULPS} rounding steps):")
+            for prompt in result.per_prompt:
+                if prompt.first_mismatch is not None:
+                    print(f"    {prompt.prompt_id}: first differing generated token {prompt.first_mismatch}"
+                          + mismatch_detail(prompt))
+    if first.device == "cpu":
+        print("(speedup on the CPU is not the served speedup: measure it on the GPU the target serves on)")
+
+
+def lossless_verdict(result: EvalResult) -> str:
+    if result.temperature > 0:
+        return "n/a (sampling)"
+    if result.mismatched_prompts == 0:
+        return "yes"
+    if result.mismatched_prompts == result.near_tie_prompts:
+        return f"yes up to {result.dtype} near-ties ({result.near_tie_prompts} prompts)"
+    return (f"NO: {result.mismatched_prompts - result.near_tie_prompts} prompts differ"
+            + (f" (+{result.near_tie_prompts} near-ties)" if result.near_tie_prompts else ""))
+
+
+def mismatch_detail(prompt: PromptResult) -> str:
+    if prompt.mismatch_gap is None:
+        return " (one output is a prefix of the other)"
+    kind = "near-tie" if prompt.near_tie else "NOT a near-tie"
+    return f"; target logit gap {prompt.mismatch_gap:+.4f}, tolerance {prompt.tie_tolerance:.4f}: {kind}"
+
+
+def write_json(results: list[EvalResult], path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"results": [asdict(result) for result in results]}, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def plot(results: list[EvalResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    block = results[0].block_size
+    width = 0.8 / len(results)
+    for index, result in enumerate(results):
+        label = f"{Path(result.drafter).name or result.drafter}: tau {result.tau:.2f}"
+        fractions = [count / max(result.verifications, 1) for count in result.histogram]
+        left.bar([k + (index - (len(results) - 1) / 2) * width for k in range(1, block + 1)], fractions, width,
+                 label=label)
+        right.plot(range(1, block), result.slot_acceptance, marker="o", label=label)
+    left.set(xlabel="tokens committed per target forward", ylabel="fraction of verifications",
+             title="acceptance length", xticks=list(range(1, block + 1)))
+    right.set(xlabel="block slot", ylabel="fraction of blocks accepting it", ylim=(0, 1),
+              title="per-slot acceptance", xticks=list(range(1, block)))
+    right.legend(fontsize="small")
+    figure.suptitle(f"dflash eval: {results[0].num_prompts} prompts, up to {results[0].max_new_tokens} new tokens")
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    print(f"wrote {path}")
