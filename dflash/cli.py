@@ -207,7 +207,9 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new
     For every prompt the target decodes once plainly and once with the drafter (the loop in
     dflash/modeling_dflash.py that exports carry). Prints the acceptance length tau (tokens
     committed per target forward), its histogram, per-slot acceptance, the speedup over
-    plain greedy decoding, and whether the outputs are identical (temperature 0).
+    plain greedy decoding, and whether the outputs are identical (temperature 0; where they
+    differ, the target's logits there tell a rounding near-tie of a bf16 target from a real
+    mismatch).
     """
     config = load_or_exit(config_path, overrides)
     from stages import evaluate as evaluate_stage

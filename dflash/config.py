@@ -104,9 +104,8 @@ class TrainConfig:
     keep_last: int = 3
     num_workers: int = 4
     attention: str = "auto"  # "flex" on CUDA, "dense" (SDPA) on CPU
-    # torch.compile the drafter layers on CUDA (ignored on the CPU). On an H200 the default budget's
-    # step went from 2,102.6 to 1,762.7 ms (55.6% to 66.4% MFU), the peers' step from 303.4 to
-    # 257.5 ms (BENCHMARKS.md); a cold compile cache adds minutes to the first step.
+    # torch.compile the drafter layers on CUDA (ignored on the CPU): faster steps (BENCHMARKS.md),
+    # minutes added to the first step on a cold compile cache.
     compile: bool = True
     activation_checkpointing: bool = False
     skip_corrupt_shards: bool = False

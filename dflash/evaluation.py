@@ -1,7 +1,8 @@
 """Served acceptance, measured: one prompt decoded plainly (greedy, the baseline) and then
 speculatively by each drafter through `dflash.modeling_dflash` (the class and loop an export
 serves), the results per prompt and per drafter, the report, its JSON and its plot. The engine
-of `dflash eval` (stages/evaluate.py) and of tools/compare_reference.py.
+of `dflash eval` (stages/evaluate.py) and of tools/compare_reference.py, with the drafters it
+loads (checked against the target) and the prompts it decodes.
 
 Lossless at temperature 0 means the speculative output equals plain greedy decoding. In bf16 a
 block verification and a one-token step can round a near-tie the other way, so a differing
@@ -19,8 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.modeling_dflash import greedy_generate, speculative_generate
+from dflash import data
+from dflash.config import Config, ConfigError
+from dflash.data import row_label
+from dflash.modeling_dflash import DFlashDraftModel, greedy_generate, speculative_generate
+from dflash.target import find_decoder_layers
+from dflash.tokenizer import tokenizer_identity
 
+HELDOUT = "heldout"  # --prompts: the samples stage two holds out of the config's store
 TIE_ULPS = 4  # a logit gap within this many rounding steps of the dtype is a near-tie
 
 
@@ -62,6 +69,91 @@ class EvalResult:
     mismatched_prompts: int = 0  # near-ties included
     near_tie_prompts: int = 0
     per_prompt: list[PromptResult] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
+    """The export as served, checked against the target it drafts for."""
+    if not (Path(export_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"--drafter {export_dir}: not a drafter export (no config.json); make one with "
+                                f"`dflash export CHECKPOINT DIR`")
+    draft = DFlashDraftModel.from_pretrained(export_dir, dtype=dtype).to(device).eval()
+    _, _, layers = find_decoder_layers(target)
+    vocab, hidden = target.get_input_embeddings().weight.shape
+    problems = []
+    if draft.config.hidden_size != hidden:
+        problems.append(f"hidden size {draft.config.hidden_size}, target {hidden}")
+    if max(draft.target_layer_ids) >= len(layers):
+        problems.append(f"target_layer_ids {draft.target_layer_ids}, target has {len(layers)} layers")
+    if not 0 <= draft.mask_token_id < vocab:
+        problems.append(f"mask_token_id {draft.mask_token_id} outside the target vocabulary ({vocab})")
+    if problems:
+        raise ValueError(f"--drafter {export_dir} does not fit the target: {'; '.join(problems)}")
+    return draft
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def load_prompts(config: Config, source: str, num_prompts: int, tokenizer) -> list[tuple[str, np.ndarray]]:
+    """`(label, token ids)` of the first `num_prompts` prompts: the store's held-out samples
+    (`source` "heldout") or the rows of a data source."""
+    if num_prompts < 1:
+        raise ConfigError(f"--num-prompts must be positive, got {num_prompts}")
+    if source == HELDOUT:
+        prompts = heldout_prompts(config, tokenizer, num_prompts)
+    else:
+        prompts = source_prompts(source, config.data.split, tokenizer, num_prompts)
+    if not prompts:
+        raise ValueError(f"--prompts {source}: no usable prompt")
+    return prompts
+
+
+def heldout_prompts(config: Config, tokenizer, num_prompts: int) -> list[tuple[str, np.ndarray]]:
+    """Prompts of the samples stage two holds out of training (same store, fraction and seed)."""
+    from dflash.sampler import split_holdout
+    from dflash.store import StoreReader
+
+    reader = StoreReader(config.store.path)
+    stored = reader.attrs["tokenizer"]["hash"]
+    if stored != tokenizer_identity(tokenizer)["hash"]:
+        raise ValueError(f"store {config.store.path} was tokenized with another tokenizer or chat template than "
+                         f"target {config.target.path} has now; its prompts would not be what the target reads")
+    _, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
+    if not eval_indices.size:
+        raise ConfigError("--prompts heldout: train.holdout_fraction is 0, so no sample was held out; "
+                          "pass --prompts SOURCE")
+    prompts = []
+    for index in eval_indices[:num_prompts]:
+        sample = reader.read_sample(int(index))
+        first_answer = int(np.argmax(sample["loss_mask"]))
+        if first_answer > 0:
+            prompts.append((f"{row_label(sample['row_id'])} (sample {int(index)})", sample["input_ids"][:first_answer]))
+    return prompts
+
+
+def source_prompts(source: str, split: str, tokenizer, num_prompts: int) -> list[tuple[str, np.ndarray]]:
+    """The first `num_prompts` usable rows of a data source, rendered up to their last answer."""
+    prompts, skipped = [], 0
+    for row_id, row in data.read_rows(source, split):
+        try:
+            messages = data.prompt_messages(row)
+        except data.RowProblem:
+            skipped += 1
+            continue
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts.append((row_label(row_id), np.asarray(ids, dtype=np.int64)))
+        if len(prompts) == num_prompts:
+            break
+    if skipped:
+        print(f"prompts: skipped {skipped} row(s) of {source} with no usable conversation")
+    return prompts
 
 
 # ----------------------------------------------------------------------------- decoding

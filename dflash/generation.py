@@ -5,16 +5,32 @@ Prompts run in length-sorted batches, longest first (memory peaks in the first b
 after an hour), left-padded so that every answer starts at the same column. On CUDA the
 static KV cache lets transformers compile the decoding step; prompt widths then round up to
 `PAD_WIDTH` so that a few shapes serve every batch.
+
+The output format lives here too: prompts read from a chat source, `part-NNNNN.jsonl` shards
+of `{"messages": [..., answer], "source_row", "cut"}` rows, and the manifest that refuses to
+mix answers generated with other settings into one directory.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from dflash import data
+from dflash.errors import DflashError
+from dflash.outputs import write_text_atomic
+
 PAD_WIDTH = 64
+MANIFEST = "generate-manifest.txt"
+BAD_PROMPT_TOO_LONG = "prompt_too_long"  # the prompt alone reaches data.max_length: no answer could be trained on
+
+
+class GenerateMismatchError(DflashError, ValueError):
+    """The output directory holds answers generated with other settings."""
 
 
 @dataclass
@@ -83,3 +99,63 @@ class Generator:
             ended = next((i for i, token in enumerate(answer_ids) if token in self.stops), None)
             out.append((answer_ids if ended is None else answer_ids[:ended], ended is None))
         return out
+
+
+def read_prompts(source: str, split: str, tokenizer, max_length: int, strict: bool, limit: int,
+                 bad_rows: dict[str, list[int]]) -> tuple[list[Prompt], int]:
+    """Every usable row's prompt rendered with the chat template, in source order (the first
+    `limit` if positive), and the number of rows read; unusable rows go into `bad_rows` per
+    reason (with `strict`, the first one in file order stops the run)."""
+    prompts, num_rows = [], 0
+    for row_id, row in data.read_rows(source, split):
+        num_rows += 1
+        try:
+            messages = data.prompt_messages(row)
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(input_ids) >= max_length:
+                raise data.RowProblem(BAD_PROMPT_TOO_LONG, f"prompt of {len(input_ids)} tokens, data.max_length "
+                                                           f"is {max_length}")
+        except data.RowProblem as problem:
+            if strict:
+                raise data.BadRowError(row_id, problem.reason, str(problem)) from None
+            bad_rows.setdefault(problem.reason, []).append(row_id)
+            continue
+        prompts.append(Prompt(row_id, messages, input_ids))
+        if len(prompts) == limit:
+            break
+    return prompts, num_rows
+
+
+def shard_path(out: Path, k: int) -> Path:
+    return out / f"part-{k:05d}.jsonl"
+
+
+def prepare_output(out: Path, manifest: dict, overwrite: bool) -> None:
+    """Create the output directory or continue it; other content is refused (or, with
+    `overwrite`, its shards removed)."""
+    path = out / MANIFEST
+    for partial in out.glob("*.tmp-*"):  # a shard that a killed run was writing
+        partial.unlink()
+    if path.exists():
+        old = json.loads(path.read_text())
+        differing = [key for key in sorted(set(old["content"]) | set(manifest["content"]))
+                     if old["content"].get(key) != manifest["content"].get(key)]
+        if not differing:
+            return
+        if not overwrite:
+            details = "; ".join(f"{key}: output has {old['content'].get(key)!r}, now {manifest['content'].get(key)!r}"
+                                for key in differing)
+            raise GenerateMismatchError(f"{out} holds answers generated with other settings ({details}); "
+                                        f"pass --overwrite to replace them, or choose another --out")
+        for part in out.glob("part-*.jsonl"):
+            part.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(manifest, indent=1) + "\n")
+
+
+def output_rows(prompts: list[Prompt], answers: list[Answer]) -> list[dict]:
+    """The JSONL rows of answered prompts: the conversation with its new last turn, the 1-based
+    source row, and whether the answer was cut."""
+    return [{"messages": prompt.messages + [{"role": "assistant", "content": answer.text}],
+             "source_row": prompt.row_id + 1, "cut": answer.cut} for prompt, answer in zip(prompts, answers)]

@@ -2,7 +2,7 @@
 attention backend), the optimizer and learning rate, parallelism, the per-epoch schedule and
 loader, device-side metric sums and the non-finite guard.
 
-`stages/train.py` wires these into a run (store, checkpoints, logging, evaluation);
+dflash/training.py runs the loop around them (checkpoints, logging, evaluation);
 tools/bench_stage2.py times `train_step` itself. Only logging steps move numbers to the host.
 """
 

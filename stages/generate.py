@@ -29,19 +29,12 @@ from tqdm import tqdm
 from dflash import data
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
-from dflash.errors import DflashError
-from dflash.generation import Answer, Generator, Prompt
+from dflash.generation import (Answer, Generator, Prompt, output_rows, prepare_output, read_prompts,
+                               shard_path)
 from dflash.outputs import write_text_atomic
 from dflash.target import (load_causal_lm, prepare_checkpoint_in_order, stop_token_ids, target_dtype,
                            weights_fingerprint)
 from dflash.tokenizer import load_target_tokenizer, tokenizer_identity
-
-MANIFEST = "generate-manifest.txt"
-BAD_PROMPT_TOO_LONG = "prompt_too_long"  # the prompt alone reaches data.max_length: no answer could be trained on
-
-
-class GenerateMismatchError(DflashError, ValueError):
-    """The output directory holds answers generated with other settings."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +92,11 @@ def generate(config: Config, options: GenerateOptions, dist: DistState) -> Gener
     checkpoint = prepare_checkpoint_in_order(config.target.path, config.data.cache_dir, dist)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
     result = GenerateResult(out=options.out)
-    prompts = read_prompts(config, options, tokenizer, result)
+    prompts, result.num_rows = read_prompts(config.data.source, config.data.split, tokenizer, config.data.max_length,
+                                            config.data.strict, options.limit, result.bad_rows)
+    result.num_prompts = len(prompts)
+    if not prompts:
+        raise ConfigError(f"data.source {config.data.source}: no row has a usable prompt")
     shards = [prompts[i:i + options.rows_per_shard] for i in range(0, len(prompts), options.rows_per_shard)]
     out = Path(options.out)
     if dist.is_main:
@@ -131,33 +128,6 @@ def generate(config: Config, options: GenerateOptions, dist: DistState) -> Gener
     return result
 
 
-def read_prompts(config: Config, options: GenerateOptions, tokenizer, result: GenerateResult) -> list[Prompt]:
-    """Every usable row's prompt, in source order; unusable rows are counted per reason (and,
-    with data.strict, the first one in file order stops the run)."""
-    prompts = []
-    for row_id, row in data.read_rows(config.data.source, config.data.split):
-        result.num_rows += 1
-        try:
-            messages = data.prompt_messages(row)
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            if len(input_ids) >= config.data.max_length:
-                raise data.RowProblem(BAD_PROMPT_TOO_LONG, f"prompt of {len(input_ids)} tokens, data.max_length "
-                                                           f"is {config.data.max_length}")
-        except data.RowProblem as problem:
-            if config.data.strict:
-                raise data.BadRowError(row_id, problem.reason, str(problem)) from None
-            result.bad_rows.setdefault(problem.reason, []).append(row_id)
-            continue
-        prompts.append(Prompt(row_id, messages, input_ids))
-        if len(prompts) == options.limit:
-            break
-    result.num_prompts = len(prompts)
-    if not prompts:
-        raise ConfigError(f"data.source {config.data.source}: no row has a usable prompt")
-    return prompts
-
-
 def content_identity(config: Config, options: GenerateOptions, checkpoint: Path, tokenizer) -> dict:
     """What the answers depend on: the rows, the target, its template and the decoding settings
     (not the batch size, device or number of processes)."""
@@ -169,33 +139,6 @@ def content_identity(config: Config, options: GenerateOptions, checkpoint: Path,
         **{key: value for key, value in asdict(options).items()
            if key in ("max_new_tokens", "temperature", "top_p", "seed", "rows_per_shard", "limit")},
     }
-
-
-def shard_path(out: Path, k: int) -> Path:
-    return out / f"part-{k:05d}.jsonl"
-
-
-def prepare_output(out: Path, manifest: dict, overwrite: bool) -> None:
-    """Create the output directory or continue it; other content is refused (or, with
-    `overwrite`, its shards removed)."""
-    path = out / MANIFEST
-    for partial in out.glob("*.tmp-*"):  # a shard that a killed run was writing
-        partial.unlink()
-    if path.exists():
-        old = json.loads(path.read_text())
-        differing = [key for key in sorted(set(old["content"]) | set(manifest["content"]))
-                     if old["content"].get(key) != manifest["content"].get(key)]
-        if not differing:
-            return
-        if not overwrite:
-            details = "; ".join(f"{key}: output has {old['content'].get(key)!r}, now {manifest['content'].get(key)!r}"
-                                for key in differing)
-            raise GenerateMismatchError(f"{out} holds answers generated with other settings ({details}); "
-                                        f"pass --overwrite to replace them, or choose another --out")
-        for part in out.glob("part-*.jsonl"):
-            part.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, json.dumps(manifest, indent=1) + "\n")
 
 
 def report_plan(result: GenerateResult, num_shards: int, num_done: int) -> None:
@@ -219,9 +162,7 @@ def generate_shard(generator: Generator, prompts: list[Prompt], seed: int, bar, 
         bar.update(len(answers))
         bar.set_postfix(tokens_per_s=f"{result.tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
 
-    answers = generator.answers(prompts, on_batch=count)
-    return [{"messages": prompt.messages + [{"role": "assistant", "content": answer.text}],
-             "source_row": prompt.row_id + 1, "cut": answer.cut} for prompt, answer in zip(prompts, answers)]
+    return output_rows(prompts, generator.answers(prompts, on_batch=count))
 
 
 def summarize(dist: DistState, result: GenerateResult, options: GenerateOptions) -> None:

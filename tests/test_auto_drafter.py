@@ -7,7 +7,8 @@ from dflash.config import ConfigError, load_config
 from dflash.drafter import DFlashDrafter, auto_drafter_args, count_parameters
 from dflash.embedded import tiny_target_config
 from dflash.target import default_layer_ids, text_config_summary
-from stages import train
+from dflash import sizing
+from dflash.store import StoreMismatchError
 
 
 def smollm2_config() -> LlamaConfig:
@@ -72,22 +73,22 @@ def store_attrs(mask_token_id=None, tokenizer="HuggingFaceTB/SmolLM2"):
 
 def test_stage_two_sizes_the_drafter_from_the_store():
     config = load_config(None, ["drafter.size=auto", "drafter.num_layers=2"])
-    args = train.build_drafter_args(config, store_attrs(mask_token_id=3))
+    args = sizing.build_drafter_args(config, store_attrs(mask_token_id=3))
     assert (args.hidden_size, args.num_layers, args.mask_token_id, args.target_layer_ids) == (576, 2, 3, (1, 8, 14, 20, 27))
     given = load_config(None, ["drafter.size=auto", "drafter.mask_token_id=7"])
-    assert train.build_drafter_args(given, store_attrs(mask_token_id=3)).mask_token_id == 7
+    assert sizing.build_drafter_args(given, store_attrs(mask_token_id=3)).mask_token_id == 7
 
 
 def test_stage_two_needs_a_mask_token_when_the_store_has_none():
     config = load_config(None, ["drafter.size=auto"])
     with pytest.raises(ConfigError, match="drafter.mask_token_id"):
-        train.build_drafter_args(config, store_attrs())
+        sizing.build_drafter_args(config, store_attrs())
     outside = load_config(None, ["drafter.size=auto", "drafter.mask_token_id=60000"])
     with pytest.raises(ConfigError, match="mask_token_id 60000 outside vocab_size 49152"):
-        train.build_drafter_args(outside, store_attrs())
+        sizing.build_drafter_args(outside, store_attrs())
 
 
 def test_named_size_that_does_not_fit_the_store_is_refused():
     config = load_config(None, ["drafter.size=tiny"])
-    with pytest.raises(train.StoreMismatch, match="hidden_size"):
-        train.build_drafter_args(config, store_attrs(mask_token_id=3))
+    with pytest.raises(StoreMismatchError, match="hidden_size"):
+        sizing.build_drafter_args(config, store_attrs(mask_token_id=3))

@@ -13,7 +13,8 @@ import zarr
 
 from dflash import codecs
 from dflash.config import load_config, replace
-from dflash.store import StoreReader, store_stats
+from dflash.inspection import store_stats
+from dflash.store import StoreReader
 from stages import extract, train
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,8 @@ import pytest
 import zarr
 
 from dflash.config import load_config
-from dflash.store import StoreMismatchError, StoreReader, completed_shards, verify_store
+from dflash.inspection import verify_store
+from dflash.store import StoreMismatchError, StoreReader, completed_shards
 from stages import extract
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from dflash import data
+from dflash import data, generation
 from dflash.config import load_config
 from dflash.modeling_dflash import greedy_generate
 from stages import generate
@@ -55,7 +55,7 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
     result = generate.run(config, options)
     assert (result.num_rows, result.num_prompts, result.answers) == (6, 3, 3)
     assert {reason: rows for reason, rows in result.bad_rows.items()} == {
-        data.BAD_INVALID_JSON: [1], data.BAD_EMPTY: [3], generate.BAD_PROMPT_TOO_LONG: [5]}
+        data.BAD_INVALID_JSON: [1], data.BAD_EMPTY: [3], generation.BAD_PROMPT_TOO_LONG: [5]}
     written = read_parts(out)
     assert [row["source_row"] for row in written] == [1, 3, 5]
     assert written[0]["messages"][:4] == rows[0]["messages"][:4]  # earlier turns kept
@@ -81,10 +81,10 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
     assert len(tokenized.samples) + sum(tokenized.bad_rows.values()) == 3
 
     # Other decoding settings are refused, --overwrite replaces.
-    with pytest.raises(generate.GenerateMismatchError, match="max_new_tokens: output has 6, now 7"):
+    with pytest.raises(generation.GenerateMismatchError, match="max_new_tokens: output has 6, now 7"):
         generate.run(config, generate.GenerateOptions(out=str(out), max_new_tokens=7, rows_per_shard=2))
     generate.run(config, generate.GenerateOptions(out=str(out), max_new_tokens=7, rows_per_shard=2, overwrite=True))
-    assert json.loads((out / generate.MANIFEST).read_text())["content"]["max_new_tokens"] == 7
+    assert json.loads((out / generation.MANIFEST).read_text())["content"]["max_new_tokens"] == 7
 
 
 def test_a_killed_run_resumes_to_the_same_output(tmp_path, embedded_cache_dir):

@@ -13,9 +13,10 @@ import pytest
 import torch
 import zarr
 
+from dflash import sizing, trainer
 from dflash.config import load_config
-from dflash.store import StoreReader, verify_store
-from dflash import trainer
+from dflash.inspection import verify_store
+from dflash.store import StoreReader
 from stages import extract, inspect, train
 
 pytestmark = pytest.mark.slow
@@ -132,7 +133,7 @@ def test_the_loss_reads_the_stored_labels_not_the_data_tokens(labelled):
     config = load_config(config_path)
     dist = init_distributed("cpu")
     try:
-        args = train.build_drafter_args(config, reader.attrs)
+        args = sizing.build_drafter_args(config, reader.attrs)
         model = trainer.build_model(config, args, dist)
         ctx = trainer.build_context(config, args, reader, dist)
         with torch.no_grad():

@@ -10,11 +10,11 @@ import pytest
 import torch
 import zarr
 
+from dflash.inspection import store_stats, verify_store
 from dflash.plan import plan_shards
 from dflash.store import (
     CorruptShardError, ShardWriter, StoreMismatchError, StoreReader, bf16_to_bits,
-    completed_shards, create_or_open_store, diff_attrs, is_complete, shards_group, store_stats,
-    verify_store, write_frozen_weights,
+    completed_shards, create_or_open_store, diff_attrs, is_complete, shards_group, write_frozen_weights,
 )
 
 N_LAYERS, HIDDEN = 3, 16

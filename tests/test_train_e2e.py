@@ -17,10 +17,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash import sizing, training
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.config import load_config
 from dflash.export import load_exported
-from dflash.store import CorruptShardError
+from dflash.store import CorruptShardError, StoreMismatchError
 from dflash.trainer import NonFiniteError
 from stages import extract, train
 
@@ -153,8 +154,8 @@ def test_export_cli_and_fine_tune_from_export(config_path, tmp_path):
 def test_store_that_does_not_match_the_drafter_is_refused(config_path):
     config = load_config(config_path)
     attrs = {"target": {"vocab_size": 248320}, "target_layer_ids": [1, 5], "hidden_size": 128, "mask_token_id": 248070}
-    with pytest.raises(train.StoreMismatch) as error:
-        train.build_drafter_args(config, attrs)
+    with pytest.raises(StoreMismatchError) as error:
+        sizing.build_drafter_args(config, attrs)
     assert "target_layer_ids" in str(error.value) and "hidden_size" in str(error.value)
 
 
@@ -183,13 +184,13 @@ def test_first_step_notice_names_the_compile_cache_on_cuda_only(monkeypatch):
     from dflash.dist import DistState
 
     one = DistState(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    assert train.first_step_notice(SimpleNamespace(device=torch.device("cpu")), one) == ""
+    assert training.first_step_notice(SimpleNamespace(device=torch.device("cpu")), one) == ""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/inductor")
     cuda = SimpleNamespace(device=torch.device("cuda", 1))
-    notice = train.first_step_notice(cuda, one)
+    notice = training.first_step_notice(cuda, one)
     assert "compiling" in notice and "/scratch/inductor" in notice and "ranks" not in notice
     three = DistState(rank=1, world_size=3, local_rank=1, device=torch.device("cuda", 1))
-    assert "each of the 3 ranks compiles for its own GPU" in train.first_step_notice(cuda, three)
+    assert "each of the 3 ranks compiles for its own GPU" in training.first_step_notice(cuda, three)
 
 
 def test_a_held_out_set_too_small_for_mixed_steps_still_evaluates():
@@ -202,7 +203,7 @@ def test_a_held_out_set_too_small_for_mixed_steps_still_evaluates():
                                     "num_supervised": np.array([50, 60, 70, 40])})
     dist = SimpleNamespace(rank=0, world_size=1)
     for eval_indices in (np.array([2]), np.array([1, 2])):
-        batches = train.held_out_micro_batches(config, dist, reader, eval_indices)
+        batches = training.held_out_micro_batches(config, dist, reader, eval_indices)
         assert sorted(int(i) for batch in batches for i in batch) == eval_indices.tolist()
 
 

@@ -280,7 +280,7 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
 
     With `pool` (from `capture_pool`) the target is not run: this measures the writers alone.
     """
-    from dflash import plan, store
+    from dflash import inspection, plan, store
     from dflash.config import Config, replace
     from dflash.dist import DistState
     from dflash.capture import capture_batch, write_shards
@@ -305,7 +305,7 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     capture = captures_from_pool(pool, device) if pool else span.timed(capture_batch)
     result = write_shards(config, dist, target, samples, lengths, row_ids, shards, capture=capture)
     seconds = time.perf_counter() - start
-    stats = store.store_stats(str(store_dir))
+    stats = inspection.store_stats(str(store_dir))
     numbers = {"seconds": seconds, "stored_bytes": stats["total"]["stored_bytes"], "tokens": stats["total"]["tokens"],
                "bytes_per_token": stats["total"]["bytes_per_token"], "writer_processes": writer_processes,
                "writer_wait_seconds": result.writer_wait_seconds, "drain_seconds": result.drain_seconds,

@@ -17,7 +17,7 @@ events. Reported: ms/step, source tokens/s, anchor-slots/s, MFU by the issue-5 f
 peak memory; `--profile DIR` adds a torch.profiler trace and counts host-device syncs;
 `--loader` writes a small synthetic store with dflash.store and measures the DataLoader's
 own throughput against what the trainer consumes; `--fed-epochs N` then trains N epochs over
-that store fed by the loader, as stages.train does, and reports the data-wait fraction.
+that store fed by the loader, as stage two's loop does, and reports the data-wait fraction.
 `--loader-only --stand-in-tokens-per-s R` does the same on any machine with a stand-in step that
 busies the main thread as long as a trainer at R tokens/s would (R from a GPU run).
 
@@ -68,7 +68,7 @@ def bench_config(args):
 
 
 def build_trainer(config, dist):
-    """Model, optimizer, wrapped model (DDP under torchrun) and TrainContext as stages.train builds them."""
+    """Model, optimizer, wrapped model (DDP under torchrun) and TrainContext as stage two builds them."""
     from dflash.drafter import drafter_args
     from dflash.loss import default_gamma, gamma_weights
     from dflash.masks import default_backend
@@ -459,7 +459,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
 
 
 def measure_fed(config, ctx, store_dir: Path, epochs: int, step_fn, warm_steps: int = 2) -> dict:
-    """Optimizer steps fed by the real loader, as stages/train.py's loop runs them: `step_fn(micro_batches)`
+    """Optimizer steps fed by the real loader, as dflash/training.py's loop runs them: `step_fn(micro_batches)`
     is the step. The data-wait fraction is the host time blocked in `next(loader)` over the wall
     time of the timed steps (the first `warm_steps` steps, worker start-up and new shapes, are not timed)."""
     _, batches, loader = loader_over_store(config, ctx, store_dir, epochs)
@@ -501,7 +501,7 @@ def stand_in_step_fn(tokens_per_s: float):
 
 
 def measure_loader(config, ctx, store_dir: Path, epochs: int) -> dict:
-    """Tokens/s of the trainer's own DataLoader (stages.train's dataset, schedule and collate) over
+    """Tokens/s of the trainer's own DataLoader (stage two's dataset, schedule and collate) over
     the synthetic store, `epochs` epochs in one loader. The batches the workers prefetch while
     starting are not timed: the rate is the steady state."""
     reader, batches, loader = loader_over_store(config, ctx, store_dir, epochs)
@@ -542,7 +542,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=0, help="override train.num_workers (DataLoader workers)")
     parser.add_argument("--fed-epochs", type=int, default=0,
                         help="with --loader: also train this many epochs over the synthetic store fed by the "
-                             "loader, as stages.train does, and report the data-wait fraction")
+                             "loader, as stage two's loop does, and report the data-wait fraction")
     parser.add_argument("--stand-in-tokens-per-s", type=float, default=0.0,
                         help="with --loader-only: feed a stand-in step that keeps the main thread busy for as long "
                              "as a trainer at this rate (e.g. a measured GPU rate) and report the data wait")
@@ -707,7 +707,7 @@ def report(args, results: dict) -> None:
     if "fed" in results:
         fed = results["fed"]
         stand_in = fed.get("stand_in_tokens_per_s")
-        print_table("steps fed by the loader (stages.train's loop: next(loader), to_device, train_step)"
+        print_table("steps fed by the loader (dflash.training's loop: next(loader), to_device, train_step)"
                     + (f"; stand-in step at {stand_in:,.0f} tokens/s" if stand_in else ""),
                     ["workers", "timed steps", "ms/step", "tokens/s", "data wait"],
                     [[fed["num_workers"], fed["timed_steps"], fed["ms_per_step"], fed["tokens_per_s"],

@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dflash import evaluation  # noqa: E402
 from dflash.config import load_config  # noqa: E402
 from dflash.modeling_dflash import speculative_generate  # noqa: E402
 from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype  # noqa: E402
 from dflash.tokenizer import load_target_tokenizer  # noqa: E402
-from stages import evaluate  # noqa: E402
 
 
 def load_reference(checkout: Path, attention: str):
@@ -99,7 +99,7 @@ def main(argv=None) -> None:
     parser.add_argument("-c", "--config", default=None, help="dflash config naming the target (and store)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--drafter", required=True, help="an export directory")
-    parser.add_argument("--prompts", default=evaluate.HELDOUT)
+    parser.add_argument("--prompts", default=evaluation.HELDOUT)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--reference-attention", choices=("sdpa", "engine"), default="engine")
@@ -108,17 +108,16 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     config = load_config(args.config, args.overrides)
-    device = evaluate.resolve_device(args.device)
+    device = evaluation.resolve_device(args.device)
     dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
     target = load_causal_lm(str(checkpoint), dtype, device)
-    ours = evaluate.load_drafter(args.drafter, target, dtype, device)
+    ours = evaluation.load_drafter(args.drafter, target, dtype, device)
     reference = load_reference(args.reference, args.reference_attention)
     theirs = reference.DFlashDraftModel.from_pretrained(args.drafter, dtype=dtype).to(device).eval()
     theirs.config._attn_implementation = "eager" if args.reference_attention == "engine" else "sdpa"
-    options = evaluate.EvalOptions(drafters=(args.drafter,), prompts=args.prompts, num_prompts=args.num_prompts)
-    prompts = evaluate.load_prompts(config, options, tokenizer)
+    prompts = evaluation.load_prompts(config, args.prompts, args.num_prompts, tokenizer)
     stops = stop_token_ids(tokenizer, target)
     rows, same_lengths, same_outputs = [], 0, 0
     for prompt_id, prompt_ids in prompts:

@@ -1,0 +1,291 @@
+"""A stage-two run: its state and the loop over optimizer steps around `dflash.trainer.train_step`,
+with metrics windows, held-out evaluation, checkpoints (every `train.save_every` steps, at the
+end, on SIGTERM and before stopping on an unreadable sample) and resume. Only logging steps move
+numbers to the host, in one transfer. `stages/train.py` builds the parts and calls `loop`.
+"""
+
+import dataclasses
+import functools
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dflash.batch import StoreDataset, collate_packed
+from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, restore_rng_states,
+                               save_checkpoint)
+from dflash.config import Config, ConfigError
+from dflash.dist import DistState
+from dflash.export import require_finite
+from dflash.metrics import MetricsLogger
+from dflash.sampler import DataCursor, build_epoch_schedule, pack_bucket
+from dflash.store import CorruptShardError, StoreReader
+from dflash.trainer import (StepStats, TrainContext, anchor_counts, epoch_loader, forward_loss, learning_rate,
+                            pad_multiple, to_device, train_step)
+
+
+@dataclass
+class TrainResult:
+    run_dir: str
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)  # every optimizer step's loss
+    last_metrics: dict = field(default_factory=dict)
+    eval_metrics: dict = field(default_factory=dict)
+    checkpoint: str | None = None
+    tokens_seen: int = 0  # context tokens trained on, rank 0's count times the ranks (as tokens_per_s)
+    skipped_samples: int = 0  # unreadable samples skipped on this rank (train.skip_corrupt_shards)
+
+
+@dataclass
+class TrainState:
+    """One run: what the loop reads (config, model and its wrapper, optimizer, context, store,
+    schedules, logger) and what it advances (data cursor, step, result)."""
+
+    config: Config
+    dist: DistState
+    model: torch.nn.Module  # the drafter itself: its state is what a checkpoint holds
+    wrapped: torch.nn.Module  # the same under DDP / compile: what steps run
+    optimizer: torch.optim.Optimizer
+    ctx: TrainContext
+    reader: StoreReader
+    eval_indices: np.ndarray
+    schedules: list
+    total_steps: int
+    logger: MetricsLogger
+    result: TrainResult
+    stop: "StopFlag"
+    cursor: DataCursor
+    step: int
+    first_step: int  # the step this process started (or resumed) at
+
+
+class StopFlag:
+    """SIGTERM asks for a final checkpoint at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = signal.signal(signal.SIGTERM, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def loop(state: TrainState) -> None:
+    config, dist, ctx, result, stop = state.config, state.dist, state.ctx, state.result, state.stop
+    reader, eval_indices, total_steps = state.reader, state.eval_indices, state.total_steps
+    dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
+    loader_options = {"pad_multiple": pad_multiple(ctx)}
+    collate = functools.partial(collate_packed, **loader_options)
+    eval_micro_batches = held_out_micro_batches(config, dist, reader, eval_indices)
+    bar = tqdm(total=total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,
+               desc="train")
+    window = StepStats(ctx.args.block_size, ctx.device)
+    timer = {"start": time.perf_counter(), "wait": 0.0}
+    loss_history = torch.zeros(total_steps, dtype=torch.float64, device=ctx.device)
+    notice = first_step_notice(ctx, dist)
+    if notice:
+        bar.set_postfix_str(notice)
+    while state.step < total_steps and not stop.requested:
+        schedule = state.schedules[state.cursor.epoch]
+        if schedule.num_steps == 0:
+            raise ConfigError(f"epoch {state.cursor.epoch} has no optimizer step: too few samples for "
+                              f"train.accum_steps x world size micro-batches")
+        iterator = iter(epoch_loader(config, dataset, loader_options, schedule, dist, state.cursor))
+        for step_in_epoch in range(state.cursor.step, schedule.num_steps):
+            if state.step >= total_steps or stop.requested:
+                break
+            wait_start = time.perf_counter()
+            try:
+                micro_batches = [to_device(next(iterator), ctx.device) for _ in range(config.train.accum_steps)]
+            except CorruptShardError as error:
+                raise corrupt_stop(error, state, window) from None
+            count_skipped(micro_batches, result, bar)
+            timer["wait"] += time.perf_counter() - wait_start
+            lr = learning_rate(config, state.step, total_steps)
+            stats = train_step(state.wrapped, ctx, micro_batches, state.optimizer, lr, config.train.clip,
+                               state.step + 1)
+            window.merge(stats)
+            result.tokens_seen += stats.host["real_tokens"] * dist.world_size
+            state.step += 1
+            step = state.step
+            state.cursor = DataCursor(epoch=state.cursor.epoch, step=step_in_epoch + 1)
+            if state.cursor.step == schedule.num_steps:
+                state.cursor = DataCursor(epoch=state.cursor.epoch + 1, step=0)
+            loss_history[step - 1] = stats.values[0] / stats.micro_batches
+            if notice and step == state.first_step + 1:
+                bar.set_postfix_str("")
+            bar.update(1)
+            if step % config.train.log_every == 0 or step == total_steps:
+                log_window(config, dist, window, lr, timer, state.logger, step, bar, result)
+                window = StepStats(ctx.args.block_size, ctx.device)
+            if eval_indices.size and (step % config.train.eval_every == 0 or step == total_steps):
+                try:
+                    result.eval_metrics = evaluate(dist, state.wrapped, ctx, dataset, collate, eval_micro_batches)
+                except CorruptShardError as error:
+                    raise corrupt_stop(error, state, window) from None
+                state.logger.log(step, {f"eval/{k}": v for k, v in result.eval_metrics.items()})
+            if step % config.train.save_every == 0 and step < total_steps:
+                window.check_finite(dist)
+                save(state)
+    bar.close()
+    window.check_finite(dist)
+    step = state.step
+    result.checkpoint = str(save(state))
+    result.steps = step
+    result.losses = loss_history[state.first_step:step].tolist()  # sync: end of run
+    if stop.requested and dist.is_main:
+        print(f"SIGTERM: saved checkpoint {result.checkpoint} at step {step}; resume with --resume")
+    elif dist.is_main:
+        skipped = f", {result.skipped_samples} unreadable samples skipped" if result.skipped_samples else ""
+        print(f"done: {step} steps{skipped}; checkpoint {result.checkpoint}\n"
+              f"  export it for serving: dflash export {result.checkpoint} EXPORT_DIR")
+
+
+def corrupt_stop(error, state: TrainState, window: StepStats) -> CorruptShardError:
+    """The error to stop with when a sample cannot be read (and skipping is off): the steps trained
+    since the start are saved first, so nothing is lost; the message says how to repair."""
+    message = str(error).strip().splitlines()[-1]  # from a DataLoader worker: its traceback, then the error
+    message = message.split("CorruptShardError: ", 1)[-1]
+    if state.step > state.first_step:
+        window.check_finite(state.dist)
+        saved = save(state)
+        message += f". Training stopped before step {state.step + 1}; saved {saved} (continue with --resume)"
+    return CorruptShardError(message)
+
+
+def count_skipped(micro_batches: list[dict], result: "TrainResult", bar) -> None:
+    """Samples skipped as unreadable (train.skip_corrupt_shards) are counted and named once each."""
+    for batch in micro_batches:
+        for message in batch.get("skipped", ()):
+            result.skipped_samples += 1
+            bar.write(f"skipped: {message.split('. Repair:')[0]}")
+
+
+def first_step_notice(ctx: TrainContext, dist: DistState) -> str:
+    """What the progress bar says while the first step compiles (CUDA only): minutes on a cold
+    compile cache, during which nothing else moves (under DDP the ranks wait for the slowest)."""
+    if ctx.device.type != "cuda":
+        return ""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # private; for the notice only
+        cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    except ImportError:
+        cache = "the inductor cache"
+    ranks = f"; each of the {dist.world_size} ranks compiles for its own GPU" if dist.is_distributed else ""
+    return f"first step: compiling kernels, minutes on a cold cache ({cache}){ranks}"
+
+
+def log_window(config, dist, window: StepStats, lr, timer, logger, step, bar, result) -> None:
+    metrics = window.summarize(dist, config.train.log_grad_norm)
+    elapsed = time.perf_counter() - timer["start"]
+    host = window.host
+    metrics.update({
+        "lr": lr,
+        "tokens_per_s": host["real_tokens"] * dist.world_size / max(elapsed, 1e-9),
+        "data_wait": timer["wait"] / max(elapsed, 1e-9),
+        "avg_seq_len": host["len_sum"] / max(host["num_seqs"], 1),
+        "max_seq_len": host["max_len"],
+        "padding_efficiency": host["real_tokens"] / max(host["padded_tokens"], 1),
+        "tokens_seen": result.tokens_seen,
+        "skipped_samples": result.skipped_samples,
+    })
+    for bucket, count in sorted(window.buckets.items()):
+        metrics[f"bucket{bucket}_micro_batches"] = count
+    logger.log(step, metrics)
+    bar.set_postfix(loss=f"{metrics['loss']:.3f}", tau=f"{metrics['tau']:.2f}")
+    result.last_metrics = metrics
+    timer.update(start=time.perf_counter(), wait=0.0)
+
+
+def held_out_micro_batches(config, dist: DistState, reader, eval_indices) -> list:
+    """This rank's share of the first eval_batches held-out micro-batches, fixed for the run."""
+    if not eval_indices.size:
+        return []
+    anchors = anchor_counts(config, reader)
+    try:
+        # world 1, accum 2: only the packing and order matter here (eval never steps).
+        micro_batches = build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
+                                             1, 2, config.train.seed, 0, sample_indices=eval_indices,
+                                             anchors=anchors, anchor_budget=config.train.anchor_budget).micro_batches
+    except ValueError:
+        # Too few held-out samples for mixed steps (one sample, or all in one bucket but one): pack them plainly.
+        buckets = reader.index["bucket"][eval_indices]
+        micro_batches = [micro_batch for bucket in np.unique(buckets)
+                         for micro_batch in pack_bucket(eval_indices[buckets == bucket], reader.index["length"],
+                                                        config.train.token_budget, anchors,
+                                                        config.train.anchor_budget)]
+    return micro_batches[dist.rank::dist.world_size][:config.train.eval_batches]
+
+
+@torch.no_grad()
+def evaluate(dist, wrapped, ctx, dataset, collate, micro_batches) -> dict:
+    """Held-out loss, accuracy and tau (epoch 0 anchors, so every evaluation sees the same blocks)."""
+    stats = StepStats(ctx.args.block_size, ctx.device)
+    wrapped.eval()
+    for micro_batch in micro_batches:
+        batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
+        if batch.get("empty"):
+            continue
+        out, valid_AB = forward_loss(wrapped, ctx, batch)
+        stats.add(out, valid_AB, batch)
+    wrapped.train()
+    return stats.summarize(dist, with_grad_norm=False)
+
+
+def save(state: TrainState) -> Path:
+    config, step = state.config, state.step
+    model_state = {k: v.detach() for k, v in state.model.state_dict().items()}  # fp32 master weights
+    require_finite(model_state, f"checkpoint of step {step}")  # sync: save steps only
+    scheduler_state = {"step": step, "tokens_seen": state.result.tokens_seen}
+    return save_checkpoint(config.train.out_dir, step, model_state, state.optimizer.state_dict(), scheduler_state,
+                           state.cursor.to_dict(), capture_rng_states(), config.to_dict(), config.train.keep_last,
+                           is_writer=state.dist.is_main, drafter_args=dataclasses.asdict(state.model.args))
+
+
+def resolve_resume(config: Config, resume: str | None) -> Path | None:
+    if resume is None:
+        return None
+    if resume == "latest":
+        path = latest_checkpoint(config.train.out_dir)
+        if path is None:
+            raise ConfigError(f"--resume: no complete checkpoint in train.out_dir ({config.train.out_dir})")
+        return path
+    return Path(resume)
+
+
+def restore(path: Path, model, optimizer, dist: DistState) -> tuple[DataCursor, int, int]:
+    checkpoint = load_checkpoint(path)
+    model.load_state_dict(checkpoint.model_state)
+    optimizer.load_state_dict(checkpoint.optimizer_state)
+    restore_rng_states(checkpoint.rng_states)
+    if dist.is_main:
+        print(f"resumed from {path} at step {checkpoint.step}")
+    return DataCursor.from_dict(checkpoint.data_cursor), checkpoint.step, checkpoint.scheduler_state.get("tokens_seen", 0)
+
+
+def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step) -> None:
+    args = model.args
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"store {config.store.path}: {len(reader)} samples ({train_indices.size} train, "
+          f"{eval_indices.size} held out), codec {reader.attrs['codec']}, "
+          f"{'the target' if reader.has_labels else 'data'} labels")
+    for name, reason in reader.skipped_shards.items():
+        print(f"  skipped corrupt shard {name}: {reason}")
+    if reader.skipped_shards or reader.incomplete_shards:
+        print(f"  {len(reader.skipped_shards)} corrupt shard(s) skipped, "
+              f"{len(reader.incomplete_shards)} incomplete shard(s) not read")
+    print(f"drafter {config.drafter.size}: {trainable / 1e6:,.1f}M trainable parameters, "
+          f"{args.num_layers} layers {list(args.layer_types)} (window {args.sliding_window}), hidden "
+          f"{args.hidden_size}, {args.num_attention_heads} heads x {args.head_dim} ({args.num_key_value_heads} KV), "
+          f"MLP {args.intermediate_size}, block {args.block_size}, mask token {args.mask_token_id}, "
+          f"target layers {list(args.target_layer_ids)}")
+    print(f"schedule: {config.train.epochs} epochs x ~{int(np.mean(steps_per_epoch))} steps, "
+          f"{total_steps} steps in all, starting at step {step}")
