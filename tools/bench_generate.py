@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_stage1 import (  # noqa: E402
+from benchlib import (  # noqa: E402
     build_random_target, log_uniform_lengths, print_table, progress, qwen35_27b_config, run_metadata,
     synchronize, write_results,
 )

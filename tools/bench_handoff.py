@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_stage1 import print_table, run_metadata, write_results  # noqa: E402
+from benchlib import print_table, run_metadata, write_results  # noqa: E402
 
 
 class AliveProcess:

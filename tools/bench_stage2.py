@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_stage1 import log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
+from benchlib import log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12
 SYNC_EVENT_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "Memcpy DtoH")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_stage1 import print_table  # noqa: E402
+from benchlib import print_table  # noqa: E402
 
 
 def rates(stage1: dict, stage2: dict, codec: str, mode: str) -> dict:

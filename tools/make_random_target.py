@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_stage1 import build_random_target, qwen35_27b_config  # noqa: E402
+from benchlib import build_random_target, qwen35_27b_config  # noqa: E402
 
 from dflash.tokenizer import build_qwen_tokenizer  # noqa: E402
 

@@ -1,0 +1,99 @@
+"""Helpers shared by the benchmarks under tools/: Markdown tables, result files with the run's
+command, date, machine and commit, the benchmarks' length mix, and the random Qwen3.5/3.6-27B-shaped
+target. Run the tools as scripts (`python tools/NAME.py`) so that `tools/` is on sys.path.
+"""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    """A Markdown table on stdout (pastes straight into docs/benchmarks-log.md and BENCHMARKS.md)."""
+    print(f"\n## {title}")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join(" --- " for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(format_cell(cell) for cell in row) + " |")
+
+
+def format_cell(value) -> str:
+    if isinstance(value, float):
+        if value == 0 or 1e-3 <= abs(value) < 1e6:
+            return f"{value:,.4g}" if abs(value) < 10 else f"{value:,.1f}"
+        return f"{value:.3e}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def run_metadata(argv: list[str]) -> dict:
+    """Command, date, machine and commit, stored beside every result (every BENCHMARKS.md row cites them)."""
+    # DFLASH_COMMIT: set by whoever copied the tree to a machine whose .git is not this tree's.
+    commit = os.environ.get("DFLASH_COMMIT", "")
+    try:
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                          cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"command": " ".join([Path(sys.executable).name, *argv]), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "device": device, "torch": torch.__version__, "python": platform.python_version(), "commit": commit}
+
+
+def write_results(path: str, results: dict) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    print(f"\nresults written to {out}")
+
+
+def log_uniform_lengths(count: int, low: int, high: int, seed: int) -> np.ndarray:
+    """Sequence lengths log-uniform in [low, high): as many 64-128 as 2048-4096 samples.
+
+    The default bucket mix of the benchmarks; chat data has many short and a long tail of
+    long conversations, and every bucket gets a fair share of the work.
+    """
+    rng = np.random.default_rng(seed)
+    lengths = np.exp(rng.uniform(np.log(low), np.log(high), size=count))
+    return np.clip(lengths.astype(np.int64), low, high - 1)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def qwen35_27b_config():
+    """The text config of Qwen3.5/3.6-27B (64 layers, [linear x3, full] x16, hidden 5120)."""
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=48,
+        max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+    )
+
+
+def build_random_target(config, device: torch.device, dtype: torch.dtype):
+    """A random-init causal LM built in place on `device` (27B in bf16 builds in seconds on a GPU)."""
+    from transformers import Qwen3_5ForCausalLM
+
+    with torch.device(device):
+        model = Qwen3_5ForCausalLM._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    return model.eval().requires_grad_(False)
+
+
+def progress(message: str) -> None:
+    """One line per finished pass, flushed: a run cut short by a time limit still reports."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
