@@ -12,14 +12,8 @@ Layout of one checkpoint, `<out_dir>/checkpoints/step-{step:08d}/`:
 A checkpoint is written into a hidden temp dir beside its final place and renamed into
 place, so a crash never leaves a `step-*` dir that looks complete; older ones are pruned to
 `keep_last`. Under DDP every rank holds the full state and only the writer (rank 0) saves;
-the caller puts a barrier after `save_checkpoint` so that no rank races ahead and reads a
-checkpoint before it exists.
-
-FSDP2: model and optimizer state are sharded DTensors there. The step dir stays the same,
-but the tensor files are replaced by `torch.distributed.checkpoint.save` on every rank, fed
-by `torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)` (and
-`set_state_dict` after `dcp.load` on resume); rank 0 alone writes `state.json` and renames
-the temp dir after a barrier.
+every rank reads it on resume, whatever the number of ranks (the schedule of an optimizer
+step does not depend on it, see dflash/training.py's `resume_config`).
 """
 
 import json
@@ -159,6 +153,11 @@ def latest_checkpoint(out_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of the run in `out_dir`, or None when there is none."""
     found = complete_checkpoints(Path(out_dir) / CHECKPOINTS_DIR)
     return found[-1] if found else None
+
+
+def read_state(path: str | Path) -> dict:
+    """A checkpoint's `state.json` alone (step, scheduler, data cursor, config), without its tensors."""
+    return json.loads((Path(path) / STATE_NAME).read_text())
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:

@@ -132,7 +132,8 @@ def stage2_train(config_path, overrides, gpus, resume):
     Reads store.path (refused if its layer ids, hidden size or vocabulary do not match the
     drafter), trains with mixed-length micro-batches per optimizer step, evaluates a
     held-out split, and writes metrics.jsonl and checkpoints under train.out_dir. SIGTERM
-    saves a final checkpoint; --resume continues the same data order.
+    saves a final checkpoint; --resume continues the same data order, also on another number
+    of GPUs (train.accum_steps is rescaled so that every optimizer step keeps its micro-batches).
     """
     if gpus and not under_torchrun():
         relaunch_without_gpus(gpus)

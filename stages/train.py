@@ -18,7 +18,8 @@ from dflash.sampler import DataCursor, split_holdout
 from dflash.sizing import build_drafter_args, check_labels
 from dflash.store import StoreReader
 from dflash.trainer import apply_parallelism, build_context, build_model, build_optimizer, schedule_for
-from dflash.training import StopFlag, TrainResult, TrainState, loop, print_plan, resolve_resume, restore
+from dflash.training import (StopFlag, TrainResult, TrainState, loop, print_plan, resolve_resume, restore,
+                             resume_config)
 
 
 def run(config: Config, resume: str | None = None) -> TrainResult:
@@ -35,6 +36,9 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     torch.manual_seed(config.train.seed)
     reader = StoreReader(config.store.path, on_corrupt="skip" if config.train.skip_corrupt_shards else "raise")
     check_labels(config, reader.attrs)
+    checkpoint_path = resolve_resume(config, resume)
+    if checkpoint_path is not None:
+        config = resume_config(config, checkpoint_path, dist)
     args = build_drafter_args(config, reader.attrs)
     train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
     # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
@@ -46,7 +50,6 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     ctx = build_context(config, args, reader, dist)
     cursor, step = DataCursor(), 0
     result = TrainResult(run_dir=config.train.out_dir)
-    checkpoint_path = resolve_resume(config, resume)
     if checkpoint_path is not None:
         cursor, step, result.tokens_seen = restore(checkpoint_path, model, optimizer, dist)
     wrapped = apply_parallelism(model, config, dist)

@@ -131,6 +131,39 @@ def test_ddp_two_processes_match_one_process(config_path, tmp_path):
         torch.testing.assert_close(ddp_weights[key], single_weights[key], rtol=1e-4, atol=1e-5)
 
 
+def test_resume_on_another_number_of_ranks_keeps_the_schedule(config_path, tmp_path, capsys):
+    """2 ranks -> 1 and 1 -> 2 (gloo): train.accum_steps is rescaled so that every optimizer step
+    keeps its micro-batches, and the resumed steps' losses equal an uninterrupted one-rank run's."""
+    common = ["train.max_steps=4", "train.keep_last=5"]
+    straight = tmp_path / "straight"
+    train.run(load_config(config_path, [run_dir_override(straight), "train.accum_steps=2", *common]))
+    expected = logged_losses(straight)
+
+    def two_ranks(run_dir: Path, accum: int, *resume: str) -> str:
+        sets = [item for value in [run_dir_override(run_dir), f"train.accum_steps={accum}", *common]
+                for item in ("--set", value)]
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                                 "-m", "dflash.cli", "stage2-train", "-c", str(config_path), *sets, *resume],
+                                env=single_thread_env(), capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    two = tmp_path / "two"
+    two_ranks(two, 1)  # the config a 2-rank run was given: one micro-batch per rank and step
+    one = train.run(load_config(config_path, [run_dir_override(tmp_path / "two-to-one"), "train.accum_steps=1",
+                                              *common]), resume=str(two / "checkpoints" / "step-00000002"))
+    assert "resuming a 2-rank run on 1 rank(s): train.accum_steps 1 -> 2" in capsys.readouterr().out
+    assert one.steps == 4
+    assert one.losses == pytest.approx([expected[3], expected[4]], rel=1e-4)
+
+    printed = two_ranks(tmp_path / "one-to-two", 2, "--resume", str(straight / "checkpoints" / "step-00000002"))
+    assert "resuming a 1-rank run on 2 rank(s): train.accum_steps 2 -> 1" in printed
+    resumed = logged_losses(tmp_path / "one-to-two")
+    assert resumed.keys() == {3, 4}
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-4), step
+
+
 def test_export_cli_and_fine_tune_from_export(config_path, tmp_path):
     run_dir = tmp_path / "run"
     train.run(load_config(config_path, [run_dir_override(run_dir), "train.max_steps=2"]))
