@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash.inspection import format_bytes
 from dflash.plan import plan_shards
 from dflash.store import SCHEMA_VERSION, ShardWriter, bf16_to_bits, create_or_open_store
 from stages import inspect as inspect_stage
@@ -68,5 +69,5 @@ def test_plot_writes_png(store_path, tmp_path, capsys):
 
 
 def test_format_bytes():
-    assert inspect_stage.format_bytes(512) == "512 B"
-    assert inspect_stage.format_bytes(3 * 1024 * 1024) == "3.0 MiB"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(3 * 1024 * 1024) == "3.0 MiB"
