@@ -306,9 +306,13 @@ def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epo
           f"{'the target' if reader.has_labels else 'data'} labels")
     for name, reason in reader.skipped_shards.items():
         print(f"  skipped corrupt shard {name}: {reason}")
-    if reader.skipped_shards or reader.incomplete_shards:
-        print(f"  {len(reader.skipped_shards)} corrupt shard(s) skipped, "
-              f"{len(reader.incomplete_shards)} incomplete shard(s) not read")
+    if reader.skipped_shards:
+        print(f"  {len(reader.skipped_shards)} corrupt shard(s) skipped")
+    if reader.incomplete_shards:
+        planned = len(reader.incomplete_shards) + len(reader.shard_names) + len(reader.skipped_shards)
+        print(f"  {len(reader.incomplete_shards)} of {planned} planned shards are not complete (stage one is "
+              f"still running, or stopped): this run trains on the complete ones only and does not pick up "
+              f"later ones; finish stage one (rerun it with the same config) to train on the whole store")
     print(f"drafter {config.drafter.size}: {trainable / 1e6:,.1f}M trainable parameters, "
           f"{args.num_layers} layers {list(args.layer_types)} (window {args.sliding_window}), hidden "
           f"{args.hidden_size}, {args.num_attention_heads} heads x {args.head_dim} ({args.num_key_value_heads} KV), "

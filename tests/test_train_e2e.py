@@ -301,6 +301,25 @@ def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, t
     assert subprocess.run(cli, capture_output=True, text=True).returncode == 0
 
 
+def test_a_store_still_being_written_is_named_and_its_complete_shards_train(config_path, tmp_path, capsys):
+    import shutil
+
+    import zarr
+
+    from dflash.store import COMPLETE_KEY
+
+    config = load_config(config_path)
+    store = tmp_path / "store"
+    shutil.copytree(config.store.path, store)
+    shards = zarr.open_group(store / "shards", mode="r+")
+    names = sorted(shards.group_keys())
+    del shards[names[-1]].attrs[COMPLETE_KEY]  # as if stage one were still writing it
+    result = train.run(load_config(config_path, [f'store.path="{store}"', "train.max_steps=1",
+                                                 run_dir_override(tmp_path / "run")]))
+    assert result.steps == 1
+    assert f"1 of {len(names)} planned shards are not complete" in capsys.readouterr().out
+
+
 def test_a_read_failure_saves_the_steps_trained_before_it(config_path, tmp_path, monkeypatch):
     from dflash.store import StoreReader
 
