@@ -274,34 +274,7 @@ def flip_a_byte_in_every_shards_features(store) -> None:
 
 
 def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, tmp_path, capsys):
-    import shutil
-
-    config = load_config(config_path)
-    store = tmp_path / "store"
-    shutil.copytree(config.store.path, store)
-    flip_a_byte_in_every_shards_features(store)
-    overrides = [f'store.path="{store}"', "train.max_steps=0"]
-
-    with pytest.raises(CorruptShardError, match=r"shard b\d\d-\d+: cannot read sample \d+ \(row \d+\).*"
-                                                r"--verify --repair"):
-        train.run(load_config(config_path, overrides + [run_dir_override(tmp_path / "stop")]))
-
-    skipping = train.run(load_config(config_path, overrides + [run_dir_override(tmp_path / "skip"),
-                                                               "train.skip_corrupt_shards=true"]))
-    assert skipping.skipped_samples > 0 and skipping.steps > 0
-    assert logged_metric(tmp_path / "skip", "skipped_samples") == skipping.skipped_samples
-    last_lines = capsys.readouterr().out.strip().splitlines()[-2:]
-    assert f"{skipping.skipped_samples} unreadable samples skipped; checkpoint {skipping.checkpoint}" in last_lines[0]
-    assert last_lines[1].strip() == f"export it for serving: dflash export {skipping.checkpoint} EXPORT_DIR"
-
-    cli = [sys.executable, "-m", "dflash.cli", "inspect-cache", str(store), "--verify", "--repair"]
-    repaired = subprocess.run(cli, capture_output=True, text=True)
-    assert repaired.returncode == 1 and "repair: removed" in repaired.stdout
-    extract.run(load_config(config_path, [f'store.path="{store}"']))
-    assert subprocess.run(cli, capture_output=True, text=True).returncode == 0
-
-
-def test_a_store_still_being_written_is_named_and_its_complete_shards_train(config_path, tmp_path, capsys):
+    """Also: a shard without its completion mark (stage one still writing it) is named and left out."""
     import shutil
 
     import zarr
@@ -313,11 +286,29 @@ def test_a_store_still_being_written_is_named_and_its_complete_shards_train(conf
     shutil.copytree(config.store.path, store)
     shards = zarr.open_group(store / "shards", mode="r+")
     names = sorted(shards.group_keys())
-    del shards[names[-1]].attrs[COMPLETE_KEY]  # as if stage one were still writing it
-    result = train.run(load_config(config_path, [f'store.path="{store}"', "train.max_steps=1",
-                                                 run_dir_override(tmp_path / "run")]))
-    assert result.steps == 1
-    assert f"1 of {len(names)} planned shards are not complete" in capsys.readouterr().out
+    del shards[names[-1]].attrs[COMPLETE_KEY]
+    flip_a_byte_in_every_shards_features(store)
+    overrides = [f'store.path="{store}"', "train.max_steps=0"]
+
+    with pytest.raises(CorruptShardError, match=r"shard b\d\d-\d+: cannot read sample \d+ \(row \d+\).*"
+                                                r"--verify --repair"):
+        train.run(load_config(config_path, overrides + [run_dir_override(tmp_path / "stop")]))
+
+    skipping = train.run(load_config(config_path, overrides + [run_dir_override(tmp_path / "skip"),
+                                                               "train.skip_corrupt_shards=true"]))
+    assert skipping.skipped_samples > 0 and skipping.steps > 0
+    assert logged_metric(tmp_path / "skip", "skipped_samples") == skipping.skipped_samples
+    printed = capsys.readouterr().out
+    assert f"1 of {len(names)} planned shards are not complete" in printed
+    last_lines = printed.strip().splitlines()[-2:]
+    assert f"{skipping.skipped_samples} unreadable samples skipped; checkpoint {skipping.checkpoint}" in last_lines[0]
+    assert last_lines[1].strip() == f"export it for serving: dflash export {skipping.checkpoint} EXPORT_DIR"
+
+    cli = [sys.executable, "-m", "dflash.cli", "inspect-cache", str(store), "--verify", "--repair"]
+    repaired = subprocess.run(cli, capture_output=True, text=True)
+    assert repaired.returncode == 1 and "repair: removed" in repaired.stdout
+    extract.run(load_config(config_path, [f'store.path="{store}"']))
+    assert subprocess.run(cli, capture_output=True, text=True).returncode == 0
 
 
 def test_a_read_failure_saves_the_steps_trained_before_it(config_path, tmp_path, monkeypatch):
