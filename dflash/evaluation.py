@@ -171,8 +171,11 @@ def timed(device: torch.device, fn):
 
 
 def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, device: torch.device) -> None:
-    """One untimed run of the first prompt by the baseline and every drafter, so that kernel
-    selection, lazy module loading and allocator growth are timed by none of them."""
+    """On CUDA, one untimed run of the first prompt by the baseline and every drafter, so that
+    kernel selection, lazy module loading and allocator growth are timed by none of them (CPU
+    timings are not served speedups anyway, and the CPU decodes slowly: no warm-up there)."""
+    if device.type != "cuda":
+        return
     input_ids = torch.as_tensor(prompt_ids, device=device)[None]
     greedy_generate(target, input_ids, max_new_tokens, stops)
     for draft in drafts:

@@ -7,8 +7,8 @@ baseline) and then speculatively with each drafter through `dflash.modeling_dfla
 and loop an export serves). Several drafters (checkpoints of one run, or rival runs) share the
 prompts and the baseline. For each it reports the acceptance
 length tau (tokens committed per verifying target forward), its histogram over 1..B, the
-acceptance of each block slot, the wall-clock speedup over the baseline (every loop decodes the
-first prompt once untimed first), and, at temperature 0, whether the speculative output equals
+acceptance of each block slot, the wall-clock speedup over the baseline (on CUDA every loop
+decodes the first prompt once untimed first), and, at temperature 0, whether the speculative output equals
 the baseline token for token, telling rounding near-ties of a bf16 target apart from real
 mismatches. The decoding, results and report are `dflash.evaluation`'s.
 

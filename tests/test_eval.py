@@ -18,10 +18,12 @@ import pytest
 import torch
 from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
 
+from dflash.config import load_config
 from dflash.drafter import DFlashDrafter, drafter_args
 from dflash.evaluation import EvalResult, decode_prompt, lossless_verdict, summarize
 from dflash.export import AUTO_MAP, MODELING_NAME, export_drafter
 from dflash.modeling_dflash import DFlashDraftModel, accept, greedy_generate, speculative_generate
+from stages import extract, train
 from test_inference_equivalence import VOCAB, packed_training_logits, random_packed_batch, tiny_setup
 
 
@@ -187,7 +189,7 @@ def test_spec_generate_equals_greedy_on_llama_and_qwen35(tmp_path, tiny_target_d
 
 
 @pytest.mark.slow
-def test_eval_on_the_tiny_default_is_lossless(tmp_path, pipeline_config):
+def test_eval_on_the_tiny_default_is_lossless(tmp_path, pipeline_config, capsys):
     root = tmp_path
     config = pipeline_config(root, 30, 10, f"""
 [store]
@@ -215,10 +217,11 @@ wandb = "disabled"
 compile = false
 """)
     cli = [sys.executable, "-m", "dflash.cli"]
-    subprocess.run(cli + ["stage1-extract", "-c", str(config)], check=True, capture_output=True, text=True)
-    trained = subprocess.run(cli + ["stage2-train", "-c", str(config)], capture_output=True, text=True)
-    assert trained.returncode == 0, trained.stderr[-2000:]
-    assert "drafter auto:" in trained.stdout and "2 layers ['sliding_attention', 'full_attention']" in trained.stdout
+    extract.run(load_config(config))  # the two stages in this process; export and eval as a user runs them
+    capsys.readouterr()
+    train.run(load_config(config))
+    trained = capsys.readouterr().out
+    assert "drafter auto:" in trained and "2 layers ['sliding_attention', 'full_attention']" in trained
     checkpoint = sorted((root / "run" / "checkpoints").glob("step-*"))[-1]
     subprocess.run(cli + ["export", str(checkpoint), str(root / "export")], check=True, capture_output=True)
     exported = json.loads((root / "export" / "config.json").read_text())
