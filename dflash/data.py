@@ -219,6 +219,13 @@ def prompt_messages(row) -> list[dict]:
     return messages[:last]
 
 
+def prompt_token_ids(messages: list[dict], tokenizer) -> list[int]:
+    """The conversation before the answer, rendered with the chat template and its generation
+    prompt: what the target reads before it answers (`dflash eval`'s and `dflash generate`'s prompts)."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def _message_text(value, what: str) -> str:
     """Message content as a string; a list of OpenAI-style text parts is joined."""
     if isinstance(value, str):

@@ -146,9 +146,7 @@ def source_prompts(source: str, split: str, tokenizer, num_prompts: int) -> list
         except data.RowProblem:
             skipped += 1
             continue
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        prompts.append((row_label(row_id), np.asarray(ids, dtype=np.int64)))
+        prompts.append((row_label(row_id), np.asarray(data.prompt_token_ids(messages, tokenizer), dtype=np.int64)))
         if len(prompts) == num_prompts:
             break
     if skipped:

@@ -111,8 +111,7 @@ def read_prompts(source: str, split: str, tokenizer, max_length: int, strict: bo
         num_rows += 1
         try:
             messages = data.prompt_messages(row)
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            input_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            input_ids = data.prompt_token_ids(messages, tokenizer)
             if len(input_ids) >= max_length:
                 raise data.RowProblem(BAD_PROMPT_TOO_LONG, f"prompt of {len(input_ids)} tokens, data.max_length "
                                                            f"is {max_length}")

@@ -49,8 +49,7 @@ def real_prompts(config, count: int, source: str, device):
             messages = data.prompt_messages(row)
         except data.RowProblem:
             continue
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts.append(Prompt(row_id, messages, tokenizer(text, add_special_tokens=False)["input_ids"]))
+        prompts.append(Prompt(row_id, messages, data.prompt_token_ids(messages, tokenizer)))
         if len(prompts) == count:
             break
     return target, tokenizer, stop_token_ids(tokenizer, target), prompts
