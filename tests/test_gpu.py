@@ -85,22 +85,42 @@ def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed):
         torch.testing.assert_close(flex_grad, dense_grad, rtol=5e-2, atol=5e-3)
 
 
+class UpdateByGradient(torch.optim.Optimizer):
+    """Plain gradient descent at lr 1, which accepts `found_inf` as train_step sets it (SGD does not)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1.0})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.sub_(group["lr"] * param.grad)
+
+
 def test_compiled_layers_equal_eager_over_one_optimizer_step():
+    """One `train_step` (two micro-batches, clip, update) each way. Gradient descent at lr 1 makes each
+    parameter's update its clipped gradient, so the updates compare the gradients themselves; Adam's
+    first step would turn every near-zero gradient into a +-lr step whose sign is rounding noise."""
     device = torch.device("cuda")
     batches = [micro_batch(10, device), micro_batch(11, device)]
     after = {}
     for compiled in (False, True):
         ctx = context("flex", device)
         model = fresh_drafter(ctx.args, device)
+        before = [p.detach().float().clone() for p in model.parameters()]
         if compiled:
             compile_layers(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        stats = train_step(model, ctx, batches, optimizer, lr=1e-3, clip=1.0, step=1)
-        after[compiled] = (float(stats.values[0]) / stats.micro_batches,
-                           [p.detach().float().clone() for p in model.parameters()])
+        optimizer = UpdateByGradient(model.parameters())
+        stats = train_step(model, ctx, batches, optimizer, lr=1.0, clip=1.0, step=1)
+        updates = [p.detach().float() - start for p, start in zip(model.parameters(), before)]
+        after[compiled] = (float(stats.values[0]) / stats.micro_batches, float(stats.grad_norm), updates)
     assert after[True][0] == pytest.approx(after[False][0], rel=5e-3)
-    for compiled_param, eager_param in zip(after[True][1], after[False][1]):
-        torch.testing.assert_close(compiled_param, eager_param, rtol=1e-2, atol=1e-4)
+    assert after[True][1] == pytest.approx(after[False][1], rel=1e-2)
+    for index, (compiled_update, eager_update) in enumerate(zip(after[True][2], after[False][2])):
+        gap = (compiled_update - eager_update).norm() / eager_update.norm().clamp_min(1e-12)
+        assert gap < 2e-2, f"parameter {index}: the compiled update differs from eager by {gap:.2e} of its norm"
 
 
 def test_fp8_capture_on_the_gpu_equals_the_cpu_encode_and_labels_equal_the_argmax(tiny_target_dir):
