@@ -126,7 +126,10 @@ def stage1_extract(config_path, overrides, gpus, overwrite):
 @click.option("--gpus", help="Comma-separated GPU ids, one DDP process each via torchrun (e.g. 5,6,7).")
 @click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
               help="Resume from the latest checkpoint in train.out_dir, or from PATH.")
-def stage2_train(config_path, overrides, gpus, resume):
+@click.option("--follow", is_flag=True,
+              help="Train while stage one is still writing the store (train.follow): new shards join the first "
+                   "epoch as they complete, every step still mixes lengths, later epochs start once it is finished.")
+def stage2_train(config_path, overrides, gpus, resume, follow):
     """Train the DFlash drafter from a stage-one store (no target model needed).
 
     Reads store.path (refused if its layer ids, hidden size or vocabulary do not match the
@@ -134,10 +137,11 @@ def stage2_train(config_path, overrides, gpus, resume):
     held-out split, and writes metrics.jsonl and checkpoints under train.out_dir. SIGTERM
     saves a final checkpoint; --resume continues the same data order, also on another number
     of GPUs (train.accum_steps is rescaled so that every optimizer step keeps its micro-batches).
+    --follow starts on a store that stage one is still writing (train.follow).
     """
     if gpus and not under_torchrun():
         relaunch_without_gpus(gpus)
-    config = load_or_exit(config_path, overrides)
+    config = load_or_exit(config_path, overrides, ["train.follow=true"] if follow else [])
     writes(config.train.out_dir)
     from stages import train
 

@@ -110,6 +110,11 @@ class TrainConfig:
     activation_checkpointing: bool = False
     skip_corrupt_shards: bool = False
     log_grad_norm: bool = False
+    # Follow a store that stage one is still writing (dflash/follow.py): new shards join at fixed points.
+    follow: bool = False
+    follow_every: int = 50  # optimizer steps between looks for new shards (and at each segment's end)
+    follow_poll_s: float = 10.0  # seconds between looks while waiting for shards
+    follow_timeout_s: float = 1800.0  # stop (with a checkpoint) when no shard completes for this long
     wandb: str = "offline"  # "online", "offline" or "disabled"
     wandb_project: str = "dflash"
 
@@ -188,6 +193,12 @@ HELP = {
     "train.eval_batches": "held-out micro-batches per evaluation",
     "train.log_every": "steps between metric lines (the only steps that move numbers to the host)",
     "train.save_every": "steps between checkpoints",
+    "train.follow": "train on a store that stage one is still writing: new shards join the first epoch at fixed "
+                    "points, every step still mixes lengths (waiting for shards when it cannot), later epochs "
+                    "start once the store is finished (stage2-train --follow)",
+    "train.follow_every": "with train.follow: optimizer steps between looks for newly completed shards",
+    "train.follow_poll_s": "with train.follow: seconds between looks while waiting for shards",
+    "train.follow_timeout_s": "with train.follow: stop with a checkpoint when no shard completes for this many seconds",
     "train.keep_last": "checkpoints kept",
     "train.num_workers": "DataLoader worker processes per rank",
     "train.attention": "attention backend: auto (flex on CUDA, dense SDPA on CPU), flex or dense",
@@ -317,7 +328,7 @@ def validate(config: Config) -> None:
     positive = ["data.max_length", "store.shard_tokens", "extract.batch_tokens", "extract.rows_per_chunk",
                 "extract.chunks_per_file", "extract.writer_processes",
                 "train.epochs", "train.token_budget", "train.accum_steps", "train.max_anchors", "train.anchor_budget",
-                "train.loss_chunk", "train.log_every", "train.save_every", "train.keep_last",
+                "train.loss_chunk", "train.log_every", "train.save_every", "train.keep_last", "train.follow_every",
                 "train.eval_every", "drafter.block_size", "target.num_layer_ids"]
     for key in positive:
         if lookup(config, key) <= 0:
@@ -343,6 +354,9 @@ def validate(config: Config) -> None:
     if config.train.max_anchors > config.train.anchor_budget:
         raise ConfigError(f"train.anchor_budget ({config.train.anchor_budget}) must hold one "
                           f"sequence's train.max_anchors ({config.train.max_anchors})")
+    for key in ("train.follow_poll_s", "train.follow_timeout_s"):
+        if lookup(config, key) < 0:
+            raise ConfigError(f"{key} must be 0 or more seconds, got {lookup(config, key)}")
     if not 0.0 <= config.train.holdout_fraction < 1.0:
         raise ConfigError(f"train.holdout_fraction must be in [0, 1), got {config.train.holdout_fraction}")
     if not 0.0 <= config.train.warmup_ratio < 1.0:

@@ -72,6 +72,15 @@ def all_reduce_sum(state: DistState, values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def broadcast_object(state: DistState, value):
+    """Rank 0's `value` on every rank (a few host objects: what a following run found in the store)."""
+    if not state.is_distributed:
+        return value
+    holder = [value if state.is_main else None]
+    torch_dist.broadcast_object_list(holder, src=0, device=state.device if state.device.type == "cuda" else None)
+    return holder[0]
+
+
 def launch_on_gpus(gpus: str, module_args: list[str]) -> int:
     """Run `python -m dflash.cli <module_args>` on the listed GPUs, one process each."""
     gpu_ids = [g.strip() for g in gpus.split(",") if g.strip()]

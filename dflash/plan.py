@@ -109,6 +109,25 @@ def assign_ranks(shards: list[ShardPlan], world_size: int) -> list[list[ShardPla
     return [sorted(assigned, key=lambda s: s.name) for assigned in per_rank]
 
 
+def write_order(shards: list[ShardPlan]) -> list[ShardPlan]:
+    """The order a rank writes its shards in: buckets interleaved in proportion to their tokens.
+
+    A store being written then holds every sequence length from early on, so a stage two that
+    follows it (`train.follow`) can mix lengths in every step from its first. Each shard is due
+    at the middle of its token span inside its bucket, as a fraction of the bucket's tokens;
+    shards go in due order (ties by name), each bucket's own shards staying in name order.
+    """
+    totals: dict[int, int] = {}
+    for shard in shards:
+        totals[shard.bucket] = totals.get(shard.bucket, 0) + shard.num_tokens
+    done: dict[int, int] = dict.fromkeys(totals, 0)
+    due = {}
+    for shard in sorted(shards, key=lambda s: s.name):
+        due[shard.name] = (done[shard.bucket] + shard.num_tokens / 2) / max(totals[shard.bucket], 1)
+        done[shard.bucket] += shard.num_tokens
+    return sorted(shards, key=lambda s: (due[s.name], s.name))
+
+
 def rank_token_counts(assignment: list[list[ShardPlan]]) -> list[int]:
     """Tokens each rank writes under an assignment."""
     return [sum(s.num_tokens for s in shards) for shards in assignment]

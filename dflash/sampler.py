@@ -15,7 +15,8 @@ For one epoch, from `(seed, epoch)` alone:
 5. inside a step each rank gets exactly `accum_steps` micro-batches, token-balanced.
 
 The data state is a `DataCursor(epoch, step)`: resuming rebuilds the epoch's schedule and
-starts at `step`, reading nothing that was skipped.
+starts at `step`, reading nothing that was skipped. A run that follows a store still being
+written (dflash/follow.py) schedules its first epoch in segments; `segment` says which.
 """
 
 from __future__ import annotations
@@ -35,20 +36,22 @@ MicroBatch = tuple[int, ...]
 
 @dataclasses.dataclass(frozen=True)
 class DataCursor:
-    """Position in the data order: the next optimizer step to run is `step` of `epoch`."""
+    """Position in the data order: the next optimizer step to run is `step` of `epoch` (of its
+    `segment`, while a following run's first epoch is scheduled in segments)."""
 
     epoch: int = 0
     step: int = 0
+    segment: int = 0
 
     def to_dict(self) -> dict[str, int]:
-        return {"epoch": int(self.epoch), "step": int(self.step)}
+        return {"epoch": int(self.epoch), "step": int(self.step), "segment": int(self.segment)}
 
     @classmethod
     def from_dict(cls, state: dict) -> DataCursor:
         missing = {"epoch", "step"} - set(state)
         if missing:
             raise KeyError(f"DataCursor.from_dict: missing keys {sorted(missing)} in {state!r}")
-        return cls(epoch=int(state["epoch"]), step=int(state["step"]))
+        return cls(epoch=int(state["epoch"]), step=int(state["step"]), segment=int(state.get("segment", 0)))
 
 
 def split_holdout(num_samples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -364,12 +367,14 @@ def build_epoch_schedule(
     sample_indices: np.ndarray | None = None,
     anchors: np.ndarray | None = None,
     anchor_budget: int = 0,
+    stream: tuple[int, ...] = (),
 ) -> EpochSchedule:
     """The schedule of `epoch` over `sample_indices` (default: all samples).
 
     `lengths[i]`, `buckets[i]` are sample i's token count and bucket (the store index);
     `anchors[i]`, when given, its anchor count, packed under `anchor_budget` per micro-batch.
-    Deterministic in all arguments; every selected sample appears exactly once.
+    `stream` extends the shuffle's rng key (a following run's segment). Deterministic in all
+    arguments; every selected sample appears exactly once.
     """
     lengths, buckets = np.asarray(lengths, dtype=np.int64), np.asarray(buckets, dtype=np.int64)
     if sample_indices is None:
@@ -381,7 +386,7 @@ def build_epoch_schedule(
     packed = {}
     for bucket in np.unique(buckets[sample_indices]).tolist():
         members = sample_indices[buckets[sample_indices] == bucket]
-        rng = np.random.default_rng([seed, epoch, bucket])
+        rng = np.random.default_rng([seed, epoch, bucket, *stream])
         packed[bucket] = pack_bucket(rng.permutation(members), lengths, token_budget, anchors, anchor_budget)
     packing = _BucketPacking(packed, lengths)
     _ensure_mixable(packing, step_size)

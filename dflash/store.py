@@ -469,12 +469,15 @@ class StoreReader:
     The sample index (numpy arrays `sample_*`) is built once; zarr arrays are opened lazily
     in each process and not pickled, so the reader can go to DataLoader workers.
     `on_corrupt="skip"` skips shards that cannot be opened and records them in `skipped_shards`.
+    `shards` indexes exactly those shards, in that order (a following run's arrival order);
+    `refresh()` appends shards completed since, keeping every earlier sample index.
     """
 
-    def __init__(self, path: Any, on_corrupt: str = "raise"):
+    def __init__(self, path: Any, on_corrupt: str = "raise", shards: list[str] | None = None):
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         self.path = path
+        self.on_corrupt = on_corrupt
         root = open_existing(path)
         self.attrs = _read_root_attrs(root, path)
         self.codec: str = self.attrs["codec"]
@@ -485,19 +488,55 @@ class StoreReader:
         self.skipped_shards: dict[str, str] = {}
         self.shard_names: list[str] = []
         self.shard_buckets: list[int] = []
-        parts = [self._index_shard(root, name, on_corrupt) for name in shard_names(root)]
-        self._build_index([part for part in parts if part is not None])
+        self._parts: list[dict] = []
+        if shards is None:
+            self._append(root, shard_names(root))
+        else:
+            self._append(root, shards, required=True)
+            self.incomplete_shards = [name for name in shard_names(root)
+                                      if name not in set(self.shard_names) and not is_complete(root, name)]
         self._root: zarr.Group | None = None
         self._arrays: dict[str, dict[str, Any]] = {}
 
-    def _index_shard(self, root: zarr.Group, name: str, on_corrupt: str) -> dict | None:
+    @property
+    def planned_shards(self) -> list[str]:
+        """The shard names stage one planned (root attribute `shards`)."""
+        return [entry["name"] for entry in self.attrs.get("shards", [])]
+
+    @property
+    def finished(self) -> bool:
+        """Every planned shard is indexed (or skipped as corrupt): stage one wrote the whole store."""
+        done = set(self.shard_names) | set(self.skipped_shards)
+        return all(name in done for name in self.planned_shards)
+
+    def refresh(self, names: list[str] | None = None) -> list[str]:
+        """Append the shards completed since the index was built (all of `names`, in that order,
+        when given: what another rank found); returns the names appended."""
+        root = open_existing(self.path)
+        known = set(self.shard_names) | set(self.skipped_shards)
+        before = len(self.shard_names)
+        self.incomplete_shards = []
+        self._append(root, [name for name in (shard_names(root) if names is None else names) if name not in known],
+                     required=names is not None)
+        return self.shard_names[before:]
+
+    def _append(self, root: zarr.Group, names: list[str], required: bool = False) -> None:
+        parts = [self._index_shard(root, name, self.on_corrupt, required) for name in names]
+        self._parts += [part for part in parts if part is not None]
+        self._build_index(self._parts)
+
+    def _index_shard(self, root: zarr.Group, name: str, on_corrupt: str, required: bool = False) -> dict | None:
         try:
             shard = open_shard(root, name)
             if shard is None or COMPLETE_KEY not in shard.attrs:
+                if required:
+                    raise CorruptShardError(f"shard {name} is not complete, but this run's checkpoint trained on it")
                 self.incomplete_shards.append(name)
                 return None
             index = _shard_index(shard, self.codec, self.has_labels)
             bucket = int(shard.attrs[COMPLETE_KEY]["bucket"])
+        except CorruptShardError:
+            raise
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
             if on_corrupt == "raise":
@@ -531,6 +570,7 @@ class StoreReader:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_root"], state["_arrays"] = None, {}  # zarr handles are reopened per process
+        state["_parts"] = []  # only refresh() needs them; DataLoader workers read, never refresh
         return state
 
     def _shard_arrays(self, name: str) -> dict[str, Any]:

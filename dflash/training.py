@@ -22,6 +22,7 @@ from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_check
 from dflash.config import Config, ConfigError, replace
 from dflash.dist import DistState
 from dflash.export import require_finite
+from dflash.follow import FollowStopped, FollowTimeout, StoreFollower
 from dflash.metrics import MetricsLogger
 from dflash.sampler import DataCursor, build_epoch_schedule, pack_bucket
 from dflash.store import CorruptShardError, StoreReader
@@ -54,7 +55,7 @@ class TrainState:
     ctx: TrainContext
     reader: StoreReader
     eval_indices: np.ndarray
-    schedules: list
+    schedules: list  # one per epoch (empty when following: the follower holds them)
     total_steps: int
     logger: MetricsLogger
     result: TrainResult
@@ -62,6 +63,50 @@ class TrainState:
     cursor: DataCursor
     step: int
     first_step: int  # the step this process started (or resumed) at
+    follower: StoreFollower | None = None  # train.follow: the store is still being written
+
+
+def current_schedule(state: TrainState):
+    """The schedule the data cursor points into (None: a following run's empty last segment)."""
+    cursor = state.cursor
+    if state.follower is None:
+        return state.schedules[cursor.epoch]
+    return state.follower.schedule(cursor.segment) if cursor.epoch == 0 else state.follower.later[cursor.epoch]
+
+
+def keep_going(state: TrainState) -> bool:
+    """Steps remain: before the horizon, or (following, without train.max_steps) while the
+    first epoch's length is still an estimate."""
+    if state.stop.requested:
+        return False
+    if state.step < state.total_steps:
+        return True
+    follower = state.follower
+    return follower is not None and not follower.exact and state.config.train.max_steps <= 0
+
+
+def follow_point(state: TrainState, schedule, status, timer) -> bool:
+    """A following run's fixed point (every train.follow_every steps and at each segment's end):
+    take up new shards; at a segment's end (its reserve step left) wait for the next one. True
+    when the cursor moved."""
+    follower, cursor = state.follower, state.cursor
+    if schedule.num_steps - cursor.step > follower.reserve_steps:
+        segment = follower.at_fixed_point(cursor.step, state.step)
+    else:
+        start = time.perf_counter()
+        try:
+            segment = follower.next_segment(cursor.step, state.step, status, stopping=lambda: state.stop.requested)
+        except FollowStopped:
+            state.stop.requested = True  # every rank: rank 0's flag decided
+            return False
+        finally:
+            timer["wait"] += time.perf_counter() - start
+    if segment is None and cursor.step < schedule.num_steps:
+        return False
+    state.cursor = DataCursor(epoch=1, step=0) if segment is None else DataCursor(0, 0, len(follower.segments) - 1)
+    state.total_steps = follower.horizon
+    state.eval_indices = follower.eval_indices()
+    return True
 
 
 class StopFlag:
@@ -80,27 +125,41 @@ class StopFlag:
 
 def loop(state: TrainState) -> None:
     config, dist, ctx, result, stop = state.config, state.dist, state.ctx, state.result, state.stop
-    reader, eval_indices, total_steps = state.reader, state.eval_indices, state.total_steps
+    reader = state.reader
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
     loader_options = {"pad_multiple": pad_multiple(ctx)}
     collate = functools.partial(collate_packed, **loader_options)
-    eval_micro_batches = held_out_micro_batches(config, dist, reader, eval_indices)
-    bar = tqdm(total=total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,
+    eval_micro_batches = held_out_micro_batches(config, dist, reader, state.eval_indices)
+    bar = tqdm(total=state.total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,
                desc="train")
     window = StepStats(ctx.args.block_size, ctx.device)
     timer = {"start": time.perf_counter(), "wait": 0.0}
-    loss_history = torch.zeros(total_steps, dtype=torch.float64, device=ctx.device)
+    losses = []  # every step's loss, on the device until the end
     notice = first_step_notice(ctx, dist)
     if notice:
         bar.set_postfix_str(notice)
-    while state.step < total_steps and not stop.requested:
-        schedule = state.schedules[state.cursor.epoch]
+    while keep_going(state):
+        schedule = current_schedule(state)
+        if schedule is None:  # a following run's last segment had too few samples for a step (reported)
+            state.cursor = DataCursor(epoch=state.cursor.epoch + 1, step=0)
+            continue
+        if (state.follower is not None and state.cursor.epoch == 0
+                and schedule.num_steps - state.cursor.step <= state.follower.reserve_steps):
+            # A new segment no longer than its reserve: wait for more shards before training it.
+            try:
+                moved = follow_point(state, schedule, bar.set_postfix_str, timer)
+            except FollowTimeout as error:
+                raise follow_stop(error, state, window) from None
+            if moved:
+                bar.total = max(state.total_steps, state.step)
+                eval_micro_batches = held_out_micro_batches(config, dist, reader, state.eval_indices)
+                continue
         if schedule.num_steps == 0:
             raise ConfigError(f"epoch {state.cursor.epoch} has no optimizer step: too few samples for "
                               f"train.accum_steps x world size micro-batches")
         iterator = iter(epoch_loader(config, dataset, loader_options, schedule, dist, state.cursor))
         for step_in_epoch in range(state.cursor.step, schedule.num_steps):
-            if state.step >= total_steps or stop.requested:
+            if not keep_going(state):
                 break
             wait_start = time.perf_counter()
             try:
@@ -109,44 +168,77 @@ def loop(state: TrainState) -> None:
                 raise corrupt_stop(error, state, window) from None
             count_skipped(micro_batches, result, bar)
             timer["wait"] += time.perf_counter() - wait_start
-            lr = learning_rate(config, state.step, total_steps)
+            lr = learning_rate(config, state.step, state.total_steps)
             stats = train_step(state.wrapped, ctx, micro_batches, state.optimizer, lr, config.train.clip,
                                state.step + 1)
             window.merge(stats)
             result.tokens_seen += stats.host["real_tokens"] * dist.world_size
             state.step += 1
             step = state.step
-            state.cursor = DataCursor(epoch=state.cursor.epoch, step=step_in_epoch + 1)
-            if state.cursor.step == schedule.num_steps:
-                state.cursor = DataCursor(epoch=state.cursor.epoch + 1, step=0)
-            loss_history[step - 1] = stats.values[0] / stats.micro_batches
+            losses.append(stats.values[0] / stats.micro_batches)
             if notice and step == state.first_step + 1:
                 bar.set_postfix_str("")
             bar.update(1)
-            if step % config.train.log_every == 0 or step == total_steps:
+            moved = advance_cursor(state, schedule, step_in_epoch, bar, timer, window)
+            if moved and state.follower is not None:
+                bar.total = max(state.total_steps, step)
+                bar.refresh()
+                eval_micro_batches = held_out_micro_batches(config, dist, reader, state.eval_indices)
+            if step % config.train.log_every == 0 or step == state.total_steps:
                 log_window(config, dist, window, lr, timer, state.logger, step, bar, result)
                 window = StepStats(ctx.args.block_size, ctx.device)
-            if eval_indices.size and (step % config.train.eval_every == 0 or step == total_steps):
+            if state.eval_indices.size and (step % config.train.eval_every == 0 or step == state.total_steps):
                 try:
                     result.eval_metrics = evaluate(dist, state.wrapped, ctx, dataset, collate, eval_micro_batches)
                 except CorruptShardError as error:
                     raise corrupt_stop(error, state, window) from None
                 state.logger.log(step, {f"eval/{k}": v for k, v in result.eval_metrics.items()})
-            if step % config.train.save_every == 0 and step < total_steps:
+            if step % config.train.save_every == 0 and step < state.total_steps:
                 window.check_finite(dist)
                 save(state)
+            if moved:
+                break
     bar.close()
     window.check_finite(dist)
     step = state.step
     result.checkpoint = str(save(state))
     result.steps = step
-    result.losses = loss_history[state.first_step:step].tolist()  # sync: end of run
+    result.losses = torch.stack(losses).tolist() if losses else []  # sync: end of run
     if stop.requested and dist.is_main:
         print(f"SIGTERM: saved checkpoint {result.checkpoint} at step {step}; resume with --resume")
     elif dist.is_main:
         skipped = f", {result.skipped_samples} unreadable samples skipped" if result.skipped_samples else ""
         print(f"done: {step} steps{skipped}; checkpoint {result.checkpoint}\n"
               f"  export it for serving: dflash export {result.checkpoint} EXPORT_DIR")
+
+
+def advance_cursor(state: TrainState, schedule, step_in_epoch: int, bar, timer, window) -> bool:
+    """The cursor after a step; True when it left this schedule (the next epoch, or a
+    following run's next segment), so the loop starts a new loader."""
+    cursor = state.cursor
+    state.cursor = DataCursor(epoch=cursor.epoch, step=step_in_epoch + 1, segment=cursor.segment)
+    follower = state.follower
+    if follower is not None and cursor.epoch == 0:
+        at_end = schedule.num_steps - state.cursor.step <= follower.reserve_steps
+        if not at_end and state.step % state.config.train.follow_every:
+            return False
+        try:
+            return follow_point(state, schedule, bar.set_postfix_str, timer)
+        except FollowTimeout as error:
+            raise follow_stop(error, state, window) from None
+    if state.cursor.step == schedule.num_steps:
+        state.cursor = DataCursor(epoch=cursor.epoch + 1, step=0)
+        return True
+    return False
+
+
+def follow_stop(error: FollowTimeout, state: TrainState, window: StepStats) -> FollowTimeout:
+    """Stage one stopped writing: save the steps trained, then stop with what to do."""
+    if state.step == state.first_step:
+        return error
+    window.check_finite(state.dist)
+    saved = save(state)
+    return FollowTimeout(f"{error}. Saved {saved} at step {state.step}")
 
 
 def corrupt_stop(error, state: TrainState, window: StepStats) -> CorruptShardError:
@@ -245,6 +337,8 @@ def save(state: TrainState) -> Path:
     model_state = {k: v.detach() for k, v in state.model.state_dict().items()}  # fp32 master weights
     require_finite(model_state, f"checkpoint of step {step}")  # sync: save steps only
     scheduler_state = {"step": step, "tokens_seen": state.result.tokens_seen, "world_size": state.dist.world_size}
+    if state.follower is not None:
+        scheduler_state["follow"] = state.follower.to_dict()
     return save_checkpoint(config.train.out_dir, step, model_state, state.optimizer.state_dict(), scheduler_state,
                            state.cursor.to_dict(), capture_rng_states(), config.to_dict(), config.train.keep_last,
                            is_writer=state.dist.is_main, drafter_args=dataclasses.asdict(state.model.args))
@@ -298,7 +392,8 @@ def restore(path: Path, model, optimizer, dist: DistState) -> tuple[DataCursor, 
     return DataCursor.from_dict(checkpoint.data_cursor), checkpoint.step, checkpoint.scheduler_state.get("tokens_seen", 0)
 
 
-def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step) -> None:
+def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step,
+               follower: StoreFollower | None = None) -> None:
     args = model.args
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"store {config.store.path}: {len(reader)} samples ({train_indices.size} train, "
@@ -308,15 +403,24 @@ def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epo
         print(f"  skipped corrupt shard {name}: {reason}")
     if reader.skipped_shards:
         print(f"  {len(reader.skipped_shards)} corrupt shard(s) skipped")
-    if reader.incomplete_shards:
+    if follower is not None and not follower.exact:
+        print(f"  following the store: {len(reader.shard_names)} of {len(reader.planned_shards)} planned shards "
+              f"complete; the first epoch takes up the others as stage one completes them (every "
+              f"{config.train.follow_every} steps and at the end of each segment)")
+    elif reader.incomplete_shards:
         planned = len(reader.incomplete_shards) + len(reader.shard_names) + len(reader.skipped_shards)
         print(f"  {len(reader.incomplete_shards)} of {planned} planned shards are not complete (stage one is "
               f"still running, or stopped): this run trains on the complete ones only and does not pick up "
-              f"later ones; finish stage one (rerun it with the same config) to train on the whole store")
+              f"later ones; finish stage one (rerun it with the same config) to train on the whole store, "
+              f"or follow it as it is written (--follow)")
     print(f"drafter {config.drafter.size}: {trainable / 1e6:,.1f}M trainable parameters, "
           f"{args.num_layers} layers {list(args.layer_types)} (window {args.sliding_window}), hidden "
           f"{args.hidden_size}, {args.num_attention_heads} heads x {args.head_dim} ({args.num_key_value_heads} KV), "
           f"MLP {args.intermediate_size}, block {args.block_size}, mask token {args.mask_token_id}, "
           f"target layers {list(args.target_layer_ids)}")
-    print(f"schedule: {config.train.epochs} epochs x ~{int(np.mean(steps_per_epoch))} steps, "
-          f"{total_steps} steps in all, starting at step {step}")
+    if follower is not None and not follower.exact:
+        print(f"schedule: {config.train.epochs} epochs, first segment {steps_per_epoch[0]} steps, ~{total_steps} steps "
+              f"in all (estimated until stage one finishes), starting at step {step}")
+    else:
+        print(f"schedule: {config.train.epochs} epochs x ~{int(np.mean(steps_per_epoch))} steps, "
+              f"{total_steps} steps in all, starting at step {step}")

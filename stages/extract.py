@@ -57,7 +57,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     attrs = root_attrs(config, target_path, tokenizer, shards, tokenized.samples)
     group = open_store_in_order(config, attrs, dist)
     done = store.completed_shards(group)
-    mine = [s for s in plan.assign_ranks(shards, dist.world_size)[dist.rank] if s.name not in done]
+    mine = plan.write_order([s for s in plan.assign_ranks(shards, dist.world_size)[dist.rank] if s.name not in done])
     result = ExtractResult(store_path=config.store.path, bad_rows=dict(tokenized.bad_rows),
                            shards_skipped=sum(s.name in done for s in shards))
     if dist.is_main:

@@ -4,7 +4,8 @@
 refuse a store that does not match (dflash/sizing.py), build the drafter, its optimizer and the
 per-epoch schedules of mixed-length micro-batches (dflash/trainer.py), restore a checkpoint on
 `--resume`, and run the loop with metrics, held-out evaluation and checkpoints
-(dflash/training.py).
+(dflash/training.py). With `train.follow` the store may still be being written: the follower
+(dflash/follow.py) schedules the first epoch as shards arrive.
 """
 
 import os
@@ -12,7 +13,10 @@ import os
 import torch
 
 from dflash.config import Config
+from dflash.checkpoint import read_state
+from dflash.config import ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
+from dflash.follow import StoreFollower, open_followed_store
 from dflash.metrics import MetricsLogger
 from dflash.sampler import DataCursor, split_holdout
 from dflash.sizing import build_drafter_args, check_labels
@@ -34,17 +38,31 @@ def run(config: Config, resume: str | None = None) -> TrainResult:
 
 def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     torch.manual_seed(config.train.seed)
-    reader = StoreReader(config.store.path, on_corrupt="skip" if config.train.skip_corrupt_shards else "raise")
-    check_labels(config, reader.attrs)
     checkpoint_path = resolve_resume(config, resume)
+    follow_state = read_state(checkpoint_path)["scheduler"].get("follow") if checkpoint_path else None
+    if checkpoint_path is not None and config.train.follow and follow_state is None:
+        raise ConfigError(f"--resume {checkpoint_path}: that run did not follow the store; resume it without "
+                          f"train.follow / --follow")
+    reader, follower = open_reader(config, dist, follow_state), None
+    check_labels(config, reader.attrs)
     if checkpoint_path is not None:
         config = resume_config(config, checkpoint_path, dist)
     args = build_drafter_args(config, reader.attrs)
-    train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
-    # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
-    schedules = [schedule_for(config, reader, train_indices, dist, epoch) for epoch in range(config.train.epochs)]
-    steps_per_epoch = [schedule.num_steps for schedule in schedules]
-    total_steps = sum(steps_per_epoch) if config.train.max_steps <= 0 else min(config.train.max_steps, sum(steps_per_epoch))
+    if follow_state is not None or config.train.follow:
+        follower = StoreFollower(config, reader, dist, follow_state)
+        if not follower.segments:
+            follower.next_segment(0, 0, status=Announcer(dist))
+        if not follower.segments:
+            raise ConfigError(f"store.path {config.store.path}: stage one finished without a training sample")
+        train_indices, eval_indices = follower.train_indices(), follower.eval_indices()
+        schedules, total_steps = [], follower.horizon
+        steps_per_epoch = [follower.segments[0].schedule.num_steps]
+    else:
+        train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
+        # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
+        schedules = [schedule_for(config, reader, train_indices, dist, epoch) for epoch in range(config.train.epochs)]
+        steps_per_epoch = [schedule.num_steps for schedule in schedules]
+        total_steps = sum(steps_per_epoch) if config.train.max_steps <= 0 else min(config.train.max_steps, sum(steps_per_epoch))
     model = build_model(config, args, dist)
     optimizer = build_optimizer(model, config)
     ctx = build_context(config, args, reader, dist)
@@ -57,14 +75,38 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
                            wandb_mode=config.train.wandb, project=config.train.wandb_project,
                            config=config.to_dict(), is_writer=dist.is_main)
     if dist.is_main:
-        print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step)
+        print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step, follower)
         print(logger.where)
     state = TrainState(config=config, dist=dist, model=model, wrapped=wrapped, optimizer=optimizer, ctx=ctx,
                        reader=reader, eval_indices=eval_indices, schedules=schedules, total_steps=total_steps,
-                       logger=logger, result=result, stop=StopFlag(), cursor=cursor, step=step, first_step=step)
+                       logger=logger, result=result, stop=StopFlag(), cursor=cursor, step=step, first_step=step,
+                       follower=follower)
     try:
         loop(state)
     finally:
         state.stop.restore()
         logger.close()
     return result
+
+
+def open_reader(config: Config, dist: DistState, follow_state: dict | None):
+    """The store's reader: every complete shard; a following run waits for the store to exist,
+    and a resumed one indexes the shards its checkpoint saw, in their arrival order."""
+    on_corrupt = "skip" if config.train.skip_corrupt_shards else "raise"
+    if follow_state is not None:
+        return StoreReader(config.store.path, on_corrupt=on_corrupt, shards=follow_state["arrival"])
+    if config.train.follow:
+        return open_followed_store(config, dist, status=Announcer(dist))
+    return StoreReader(config.store.path, on_corrupt=on_corrupt)
+
+
+class Announcer:
+    """Prints a following run's wait before its progress bar exists: once per change of text."""
+
+    def __init__(self, dist: DistState):
+        self.is_main, self.last = dist.is_main, ""
+
+    def __call__(self, text: str) -> None:
+        if text and text != self.last and self.is_main:
+            print(f"follow: {text}" if not text.startswith("follow") else text, flush=True)
+        self.last = text

@@ -85,3 +85,18 @@ def test_rank_assignment_lpt_example():
     assignment = assign_ranks(shards, 2)
     assert rank_token_counts(assignment) == [10, 12]
     assert [s.name for s in assignment[0]] == ["b00-00000", "b00-00003"]
+
+
+def test_write_order_interleaves_buckets_and_keeps_each_bucket_in_name_order():
+    from dflash.plan import write_order
+
+    shards = [ShardPlan(f"b{b:02d}-{i:05d}", b, (), tokens) for b, count, tokens in [(0, 2, 100), (1, 6, 100), (2, 3, 200)]
+              for i in range(count)]
+    order = write_order(shards)
+    assert sorted(s.name for s in order) == sorted(s.name for s in shards)
+    for bucket in range(3):
+        names = [s.name for s in order if s.bucket == bucket]
+        assert names == sorted(names)
+    first_half = {s.bucket for s in order[:len(order) // 2]}
+    assert first_half == {0, 1, 2}  # every length is written early, not bucket after bucket
+    assert order[0].bucket != order[1].bucket
