@@ -405,7 +405,7 @@ def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epo
         print(f"  {len(reader.skipped_shards)} corrupt shard(s) skipped")
     if follower is not None and not follower.exact:
         print(f"  following the store: {len(reader.shard_names)} of {len(reader.planned_shards)} planned shards "
-              f"complete; the first epoch takes up the others as stage one completes them (every "
+              f"taken up so far; the first epoch takes up the others as stage one completes them (every "
               f"{config.train.follow_every} steps and at the end of each segment)")
     elif reader.incomplete_shards:
         planned = len(reader.incomplete_shards) + len(reader.shard_names) + len(reader.skipped_shards)
