@@ -52,8 +52,9 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         follower = StoreFollower(config, reader, dist, follow_state)
         if not follower.segments:
             follower.next_segment(0, 0, status=Announcer(dist))
-        if not follower.segments:
-            raise ConfigError(f"store.path {config.store.path}: stage one finished without a training sample")
+        if not follower.segments or follower.segments[0].schedule is None:
+            raise ConfigError(f"store.path {config.store.path}: stage one finished with too few training samples "
+                              f"for one optimizer step of train.accum_steps x world size micro-batches")
         train_indices, eval_indices = follower.train_indices(), follower.eval_indices()
         schedules, total_steps = [], follower.horizon
         steps_per_epoch = [follower.segments[0].schedule.num_steps]
