@@ -19,6 +19,7 @@ from tqdm import tqdm
 from dflash.batch import StoreDataset, collate_packed
 from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, read_state, restore_rng_states,
                                save_checkpoint)
+from dflash.compile_cache import artifacts_path, save_compile_artifacts
 from dflash.config import Config, ConfigError, replace
 from dflash.dist import DistState
 from dflash.export import require_finite
@@ -178,6 +179,8 @@ def loop(state: TrainState) -> None:
             losses.append(stats.values[0] / stats.micro_batches)
             if notice and step == state.first_step + 1:
                 bar.set_postfix_str("")
+            if step == state.first_step + 2:  # the first two shapes are compiled: keep the kernels with the run
+                keep_compile_artifacts(state, bar.write)
             bar.update(1)
             moved = advance_cursor(state, schedule, step_in_epoch, bar, timer, window)
             if moved and state.follower is not None:
@@ -230,6 +233,16 @@ def advance_cursor(state: TrainState, schedule, step_in_epoch: int, bar, timer, 
         state.cursor = DataCursor(epoch=cursor.epoch + 1, step=0)
         return True
     return False
+
+
+def keep_compile_artifacts(state: TrainState, say) -> None:
+    """Rank 0 saves this run's compiled kernels beside its checkpoints (dflash/compile_cache.py)."""
+    if state.dist.device.type != "cuda" or not state.dist.is_main:
+        return
+    path = artifacts_path(state.config.train.out_dir)
+    written = save_compile_artifacts(path)
+    if written:
+        say(f"saved compile artifacts {path} ({written / 1e6:.1f} MB): later processes of this run start warm")
 
 
 def follow_stop(error: FollowTimeout, state: TrainState, window: StepStats) -> FollowTimeout:

@@ -14,6 +14,7 @@ import torch
 
 from dflash.config import Config
 from dflash.checkpoint import read_state
+from dflash.compile_cache import artifacts_path, load_compile_artifacts
 from dflash.config import ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
 from dflash.follow import StoreFollower, open_followed_store
@@ -71,6 +72,10 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     result = TrainResult(run_dir=config.train.out_dir)
     if checkpoint_path is not None:
         cursor, step, result.tokens_seen = restore(checkpoint_path, model, optimizer, dist)
+    if dist.device.type == "cuda":
+        loaded = load_compile_artifacts(artifacts_path(config.train.out_dir))
+        if loaded and dist.is_main:
+            print(loaded)
     wrapped = apply_parallelism(model, config, dist)
     logger = MetricsLogger(config.train.out_dir, use_wandb=config.train.wandb != "disabled",
                            wandb_mode=config.train.wandb, project=config.train.wandb_project,

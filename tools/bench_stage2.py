@@ -546,6 +546,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--stand-in-tokens-per-s", type=float, default=0.0,
                         help="with --loader-only: feed a stand-in step that keeps the main thread busy for as long "
                              "as a trainer at this rate (e.g. a measured GPU rate) and report the data wait")
+    parser.add_argument("--compile-artifacts", default="",
+                        help="load torch's compile artifacts from this file before the warm-up (when it exists) and "
+                             "save them there after each mode (dflash/compile_cache.py: the cold start of a second process)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -575,6 +578,11 @@ def run(args, argv, dist) -> int:
     config = bench_config(args)
     if args.loader_only:
         return run_loader_only(args, argv, config, device)
+    if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
+        from dflash.compile_cache import load_compile_artifacts
+
+        print(load_compile_artifacts(args.compile_artifacts) or f"no compile artifacts at {args.compile_artifacts} yet",
+              flush=True)
     model, optimizer, wrapped, ctx = build_trainer(config, dist)
     from dflash.drafter import count_parameters
     from dflash.trainer import pad_multiple
@@ -600,6 +608,10 @@ def run(args, argv, dist) -> int:
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
+        if args.compile_artifacts and dist.is_main:
+            from dflash.compile_cache import save_compile_artifacts
+
+            numbers["compile_artifacts_bytes"] = save_compile_artifacts(args.compile_artifacts)
         if dist.is_distributed:
             scale_to_world(numbers, dist)
         say(f"{mode}: {numbers['ms_per_step_median']:,.1f} ms/step, {numbers['tokens_per_s']:,.0f} tokens/s, "

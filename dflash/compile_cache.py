@@ -1,0 +1,64 @@
+"""Compiled kernels that travel with a run: torch's cache artifacts in `train.out_dir`.
+
+On CUDA the first step of a training process compiles the drafter's layers, flex attention, the
+block mask and the loss pass: minutes on a cold cache (inductor's cache lives in /tmp, so a new
+machine, container or `TORCHINDUCTOR_CACHE_DIR` starts cold). After its first steps rank 0 saves
+`torch.compiler.save_cache_artifacts()` (dynamo, AOT-autograd, inductor and Triton entries) to
+`<out_dir>/compile-artifacts.bin`; every later process of the run (a `--resume`, each DDP rank,
+a restart on more GPUs) loads that file before its first step, so it reuses the compiled kernels
+instead of compiling them again. A file from another torch version or GPU is simply not hit:
+torch compiles as it would without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dflash.outputs import atomic_file
+
+ARTIFACTS_NAME = "compile-artifacts.bin"
+
+
+def artifacts_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / ARTIFACTS_NAME
+
+
+def load_compile_artifacts(path: str | Path) -> str:
+    """Load the artifacts at `path` into torch's compile caches; returns what happened, in words."""
+    path = Path(path)
+    if not path.is_file():
+        return ""
+    data = path.read_bytes()
+    try:
+        info = torch.compiler.load_cache_artifacts(data)  # None: torch could not read them (it logs why)
+    except (RuntimeError, ValueError, OSError, EOFError, AttributeError) as error:
+        info, reason = None, f"{type(error).__name__}: {error}"
+    else:
+        reason = "unreadable, or written by another torch"
+    if info is None:
+        return f"compile artifacts {path} not used ({reason}); compiling from scratch"
+    return f"loaded compile artifacts {path} ({len(data) / 1e6:.1f} MB): compiled kernels are reused"
+
+
+def compiled_anew() -> bool:
+    """Whether this process compiled a graph that was in no cache (inductor's FX-graph cache missed)."""
+    from torch._dynamo.utils import counters  # torch's own compile counters (also read by its logs)
+
+    return counters["inductor"].get("fxgraph_cache_miss", 0) > 0
+
+
+def save_compile_artifacts(path: str | Path) -> int:
+    """Write every compile-cache entry of this process to `path` (atomically) when it compiled
+    something new or the file is missing; bytes written, 0 when nothing was written."""
+    path = Path(path)
+    if path.is_file() and not compiled_anew():
+        return 0  # everything came from the caches: the file already holds it
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None:
+        return 0
+    data, _ = saved
+    with atomic_file(path) as partial:
+        Path(partial).write_bytes(data)
+    return len(data)
