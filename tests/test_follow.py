@@ -201,3 +201,23 @@ def test_a_missing_store_or_a_stalled_stage_one_stops_with_what_to_do(written, t
     with pytest.raises(follow.FollowTimeout, match=r"no shard .* completed .* Saved .* at step"):
         train.run(config)
     assert latest_checkpoint(tmp_path / "run") is not None  # the steps trained are kept
+
+
+def test_two_ranks_follow_together_and_stop_together_when_stage_one_stalls(written, tmp_path):
+    """Under DDP rank 0 looks at the store and broadcasts what it found: both ranks take up the same
+    shards, and when no shard comes both stop with the message (no rank left waiting in a collective)."""
+    import subprocess
+    import sys
+
+    config_path, source = written
+    Arrivals(source, tmp_path / "store", first=7)  # stage one stopped after 7 shards
+    sets = [f'store.path="{tmp_path / "store"}"', f'train.out_dir="{tmp_path / "run"}"', "train.accum_steps=1",
+            "train.follow_timeout_s=0", "train.save_every=2"]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+                             *[item for value in sets for item in ("--set", value)]],
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "no shard of" in result.stdout + result.stderr and "Saved" in result.stdout + result.stderr
+    state = read_state(latest_checkpoint(tmp_path / "run"))
+    assert state["scheduler"]["world_size"] == 2 and len(state["scheduler"]["follow"]["arrival"]) == 7
