@@ -62,14 +62,22 @@ def block_labels(
 
 
 def _ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor):
-    """Per-row cross entropy, argmax and `weight * d ce / d logits` (softmax - onehot), in float32."""
+    """Per-row cross entropy, argmax and `weight * d ce / d logits` (softmax - onehot), in float32.
+
+    One exponential pass: the row maximum gives the argmax and the shift, `exp(logits - max)`
+    summed gives the log-sum-exp, and the same exponentials scaled by `weight / sum` (in place)
+    are the softmax part of the gradient. The logits themselves are not modified.
+    """
     logits_RV = logits_RV.float()
-    lse_R = torch.logsumexp(logits_RV, dim=-1)
-    ce_R = lse_R - logits_RV.gather(1, labels_R[:, None]).squeeze(1)
-    argmax_R = logits_RV.argmax(dim=-1)
-    grad_RV = torch.exp(logits_RV - lse_R[:, None])
-    grad_RV[torch.arange(grad_RV.shape[0], device=grad_RV.device), labels_R] -= 1.0
-    return ce_R, argmax_R, grad_RV * weight_R[:, None]
+    rows_R = torch.arange(logits_RV.shape[0], device=logits_RV.device)
+    label_logit_R = logits_RV[rows_R, labels_R]
+    max_R, argmax_R = logits_RV.max(dim=-1)
+    exp_RV = (logits_RV - max_R[:, None]).exp_()
+    sum_R = exp_RV.sum(dim=-1)
+    ce_R = max_R + sum_R.log() - label_logit_R
+    grad_RV = exp_RV.mul_((weight_R / sum_R)[:, None])
+    grad_RV[rows_R, labels_R] -= weight_R
+    return ce_R, argmax_R, grad_RV
 
 
 @functools.cache
