@@ -121,7 +121,7 @@ class StoreFollower:
     def _plan(self, shards: tuple[str, ...], after_steps: int, start_step: int, final: bool) -> Segment | None:
         """The segment that takes over after `after_steps` steps of the current one and adds
         `shards`; None while its steps could not mix lengths (unless `final`: all has arrived)."""
-        config, index = self.config, self.reader.index
+        index = self.reader.index
         pool = np.sort(np.concatenate([self._untrained(after_steps), self._samples_of(shards, held_out=False)]))
         if pool.size == 0:
             return Segment(shards, after_steps, start_step, None) if final else None
@@ -129,11 +129,7 @@ class StoreFollower:
         if not mixed and not final:
             return None
         try:
-            schedule = build_epoch_schedule(
-                index["length"], index["bucket"], config.train.token_budget, self.dist.world_size,
-                config.train.accum_steps, config.train.seed, 0, sample_indices=pool,
-                anchors=np.minimum(index["num_supervised"], config.train.max_anchors),
-                anchor_budget=config.train.anchor_budget, stream=(len(self.segments) + 1,))
+            schedule = self._schedule(pool, 0, stream=(len(self.segments) + 1,))
         except ValueError as error:
             if not final or self._untrained(after_steps).size:
                 return None  # at the end of the current segment, its rest is trained and these go alone
@@ -170,12 +166,15 @@ class StoreFollower:
         self.exact = True
 
     def _build_later_epochs(self) -> None:
-        config, index, train_indices = self.config, self.reader.index, self.train_indices()
-        self.later = {epoch: build_epoch_schedule(
-            index["length"], index["bucket"], config.train.token_budget, self.dist.world_size,
-            config.train.accum_steps, config.train.seed, epoch, sample_indices=train_indices,
-            anchors=np.minimum(index["num_supervised"], config.train.max_anchors),
-            anchor_budget=config.train.anchor_budget) for epoch in range(1, config.train.epochs)}
+        train_indices = self.train_indices()
+        self.later = {epoch: self._schedule(train_indices, epoch) for epoch in range(1, self.config.train.epochs)}
+
+    def _schedule(self, samples: np.ndarray, epoch: int, stream: tuple[int, ...] = ()) -> EpochSchedule:
+        config, index = self.config, self.reader.index
+        return build_epoch_schedule(index["length"], index["bucket"], config.train.token_budget, self.dist.world_size,
+                                    config.train.accum_steps, config.train.seed, epoch, sample_indices=samples,
+                                    anchors=np.minimum(index["num_supervised"], config.train.max_anchors),
+                                    anchor_budget=config.train.anchor_budget, stream=stream)
 
     # -- the store
     def look(self, deadline: float | None = None, stopping=None) -> tuple[bool, bool]:
