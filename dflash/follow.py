@@ -198,8 +198,8 @@ class StoreFollower:
     def reserve_steps(self) -> int:
         """Steps of the current segment kept back while shards are still to come: its last step
         (which mixes lengths) joins the next segment's samples, so that segment can mix them too,
-        also when the shards that arrive last are all of one length. None once the last
-        segment is planned."""
+        also when the shards that arrive last are all of one length. 0 once the last segment
+        is planned."""
         return 0 if self.exact else 1
 
     def at_fixed_point(self, steps_done: int, step: int, deadline: float | None = None,
