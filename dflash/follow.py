@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash.dist import DistState, broadcast_object
-from dflash.sampler import EpochSchedule, build_epoch_schedule
+from dflash.sampler import EpochSchedule
 from dflash.store import StoreReader, frozen_weights_complete, open_existing
+from dflash.trainer import schedule_for
 
 _FOLLOW_HOLDOUT_STREAM = 0x464F4C4C  # "FOLL": the per-shard hold-out rng, apart from every other stream
 
@@ -121,8 +122,8 @@ class StoreFollower:
     def _plan(self, shards: tuple[str, ...], after_steps: int, start_step: int, final: bool) -> Segment | None:
         """The segment that takes over after `after_steps` steps of the current one and adds
         `shards`; None while its steps could not mix lengths (unless `final`: all has arrived)."""
-        index = self.reader.index
-        pool = np.sort(np.concatenate([self._untrained(after_steps), self._samples_of(shards, held_out=False)]))
+        index, untrained = self.reader.index, self._untrained(after_steps)
+        pool = np.sort(np.concatenate([untrained, self._samples_of(shards, held_out=False)]))
         if pool.size == 0:
             return Segment(shards, after_steps, start_step, None) if final else None
         mixed = np.unique(index["bucket"][pool]).size >= 2 or len(self.plan_buckets) < 2
@@ -131,7 +132,7 @@ class StoreFollower:
         try:
             schedule = self._schedule(pool, 0, stream=(len(self.segments) + 1,))
         except ValueError as error:
-            if not final or self._untrained(after_steps).size:
+            if not final or untrained.size:
                 return None  # at the end of the current segment, its rest is trained and these go alone
             self.report(f"follow: {pool.size} samples left at the end of the first epoch cannot form its last "
                         f"optimizer steps ({error}); they train from the second epoch on")
@@ -170,11 +171,7 @@ class StoreFollower:
         self.later = {epoch: self._schedule(train_indices, epoch) for epoch in range(1, self.config.train.epochs)}
 
     def _schedule(self, samples: np.ndarray, epoch: int, stream: tuple[int, ...] = ()) -> EpochSchedule:
-        config, index = self.config, self.reader.index
-        return build_epoch_schedule(index["length"], index["bucket"], config.train.token_budget, self.dist.world_size,
-                                    config.train.accum_steps, config.train.seed, epoch, sample_indices=samples,
-                                    anchors=np.minimum(index["num_supervised"], config.train.max_anchors),
-                                    anchor_budget=config.train.anchor_budget, stream=stream)
+        return schedule_for(self.config, self.reader, samples, self.dist, epoch, stream)
 
     # -- the store
     def look(self, deadline: float | None = None, stopping=None) -> tuple[bool, bool]:
@@ -255,10 +252,11 @@ class StoreFollower:
                               "final": s is self.segments[-1] and self.exact} for s in self.segments]}
 
 
-def open_followed_store(config, dist: DistState, status=print) -> StoreReader:
-    """The store of a following run, once stage one has written its attributes and the target's
-    frozen weights (waiting for them, as long as train.follow_timeout_s allows)."""
-    path, start, said = config.store.path, time.monotonic(), False
+def wait_for_store(config, dist: DistState, status) -> None:
+    """Return once stage one has written the store's attributes and the target's frozen weights
+    (what a following run needs before its first shard), waiting as long as train.follow_timeout_s
+    allows; `status(text)` says what it waits for."""
+    path, start = config.store.path, time.monotonic()
     while True:
         ready = None
         if dist.is_main:
@@ -269,11 +267,9 @@ def open_followed_store(config, dist: DistState, status=print) -> StoreReader:
             ready = (ready, time.monotonic() - start > config.train.follow_timeout_s)
         ready, timed_out = broadcast_object(dist, ready)
         if ready:
-            return StoreReader(path, on_corrupt="skip" if config.train.skip_corrupt_shards else "raise")
+            return
         if timed_out:
             raise FollowTimeout(f"follow: {path} has no stage-one store with the target's weights after "
                                 f"{config.train.follow_timeout_s:.0f} s; start `dflash stage1-extract` with the same store.path")
-        if not said and dist.is_main:
-            status(f"follow: waiting for stage one to create {path} and write the target's weights")
-            said = True
+        status(f"waiting for stage one to create {path} and write the target's weights")
         time.sleep(config.train.follow_poll_s)

@@ -489,12 +489,7 @@ class StoreReader:
         self.shard_names: list[str] = []
         self.shard_buckets: list[int] = []
         self._parts: list[dict] = []
-        if shards is None:
-            self._append(root, shard_names(root))
-        else:
-            self._append(root, shards, required=True)
-            self.incomplete_shards = [name for name in shard_names(root)
-                                      if name not in set(self.shard_names) and not is_complete(root, name)]
+        self._append(root, shard_names(root) if shards is None else shards, required=shards is not None)
         self._root: zarr.Group | None = None
         self._arrays: dict[str, dict[str, Any]] = {}
 
@@ -521,27 +516,27 @@ class StoreReader:
         return self.shard_names[before:]
 
     def _append(self, root: zarr.Group, names: list[str], required: bool = False) -> None:
-        parts = [self._index_shard(root, name, self.on_corrupt, required) for name in names]
+        parts = [self._index_shard(root, name, required) for name in names]
         self._parts += [part for part in parts if part is not None]
         self._build_index(self._parts)
 
-    def _index_shard(self, root: zarr.Group, name: str, on_corrupt: str, required: bool = False) -> dict | None:
+    def _index_shard(self, root: zarr.Group, name: str, required: bool = False) -> dict | None:
         try:
             shard = open_shard(root, name)
-            if shard is None or COMPLETE_KEY not in shard.attrs:
-                if required:
-                    raise CorruptShardError(f"shard {name} is not complete, but this run's checkpoint trained on it")
-                self.incomplete_shards.append(name)
-                return None
-            index = _shard_index(shard, self.codec, self.has_labels)
-            bucket = int(shard.attrs[COMPLETE_KEY]["bucket"])
-        except CorruptShardError:
-            raise
+            complete = shard is not None and COMPLETE_KEY in shard.attrs
+            if complete:
+                index = _shard_index(shard, self.codec, self.has_labels)
+                bucket = int(shard.attrs[COMPLETE_KEY]["bucket"])
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
-            if on_corrupt == "raise":
+            if self.on_corrupt == "raise":
                 raise CorruptShardError(f"shard {name} cannot be opened: {reason}") from exc
             self.skipped_shards[name] = reason
+            return None
+        if not complete:
+            if required:
+                raise CorruptShardError(f"shard {name} is not complete, but this run's checkpoint trained on it")
+            self.incomplete_shards.append(name)
             return None
         index["shard"] = np.full(len(index["start"]), len(self.shard_names), dtype=np.int64)
         index["bucket"] = np.full(len(index["start"]), bucket, dtype=np.int64)

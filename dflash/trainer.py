@@ -51,11 +51,11 @@ class TrainContext:
         return nullcontext()
 
 
-def schedule_for(config: Config, reader, train_indices, dist: DistState, epoch: int):
+def schedule_for(config: Config, reader, train_indices, dist: DistState, epoch: int, stream: tuple[int, ...] = ()):
     return build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
                                 dist.world_size, config.train.accum_steps, config.train.seed, epoch,
                                 sample_indices=train_indices, anchors=anchor_counts(config, reader),
-                                anchor_budget=config.train.anchor_budget)
+                                anchor_budget=config.train.anchor_budget, stream=stream)
 
 
 def anchor_counts(config: Config, reader) -> np.ndarray:

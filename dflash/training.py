@@ -86,27 +86,33 @@ def keep_going(state: TrainState) -> bool:
     return follower is not None and not follower.exact and state.config.train.max_steps <= 0
 
 
-def follow_point(state: TrainState, schedule, status, timer) -> bool:
+def follow_point(state: TrainState, schedule, bar, timer, window) -> bool:
     """A following run's fixed point (every train.follow_every steps and at each segment's end):
     take up new shards; at a segment's end (its reserve step left) wait for the next one. True
-    when the cursor moved."""
+    when the cursor moved (the step count and held-out set may have grown)."""
     follower, cursor = state.follower, state.cursor
-    if schedule.num_steps - cursor.step > follower.reserve_steps:
-        segment = follower.at_fixed_point(cursor.step, state.step)
-    else:
-        start = time.perf_counter()
-        try:
-            segment = follower.next_segment(cursor.step, state.step, status, stopping=lambda: state.stop.requested)
-        except FollowStopped:
-            state.stop.requested = True  # every rank: rank 0's flag decided
-            return False
-        finally:
-            timer["wait"] += time.perf_counter() - start
+    try:
+        if schedule.num_steps - cursor.step > follower.reserve_steps:
+            segment = follower.at_fixed_point(cursor.step, state.step)
+        else:
+            start = time.perf_counter()
+            try:
+                segment = follower.next_segment(cursor.step, state.step, bar.set_postfix_str,
+                                                stopping=lambda: state.stop.requested)
+            except FollowStopped:
+                state.stop.requested = True  # every rank: rank 0's flag decided
+                return False
+            finally:
+                timer["wait"] += time.perf_counter() - start
+    except FollowTimeout as error:
+        raise follow_stop(error, state, window) from None
     if segment is None and cursor.step < schedule.num_steps:
         return False
     state.cursor = DataCursor(epoch=1, step=0) if segment is None else DataCursor(0, 0, len(follower.segments) - 1)
     state.total_steps = follower.horizon
     state.eval_indices = follower.eval_indices()
+    bar.total = max(state.total_steps, state.step)
+    bar.refresh()
     return True
 
 
@@ -130,7 +136,7 @@ def loop(state: TrainState) -> None:
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
     loader_options = {"pad_multiple": pad_multiple(ctx)}
     collate = functools.partial(collate_packed, **loader_options)
-    eval_micro_batches = held_out_micro_batches(config, dist, reader, state.eval_indices)
+    eval_micro_batches = {}  # by held-out set size: a following run's set only grows
     bar = tqdm(total=state.total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,
                desc="train")
     window = StepStats(ctx.args.block_size, ctx.device)
@@ -145,16 +151,9 @@ def loop(state: TrainState) -> None:
             state.cursor = DataCursor(epoch=state.cursor.epoch + 1, step=0)
             continue
         if (state.follower is not None and state.cursor.epoch == 0
-                and schedule.num_steps - state.cursor.step <= state.follower.reserve_steps):
-            # A new segment no longer than its reserve: wait for more shards before training it.
-            try:
-                moved = follow_point(state, schedule, bar.set_postfix_str, timer)
-            except FollowTimeout as error:
-                raise follow_stop(error, state, window) from None
-            if moved:
-                bar.total = max(state.total_steps, state.step)
-                eval_micro_batches = held_out_micro_batches(config, dist, reader, state.eval_indices)
-                continue
+                and schedule.num_steps - state.cursor.step <= state.follower.reserve_steps
+                and follow_point(state, schedule, bar, timer, window)):
+            continue  # a new segment no longer than its reserve: more shards were awaited before training it
         if schedule.num_steps == 0:
             raise ConfigError(f"epoch {state.cursor.epoch} has no optimizer step: too few samples for "
                               f"train.accum_steps x world size micro-batches")
@@ -183,16 +182,16 @@ def loop(state: TrainState) -> None:
                 keep_compile_artifacts(state, bar.write)
             bar.update(1)
             moved = advance_cursor(state, schedule, step_in_epoch, bar, timer, window)
-            if moved and state.follower is not None:
-                bar.total = max(state.total_steps, step)
-                bar.refresh()
-                eval_micro_batches = held_out_micro_batches(config, dist, reader, state.eval_indices)
             if step % config.train.log_every == 0 or step == state.total_steps:
                 log_window(config, dist, window, lr, timer, state.logger, step, bar, result)
                 window = StepStats(ctx.args.block_size, ctx.device)
             if state.eval_indices.size and (step % config.train.eval_every == 0 or step == state.total_steps):
+                if state.eval_indices.size not in eval_micro_batches:
+                    eval_micro_batches[state.eval_indices.size] = held_out_micro_batches(config, dist, reader,
+                                                                                         state.eval_indices)
                 try:
-                    result.eval_metrics = evaluate(dist, state.wrapped, ctx, dataset, collate, eval_micro_batches)
+                    result.eval_metrics = evaluate(dist, state.wrapped, ctx, dataset, collate,
+                                                   eval_micro_batches[state.eval_indices.size])
                 except CorruptShardError as error:
                     raise corrupt_stop(error, state, window) from None
                 state.logger.log(step, {f"eval/{k}": v for k, v in result.eval_metrics.items()})
@@ -225,10 +224,7 @@ def advance_cursor(state: TrainState, schedule, step_in_epoch: int, bar, timer, 
         at_end = schedule.num_steps - state.cursor.step <= follower.reserve_steps
         if not at_end and state.step % state.config.train.follow_every:
             return False
-        try:
-            return follow_point(state, schedule, bar.set_postfix_str, timer)
-        except FollowTimeout as error:
-            raise follow_stop(error, state, window) from None
+        return follow_point(state, schedule, bar, timer, window)
     if state.cursor.step == schedule.num_steps:
         state.cursor = DataCursor(epoch=cursor.epoch + 1, step=0)
         return True

@@ -12,12 +12,11 @@ import os
 
 import torch
 
-from dflash.config import Config
 from dflash.checkpoint import read_state
 from dflash.compile_cache import artifacts_path, load_compile_artifacts
-from dflash.config import ConfigError
+from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
-from dflash.follow import StoreFollower, open_followed_store
+from dflash.follow import StoreFollower, wait_for_store
 from dflash.metrics import MetricsLogger
 from dflash.sampler import DataCursor, split_holdout
 from dflash.sizing import build_drafter_args, check_labels
@@ -44,12 +43,12 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     if checkpoint_path is not None and config.train.follow and follow_state is None:
         raise ConfigError(f"--resume {checkpoint_path}: that run did not follow the store; resume it without "
                           f"train.follow / --follow")
-    reader, follower = open_reader(config, dist, follow_state), None
+    reader = open_reader(config, dist, follow_state)
     check_labels(config, reader.attrs)
     if checkpoint_path is not None:
         config = resume_config(config, checkpoint_path, dist)
     args = build_drafter_args(config, reader.attrs)
-    if follow_state is not None or config.train.follow:
+    if follow_state is not None or config.train.follow:  # after resume_config: segments use its accum_steps
         follower = StoreFollower(config, reader, dist, follow_state)
         if not follower.segments:
             follower.next_segment(0, 0, status=Announcer(dist))
@@ -60,6 +59,7 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         schedules, total_steps = [], follower.horizon
         steps_per_epoch = [follower.segments[0].schedule.num_steps]
     else:
+        follower = None
         train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
         # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
         schedules = [schedule_for(config, reader, train_indices, dist, epoch) for epoch in range(config.train.epochs)]
@@ -102,7 +102,7 @@ def open_reader(config: Config, dist: DistState, follow_state: dict | None):
     if follow_state is not None:
         return StoreReader(config.store.path, on_corrupt=on_corrupt, shards=follow_state["arrival"])
     if config.train.follow:
-        return open_followed_store(config, dist, status=Announcer(dist))
+        wait_for_store(config, dist, status=Announcer(dist))
     return StoreReader(config.store.path, on_corrupt=on_corrupt)
 
 
@@ -114,5 +114,5 @@ class Announcer:
 
     def __call__(self, text: str) -> None:
         if text and text != self.last and self.is_main:
-            print(f"follow: {text}" if not text.startswith("follow") else text, flush=True)
+            print(f"follow: {text}", flush=True)
         self.last = text

@@ -193,7 +193,7 @@ def test_a_missing_store_or_a_stalled_stage_one_stops_with_what_to_do(written, t
     dist = DistState(0, 1, 0, torch.device("cpu"))
     config = load_config(config_path, [f'store.path="{tmp_path / "nothing"}"', "train.follow_timeout_s=0"])
     with pytest.raises(follow.FollowTimeout, match="start `dflash stage1-extract`"):
-        follow.open_followed_store(config, dist, status=lambda text: None)
+        follow.wait_for_store(config, dist, status=lambda text: None)
 
     Arrivals(source, tmp_path / "stalled", first=7)  # stage one stopped after 7 shards
     config = load_config(config_path, [f'store.path="{tmp_path / "stalled"}"', f'train.out_dir="{tmp_path / "run"}"',
