@@ -23,6 +23,7 @@ import torch.utils.data
 
 from dflash.anchors import anchor_rng, sample_anchors
 from dflash.data import row_label
+from dflash.loss import label_rows
 from dflash.store import CorruptShardError
 
 PADDING_DOC = -1  # same value as dflash.masks.PADDING_DOC
@@ -132,7 +133,7 @@ def _pack_anchors(items: list[dict], num_tokens: int, num_anchors: int) -> dict[
     return packed
 
 
-def collate_packed(items: list[dict], pad_multiple: int) -> dict[str, torch.Tensor]:
+def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None = None) -> dict[str, torch.Tensor]:
     """Pack `StoreDataset` items into one micro-batch of CPU tensors (see the module docstring).
 
     Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
@@ -140,7 +141,8 @@ def collate_packed(items: list[dict], pad_multiple: int) -> dict[str, torch.Tens
     labels only); `anchor_pos`, `anchor_doc`,
     `anchor_index`, `anchor_valid` `(A,)`; per sample `lengths`, `row_ids`, `sample_indices`
     `(D,)`; scalars `bucket` (-1 if the samples' buckets differ), `epoch`, `num_tokens` (T),
-    `num_real_tokens`, `num_real_anchors`; and, when some samples
+    `num_real_tokens`, `num_real_anchors`; with `block_size`, `label_rows (L,)`: the block rows
+    that carry a label (`dflash.loss.label_rows`, so the LM head skips the others); and, when some samples
     could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
     whose every sample was skipped is `{"skipped": [...], "empty": True}`.
     """
@@ -165,6 +167,9 @@ def collate_packed(items: list[dict], pad_multiple: int) -> dict[str, torch.Tens
         "sample_indices": np.array([item["sample_index"] for item in items], dtype=np.int64),
     }
     batch = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}
+    if block_size is not None:
+        batch["label_rows"] = label_rows(batch["loss_mask"], batch["doc_ids"], batch["anchor_index"],
+                                         batch["anchor_valid"], block_size)
     scalars = {
         "bucket": buckets.pop() if len(buckets) == 1 else -1,
         "epoch": items[0]["epoch"],
@@ -183,6 +188,7 @@ def build_loader(
     sampler: torch.utils.data.Sampler,
     *,
     pad_multiple: int,
+    block_size: int | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = 2,
@@ -193,7 +199,7 @@ def build_loader(
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=partial(collate_packed, pad_multiple=pad_multiple),
+        collate_fn=partial(collate_packed, pad_multiple=pad_multiple, block_size=block_size),
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if workers_used else None,

@@ -8,10 +8,11 @@ Full-vocabulary logits for all block rows do not fit (512 anchors x 16 slots x 2
 is 2G elements), so `dflash_loss` runs the LM head and the cross entropy `chunk_size` rows
 at a time in a custom autograd function that computes each chunk's gradient while its
 logits exist (the loss ends the graph): peak memory is O(chunk_size * V), the head runs
-once per row, and slot-0 rows (never labelled) skip it. Everything stays on the device.
+once per row, and only rows that carry a label go through it (their indices come from the
+collate, `label_rows`; without them, every row but slot 0's). Everything stays on the device.
 
 Shapes: A anchors, B block size, Q = A * B block rows, K = B - 1 labelled slots, H hidden,
-V vocabulary, R rows of one chunk, T tokens of the packed micro-batch.
+V vocabulary, R rows of one chunk, L labelled rows, T tokens of the packed micro-batch.
 """
 
 import functools
@@ -136,6 +137,24 @@ class LossOutput:
     correct: torch.Tensor  # (A, B) bool, top-1 prediction equals a valid label
 
 
+def label_rows(
+    loss_mask_T: torch.Tensor,
+    doc_ids_T: torch.Tensor,
+    anchor_index_A: torch.Tensor,
+    anchor_valid_A: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Flat indices `(L,)` int64 into the `A * B` block rows of the rows that carry a label.
+
+    The validity rule is `block_labels`'s (it is called here). The collate computes this on the
+    host, so the loss can run the LM head over these rows only and the device learns their number
+    from the tensor's shape, without a sync. Slot 0 is never among them.
+    """
+    placeholder_T = torch.zeros_like(doc_ids_T)
+    _, valid_AB = block_labels(placeholder_T, loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_size)
+    return valid_AB.reshape(-1).nonzero().squeeze(1)
+
+
 def dflash_loss(
     hidden_QH: torch.Tensor,
     lm_head_VH: torch.Tensor,
@@ -143,22 +162,38 @@ def dflash_loss(
     valid_AB: torch.Tensor,
     weights_B: torch.Tensor,
     chunk_size: int = 1024,
+    rows_L: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Gamma-weighted block cross entropy with the LM head applied `chunk_size` rows at a time."""
+    """Gamma-weighted block cross entropy with the LM head applied `chunk_size` rows at a time.
+
+    `rows_L` (from `label_rows`, computed by the collate) restricts the LM head to the rows that
+    carry a label; without it every row of slots 1.. goes through the head (unlabelled ones with
+    weight 0). Both give the same loss, gradients and `correct`.
+    """
     num_anchors, block_size = labels_AB.shape
     if hidden_QH.shape[0] != num_anchors * block_size:
         raise ValueError(f"loss: hidden has {hidden_QH.shape[0]} rows, labels need {num_anchors} x {block_size}")
     row_weight_AB = weights_B.to(device=hidden_QH.device, dtype=torch.float32)[None, :] * valid_AB
-    # Slot 0 (the anchor token) is never a label: only slots 1.. go through the LM head.
-    hidden_AKH = hidden_QH.view(num_anchors, block_size, -1)[:, 1:]
-    loss_sum, _, argmax_Q = _ChunkedLMHeadCrossEntropy.apply(
-        hidden_AKH.reshape(-1, hidden_QH.shape[1]), lm_head_VH, labels_AB[:, 1:].reshape(-1),
-        row_weight_AB[:, 1:].reshape(-1), chunk_size,
-    )
+    if rows_L is None:
+        # Slot 0 (the anchor token) is never a label: only slots 1.. go through the LM head.
+        hidden_AKH = hidden_QH.view(num_anchors, block_size, -1)[:, 1:]
+        loss_sum, _, argmax_Q = _ChunkedLMHeadCrossEntropy.apply(
+            hidden_AKH.reshape(-1, hidden_QH.shape[1]), lm_head_VH, labels_AB[:, 1:].reshape(-1),
+            row_weight_AB[:, 1:].reshape(-1), chunk_size,
+        )
+        argmax_AB = F.pad(argmax_Q.view(num_anchors, block_size - 1), (1, 0), value=IGNORE_LABEL)
+    else:
+        # Only labelled rows: the head's FLOPs follow the labels (short sequences leave many
+        # block slots past their end), and the gather's backward scatters the gradient back.
+        loss_sum, _, argmax_L = _ChunkedLMHeadCrossEntropy.apply(
+            hidden_QH.index_select(0, rows_L), lm_head_VH, labels_AB.reshape(-1).index_select(0, rows_L),
+            row_weight_AB.reshape(-1).index_select(0, rows_L), chunk_size,
+        )
+        argmax_AB = torch.full((num_anchors * block_size,), IGNORE_LABEL, dtype=argmax_L.dtype,
+                               device=argmax_L.device).index_copy_(0, rows_L, argmax_L).view(num_anchors, block_size)
     weight_sum = row_weight_AB.sum()
     # An all-padding micro-batch gives loss 0 (and zero gradients), not NaN.
     loss = loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
-    argmax_AB = F.pad(argmax_Q.view(num_anchors, block_size - 1), (1, 0), value=IGNORE_LABEL)
     correct_AB = (argmax_AB == labels_AB) & valid_AB
     return LossOutput(loss=loss, loss_sum=loss_sum, weight_sum=weight_sum, correct=correct_AB)
 

@@ -141,14 +141,14 @@ def forward_loss(model, ctx: TrainContext, batch: dict):
                                        args.block_size)
     # The final norm returns float32 under autocast; the frozen head is bf16 on CUDA.
     out = dflash_loss(hidden_QH.to(ctx.lm_head_VH.dtype), ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B,
-                      ctx.loss_chunk)
+                      ctx.loss_chunk, rows_L=batch.get("label_rows"))
     return out, valid_AB
 
 
 # Token- and anchor-axis tensors go to the device; per-sample bookkeeping (lengths, bucket,
 # counts) stays on the host so metrics never force a device sync.
 DEVICE_KEYS = ("hidden", "scale", "input_ids", "labels", "loss_mask", "position_ids", "doc_ids",
-               "anchor_pos", "anchor_doc", "anchor_index", "anchor_valid")
+               "anchor_pos", "anchor_doc", "anchor_index", "anchor_valid", "label_rows")
 
 
 def to_device(batch: dict, device: torch.device) -> dict:

@@ -134,7 +134,7 @@ def loop(state: TrainState) -> None:
     config, dist, ctx, result, stop = state.config, state.dist, state.ctx, state.result, state.stop
     reader = state.reader
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
-    loader_options = {"pad_multiple": pad_multiple(ctx)}
+    loader_options = {"pad_multiple": pad_multiple(ctx), "block_size": ctx.args.block_size}
     collate = functools.partial(collate_packed, **loader_options)
     eval_micro_batches = {}  # by held-out set size: a following run's set only grows
     bar = tqdm(total=state.total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dflash.batch import StoreDataset, build_loader, collate_packed
+from dflash.loss import block_labels
 from dflash.sampler import DataCursor
 from support import MicroBatchSampler
 
@@ -80,6 +81,13 @@ def test_collate_lays_out_the_packed_micro_batch(codec):
     assert (batch["doc_ids"][num_real:] == -1).all() and not batch["loss_mask"][num_real:].any()
     assert (batch["hidden"][num_real:].to(torch.int32) == 0).all()
     check_anchors(batch, items, reader, picked)
+    # With a block size the collate lists the labelled block rows (the LM head runs over those only).
+    assert "label_rows" not in batch
+    with_rows = collate_packed(items, pad_multiple=16, block_size=4)
+    _, valid_AB = block_labels(with_rows["input_ids"], with_rows["loss_mask"], with_rows["doc_ids"],
+                               with_rows["anchor_index"], with_rows["anchor_valid"], 4)
+    assert with_rows["label_rows"].tolist() == valid_AB.reshape(-1).nonzero().squeeze(1).tolist()
+    assert len(with_rows["label_rows"]) > 0
 
 
 def check_anchors(batch, items, reader, picked):

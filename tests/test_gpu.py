@@ -51,7 +51,7 @@ def micro_batch(seed: int, device) -> dict:
     rng = np.random.default_rng(seed)
     reader = RandomReader(rng.integers(40, 400, 6).tolist(), seed)
     items = [StoreDataset(reader, max_anchors=32, seed=seed)[(0, i)] for i in range(len(reader))]
-    return to_device(collate_packed(items, pad_multiple=128), device)
+    return to_device(collate_packed(items, pad_multiple=128, block_size=drafter_args("tiny").block_size), device)
 
 
 def context(backend: str, device, seed: int = 0) -> TrainContext:

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.loss import IGNORE_LABEL, block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights
+from dflash.loss import (IGNORE_LABEL, block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights,
+                         label_rows)
 
 
 def test_gamma_weights_and_defaults():
@@ -68,6 +69,44 @@ def test_chunked_loss_equals_full_loss(chunk_size):
     torch.testing.assert_close(lm_head.grad, lm_head_ref.grad, rtol=1e-5, atol=1e-7)
     assert torch.equal(out.correct, (argmax == labels) & valid)
     assert out.weight_sum.item() == pytest.approx((weights[None, :] * valid).sum().item())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_labelled_rows_only_equals_every_row(seed):
+    """The LM head over the labelled rows only (the collate's `label_rows`) gives the same loss,
+    hidden gradient, weight sum and `correct` as every row through the head, on fresh inputs."""
+    hidden, lm_head, labels, valid, weights = random_problem(100 + seed, num_anchors=9, block_size=8)
+    if seed == 2:
+        valid[:] = False  # no labelled row at all: an empty gather, loss 0
+        labels[:] = IGNORE_LABEL
+    rows = valid.reshape(-1).nonzero().squeeze(1)
+    outputs, grads = [], []
+    for rows_L in (None, rows):
+        leaf = hidden.clone().requires_grad_(True)
+        out = dflash_loss(leaf, lm_head, labels, valid, weights, chunk_size=5, rows_L=rows_L)
+        out.loss.backward()
+        outputs.append(out)
+        grads.append(leaf.grad)
+    every, labelled = outputs
+    # The cross entropy runs in float32 (chunks of other rows, other summation order).
+    torch.testing.assert_close(labelled.loss, every.loss, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-7)
+    assert torch.equal(labelled.correct, every.correct) and labelled.weight_sum.item() == every.weight_sum.item()
+    assert (seed == 2) == (labelled.loss.item() == 0.0)
+
+
+def test_label_rows_are_the_valid_block_rows():
+    generator = torch.Generator().manual_seed(5)
+    num_tokens, block_size = 40, 4
+    doc_ids = torch.tensor([0] * 13 + [1] * 9 + [2] * 12 + [-1] * 6)
+    loss_mask = (torch.rand(num_tokens, generator=generator) < 0.6) & (doc_ids >= 0)
+    anchor_index = torch.tensor([1, 5, 11, 12, 14, 20, 23, 30, 33, 39, 39])
+    anchor_valid = torch.tensor([True] * 9 + [False] * 2)
+    input_ids = torch.randint(0, 50, (num_tokens,), generator=generator)
+    _, valid = block_labels(input_ids, loss_mask, doc_ids, anchor_index, anchor_valid, block_size)
+    rows = label_rows(loss_mask, doc_ids, anchor_index, anchor_valid, block_size)
+    assert rows.tolist() == [q for q in range(valid.numel()) if valid.reshape(-1)[q]]
+    assert all(q % block_size != 0 for q in rows.tolist()) and 0 < len(rows) < valid[:, 1:].numel()
 
 
 def test_frozen_lm_head_gets_no_gradient_and_bf16_runs():

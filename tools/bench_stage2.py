@@ -148,7 +148,7 @@ def peer_steps(pool, args_drafter, num_distinct: int, seed: int) -> list[list[di
     steps = []
     for step in range(num_distinct):
         item = synthetic_item(pool, 8192, step, 0, 512, args_drafter.vocab_size, rng, num_anchors=512)
-        steps.append([collate_packed([item], pad_multiple=128)])
+        steps.append([collate_packed([item], pad_multiple=128, block_size=args_drafter.block_size)])
     return steps
 
 
@@ -174,7 +174,8 @@ def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_
         for samples in schedule.step(step)[0]:
             items = [synthetic_item(pool, int(lengths[i]), int(i), int(buckets[i]), config.train.max_anchors,
                                     args_drafter.vocab_size, rng, start=int(starts[i])) for i in samples]
-            micro_batches.append(collate_packed(items, pad_multiple=pad_multiple))
+            micro_batches.append(collate_packed(items, pad_multiple=pad_multiple,
+                                                block_size=args_drafter.block_size))
         steps.append(micro_batches)
     return steps
 
@@ -453,7 +454,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     for epoch in range(epochs):
         schedule = schedule_for(config, reader, np.arange(len(reader)), dist, epoch)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
-    loader = build_loader(dataset, batches, pad_multiple=pad_multiple(ctx),
+    loader = build_loader(dataset, batches, pad_multiple=pad_multiple(ctx), block_size=ctx.args.block_size,
                           num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
     return reader, batches, loader
 
