@@ -32,6 +32,7 @@ class TargetConfig:
     num_layer_ids: int = 5
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     chat_template: str = ""  # a Jinja template or a file holding one; empty: the target's own
+    compile: bool = False  # stage one on CUDA: torch.compile each decoder layer (dflash.target.compile_decoder_layers)
 
 
 @dataclass(frozen=True)
@@ -144,6 +145,8 @@ HELP = {
     "target.num_layer_ids": "how many evenly spaced layers when target.layer_ids is empty",
     "target.dtype": "dtype the target runs in: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float16, float32",
     "target.chat_template": "a Jinja chat template, or a file holding one, replacing the target's own",
+    "target.compile": "stage one on CUDA: compile each decoder layer (fuses its elementwise work; the first "
+                      "batches wait for the compile); ignored on the CPU",
     "data.source": "JSONL/JSON/Parquet file or directory, embedded:NAME, or a datasets hub name",
     "data.split": "split of a hub dataset",
     "data.max_length": "tokens per sample at most; longer ones are cut (or dropped, see data.overlong)",

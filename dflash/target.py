@@ -430,6 +430,22 @@ class TargetModel:
         return captured_BTnH, (output.last_hidden_state if self.predict_labels else None)
 
 
+def compile_decoder_layers(target: "TargetModel") -> int:
+    """Regional compile: every kept decoder layer's `forward` through `torch.compile` (CUDA).
+
+    Only the forward is wrapped, so the capture hooks stay eager around it. With parameters as
+    graph inputs (inline_inbuilt_nn_modules, the default) the layers of one type share their
+    graph; the second distinct (batch, length) shape compiles a shape-generic one. It fuses the
+    layers' elementwise work (norms, rotary, gates, SwiGLU) that the eager forward runs as
+    separate kernels. Returns the number of layers wrapped.
+    """
+    _, _, layers = find_decoder_layers(target.model)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward)
+    return len(layers)
+
+
 def load_target(
     path: str,
     device: torch.device | str,

@@ -17,7 +17,7 @@ from dflash import codecs, data, plan, store
 from dflash.capture import write_shards
 from dflash.config import Config
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
-from dflash.target import load_target, prepare_checkpoint_in_order, target_dtype
+from dflash.target import compile_decoder_layers, load_target, prepare_checkpoint_in_order, target_dtype
 from dflash.tokenizer import choose_mask_token, load_target_tokenizer
 
 @dataclass
@@ -72,6 +72,8 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
                          layer_ids=attrs["target_layer_ids"], predict_labels=config.store.labels == "target")
     if needs_weights:
         store.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
+    if config.target.compile and dist.device.type == "cuda":
+        compile_decoder_layers(target)
     start = time.perf_counter()
     written = write_shards(config, dist, target, tokenized.samples, lengths, row_ids, mine)
     result.seconds = time.perf_counter() - start

@@ -156,6 +156,31 @@ def time_capture_only(target, batches, codec: str, device) -> float:
     return time.perf_counter() - start
 
 
+def compiled_capture(target, warmup, batches, codec: str, device) -> dict:
+    """Compile the target's decoder layers (in place), warm them up, check their features against
+    the eager ones on two batches (relative L2 over each batch), and time capture + encode + copy."""
+    from dflash.target import compile_decoder_layers, pad_batch
+
+    def features(batch):
+        input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0)
+        return target.capture(input_ids, attention_mask).float()
+
+    checked = batches[:1] + batches[-1:]
+    eager = [features(batch) for batch in checked]
+    layers = compile_decoder_layers(target)
+    start = time.perf_counter()
+    time_capture_only(target, warmup + checked, codec, device)
+    warmup_seconds = time.perf_counter() - start
+    gaps = [float((features(batch) - ref).norm() / ref.norm()) for batch, ref in zip(checked, eager)]
+    del eager
+    progress(f"decoder layers compiled ({layers}): warm-up {warmup_seconds:.1f} s, features vs eager relative L2 "
+             f"{max(gaps):.2e}")
+    seconds = time_capture_only(target, batches, codec, device)
+    progress(f"capture + encode {codec} + copy, compiled layers: {sum(len(s) for b in batches for s in b) / seconds:,.0f}"
+             " tokens/s")
+    return {"layers": layers, "warmup_seconds": warmup_seconds, "relative_l2": max(gaps), "seconds": seconds}
+
+
 def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
     """Encoded host rows `(R, ...)` of real captured batches, R >= the largest padded batch."""
     from dflash.capture import capture_batch, pad_multiple
@@ -402,6 +427,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--labels", action="store_true",
                         help="also time capture with the target's greedy labels (store.labels = target)")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="then compile the target's decoder layers regionally (dflash.target.compile_decoder_layers) "
+                             "and time capture and the full path again, checking the features against eager")
     parser.add_argument("--profile", default="", help="directory for profiler traces of the capture-only and full "
                                                       "passes, run once more after the timed ones")
     args = parser.parse_args(argv)
@@ -483,6 +511,14 @@ def main(argv: list[str]) -> int:
                                         device, store_root / f"store-{codec}")
             shutil.rmtree(store_root / f"store-{codec}", ignore_errors=True)
             say_full(f"full stage one, {codec}", full[codec])
+        compiled = None
+        if args.compile_layers:
+            compiled = compiled_capture(target, warmup, batches, codecs[0], device)
+            full[f"{codecs[0]}, compiled layers"] = run_full_path(target, samples, bucket_edges, codecs[0],
+                                                                  args.batch_tokens, args.writer_processes, device,
+                                                                  store_root / "store-compiled")
+            shutil.rmtree(store_root / "store-compiled", ignore_errors=True)
+            say_full(f"full stage one, {codecs[0]}, compiled layers", full[f"{codecs[0]}, compiled layers"])
         profiled = profile_passes(target, batches, samples, bucket_edges, codecs[0], args, device,
                                   store_root) if args.profile else None
     finally:
@@ -493,7 +529,7 @@ def main(argv: list[str]) -> int:
              "cut": 2 * cut_params * real_tokens + attention_flops(config, layer_ids[-1] + 1, lengths)}
     report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,
            bare_seconds, unmasked_seconds, capture_seconds, codecs[0], full, writers_only, profiled,
-           labels_seconds)
+           labels_seconds, compiled)
     return 0
 
 
@@ -508,7 +544,7 @@ def say_full(name: str, numbers: dict) -> None:
 
 def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params, cut_params, flops,
            bare_seconds, unmasked_seconds, capture_seconds, capture_codec, full, writers_only,
-           profiled=None, labels_seconds=None) -> None:
+           profiled=None, labels_seconds=None, compiled=None) -> None:
     raw_bytes = REAL_LAYER_COUNT * config.hidden_size * 2
     bare_rate = real_tokens / bare_seconds
     rows = [["bare forward (logits_to_keep=1)", bare_rate, 1.0, mfu(flops["bare"], bare_seconds), "", "", ""]]
@@ -518,6 +554,12 @@ def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params
     rate = real_tokens / capture_seconds
     rows.append([f"capture + encode {capture_codec} + copy to host", rate, rate / bare_rate,
                  mfu(flops["cut"], capture_seconds), "", "", ""])
+    if compiled is not None:
+        rate = real_tokens / compiled["seconds"]
+        rows.append([f"  same, decoder layers compiled ({compiled['warmup_seconds']:.0f} s warm-up, features "
+                     f"{compiled['relative_l2']:.1e} from eager)", rate, rate / bare_rate,
+                     mfu(flops["cut"], compiled["seconds"]), "", "", ""])
+        compiled.update(tokens_per_s=rate, ratio_to_bare=rate / bare_rate, mfu=mfu(flops["cut"], compiled["seconds"]))
     if labels_seconds is not None:
         rate = real_tokens / labels_seconds
         rows.append([f"capture + target labels + encode {capture_codec} + copy ({labels_seconds / capture_seconds:.3f}x "
@@ -566,7 +608,7 @@ def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params
                          "tokens_per_s": real_tokens / capture_seconds,
                          "ratio_to_bare": real_tokens / capture_seconds / bare_rate,
                          "mfu": mfu(flops["cut"], capture_seconds)},
-        "full": full, "writers_only": writers_only,
+        "capture_compiled": compiled, "full": full, "writers_only": writers_only,
     })
 
 

@@ -341,7 +341,7 @@ def profile_steps(wrapped, ctx, optimizer, steps, config, out_dir: Path, num_ste
     events = list(prof.events())
     step_ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith(STEP_LABEL)]
     counts = count_sync_events(events, step_ranges)
-    return {"trace": str(trace), "profiled_steps": num_steps,
+    return {"trace": str(trace), "profiled_steps": num_steps, "kernel_time": kernel_time(events, num_steps),
             "sync_events_per_step": {name: counts[name] / num_steps for name in SYNC_EVENT_NAMES},
             "sync_events_outside_steps": {name: n - counts[name] for name, n in count_sync_events(events, None).items()
                                           if n > counts[name]},
@@ -349,6 +349,31 @@ def profile_steps(wrapped, ctx, optimizer, steps, config, out_dir: Path, num_ste
 
 
 STEP_LABEL = "bench_stage2: profiled step"
+
+KERNEL_CLASSES = (  # (class, substrings of the kernel name), first match wins
+    ("matmul (cuBLAS / CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("flex attention (Triton templates)", ("flex", "triton_tem")),
+    ("compiled fused (Triton)", ("triton_",)),
+    ("NCCL", ("nccl",)),
+    ("ATen elementwise / reduce", ("elementwise", "reduce", "vectorized", "softmax", "index", "scatter", "gather")),
+    ("copy / fill", ("memcpy", "memset", "copy", "fill")),
+)
+
+
+def kernel_time(events, num_steps: int) -> dict:
+    """GPU kernel milliseconds per profiled step by kernel class, and the 12 longest kernels."""
+    by_class, by_name = Counter(), Counter()
+    for event in events:
+        if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name
+        ms = event.time_range.elapsed_us() / 1e3 / num_steps
+        lowered = name.lower()
+        kind = next((label for label, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
+        by_class[kind] += ms
+        by_name[name[:90]] += ms
+    return {"ms_per_step_by_class": dict(by_class.most_common()), "total_ms_per_step": sum(by_class.values()),
+            "longest_kernels_ms_per_step": dict(by_name.most_common(12))}
 
 
 def count_sync_events(events, step_ranges) -> Counter:
@@ -534,7 +559,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=0, help="override train.token_budget")
     parser.add_argument("--accum-steps", type=int, default=0, help="override train.accum_steps")
     parser.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (train.compile)")
-    parser.add_argument("--profile", default="", help="directory for a profiler trace of a few default steps")
+    parser.add_argument("--profile", default="", help="directory for a profiler trace of two steps of the last mode "
+                                                      "(kernel time by class, host-device syncs)")
     parser.add_argument("--loader", action="store_true", help="also measure the DataLoader over a synthetic store")
     parser.add_argument("--loader-only", action="store_true",
                         help="only the loader, at the real row shape, no model (fine on a CPU machine)")
@@ -598,14 +624,13 @@ def run(args, argv, dist) -> int:
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "drafter": config.drafter.size, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
-    default_data = None
+    profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode == "peer":
             steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed))
         elif mode == "default":
-            steps = default_data = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed,
-                                                     pad_multiple(ctx)))
+            steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, pad_multiple(ctx)))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
@@ -617,6 +642,7 @@ def run(args, argv, dist) -> int:
             scale_to_world(numbers, dist)
         say(f"{mode}: {numbers['ms_per_step_median']:,.1f} ms/step, {numbers['tokens_per_s']:,.0f} tokens/s, "
             f"MFU {numbers['mfu']:.3f}, peak {numbers['peak_allocated_gib'] or 0:.1f} GiB allocated", flush=True)
+        profiled_steps = steps  # the profile runs the last mode's steps (already compiled)
         del steps
     # Loader and fed steps before the profile: a cut-short run keeps what it measured (JSON after each part).
     if args.loader and dist.is_main:
@@ -626,7 +652,7 @@ def run(args, argv, dist) -> int:
         measure_loading(args, config, ctx, pool, results, step_fn, args.fed_epochs, say)
     if args.profile and dist.is_main:
         write_results(args.out, results)
-        steps = default_data or pin(default_steps(pool, config, ctx.args, 1, seed, pad_multiple(ctx)))
+        steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, pad_multiple(ctx)))
         results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
                                            1 if args.quick else 2)
     if dist.is_main:
@@ -696,6 +722,12 @@ def report(args, results: dict) -> None:
         profile = results["profile"]
         print_table("host-device syncs per step (profiler, inside the profiled steps)", ["event", "per step"],
                     [[name, count] for name, count in profile["sync_events_per_step"].items()])
+        kernels = profile["kernel_time"]
+        print_table(f"GPU kernel time per profiled step ({kernels['total_ms_per_step']:.1f} ms)",
+                    ["kernel class", "ms/step", "share"],
+                    [[kind, ms, ms / max(kernels["total_ms_per_step"], 1e-9)]
+                     for kind, ms in kernels["ms_per_step_by_class"].items()])
+        print_table("longest kernels", ["kernel", "ms/step"], list(kernels["longest_kernels_ms_per_step"].items()))
         outside = profile.get("sync_events_outside_steps") or {}
         if outside:
             print("outside the profiled steps (expected: the bench's closing synchronize and torch.profiler's own "
