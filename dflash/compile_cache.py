@@ -2,11 +2,13 @@
 
 On CUDA the first step of a training process compiles the drafter's layers, flex attention, the
 block mask and the loss pass: minutes on a cold cache (inductor's cache lives in /tmp, so a new
-machine, container or `TORCHINDUCTOR_CACHE_DIR` starts cold). After its first steps rank 0 saves
-`torch.compiler.save_cache_artifacts()` (dynamo, AOT-autograd, inductor and Triton entries) to
-`<out_dir>/compile-artifacts.bin`; every later process of the run (a `--resume`, each DDP rank,
-a restart on more GPUs) loads that file before its first step, so it reuses the compiled kernels
-instead of compiling them again. A file from another torch version or GPU is simply not hit:
+machine, container or `TORCHINDUCTOR_CACHE_DIR` starts cold). After its first steps every rank
+saves `torch.compiler.save_cache_artifacts()` (dynamo, AOT-autograd, inductor and Triton entries)
+to `<out_dir>/compile-artifacts.bin` (device cuda:0) or `compile-artifacts.cuda<N>.bin` (cuda:N):
+inductor keys its Triton kernels by device index, so a rank on cuda:1 that loaded cuda:0's file
+still compiled its kernels again (H200 x2, 2026-12-01). Every later process of the run (a
+`--resume`, a restart on more GPUs) loads its device's file before its first step, or cuda:0's
+when its own does not exist yet. A file from another torch version or GPU is simply not hit:
 torch compiles as it would without it.
 """
 
@@ -21,8 +23,17 @@ from dflash.outputs import atomic_file
 ARTIFACTS_NAME = "compile-artifacts.bin"
 
 
-def artifacts_path(out_dir: str | Path) -> Path:
-    return Path(out_dir) / ARTIFACTS_NAME
+def artifacts_path(out_dir: str | Path, device_index: int = 0) -> Path:
+    """Where the process on cuda:`device_index` saves its artifacts."""
+    name = ARTIFACTS_NAME if device_index == 0 else ARTIFACTS_NAME.replace(".bin", f".cuda{device_index}.bin")
+    return Path(out_dir) / name
+
+
+def artifacts_to_load(out_dir: str | Path, device_index: int) -> Path:
+    """This device's artifacts when a run saved them, else cuda:0's (the dynamo and AOT-autograd
+    entries still apply); the returned path may not exist."""
+    own = artifacts_path(out_dir, device_index)
+    return own if own.is_file() else artifacts_path(out_dir, 0)
 
 
 def load_compile_artifacts(path: str | Path) -> str:

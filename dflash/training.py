@@ -232,13 +232,16 @@ def advance_cursor(state: TrainState, schedule, step_in_epoch: int, bar, timer, 
 
 
 def keep_compile_artifacts(state: TrainState, say) -> None:
-    """Rank 0 saves this run's compiled kernels beside its checkpoints (dflash/compile_cache.py)."""
-    if state.dist.device.type != "cuda" or not state.dist.is_main:
+    """Each rank saves its compiled kernels beside the checkpoints, one file per device index
+    (dflash/compile_cache.py); rank 0 says so."""
+    device = state.dist.device
+    if device.type != "cuda":
         return
-    path = artifacts_path(state.config.train.out_dir)
+    path = artifacts_path(state.config.train.out_dir, device.index or 0)
     written = save_compile_artifacts(path)
-    if written:
-        say(f"saved compile artifacts {path} ({written / 1e6:.1f} MB): later processes of this run start warm")
+    if written and state.dist.is_main:
+        say(f"saved compile artifacts {path} ({written / 1e6:.1f} MB; every rank its own device's): later "
+            "processes of this run start warm")
 
 
 def follow_stop(error: FollowTimeout, state: TrainState, window: StepStats) -> FollowTimeout:

@@ -13,7 +13,7 @@ import os
 import torch
 
 from dflash.checkpoint import read_state
-from dflash.compile_cache import artifacts_path, load_compile_artifacts
+from dflash.compile_cache import artifacts_to_load, load_compile_artifacts
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
 from dflash.follow import StoreFollower, wait_for_store
@@ -73,7 +73,7 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     if checkpoint_path is not None:
         cursor, step, result.tokens_seen = restore(checkpoint_path, model, optimizer, dist)
     if dist.device.type == "cuda":
-        loaded = load_compile_artifacts(artifacts_path(config.train.out_dir))
+        loaded = load_compile_artifacts(artifacts_to_load(config.train.out_dir, dist.device.index or 0))
         if loaded and dist.is_main:
             print(loaded)
     wrapped = apply_parallelism(model, config, dist)

@@ -3,7 +3,7 @@ later process, a missing or unreadable file is no error (torch compiles as it wo
 
 import torch
 
-from dflash.compile_cache import load_compile_artifacts, save_compile_artifacts
+from dflash.compile_cache import artifacts_path, artifacts_to_load, load_compile_artifacts, save_compile_artifacts
 
 
 def test_artifacts_round_trip_and_a_bad_file_is_not_used(tmp_path, monkeypatch):
@@ -17,3 +17,12 @@ def test_artifacts_round_trip_and_a_bad_file_is_not_used(tmp_path, monkeypatch):
     bad = tmp_path / "bad.bin"
     bad.write_bytes(b"not torch's")
     assert "not used" in load_compile_artifacts(bad)
+
+
+def test_each_device_has_its_own_file_and_falls_back_to_cuda0s(tmp_path):
+    assert artifacts_path(tmp_path, 0).name == "compile-artifacts.bin"
+    assert artifacts_path(tmp_path, 3).name == "compile-artifacts.cuda3.bin"
+    assert artifacts_to_load(tmp_path, 3) == artifacts_path(tmp_path, 0)  # nothing saved yet: cuda:0's name
+    artifacts_path(tmp_path, 3).write_bytes(b"x")
+    assert artifacts_to_load(tmp_path, 3) == artifacts_path(tmp_path, 3)
+    assert artifacts_to_load(tmp_path, 1) == artifacts_path(tmp_path, 0)

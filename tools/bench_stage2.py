@@ -352,6 +352,7 @@ STEP_LABEL = "bench_stage2: profiled step"
 
 KERNEL_CLASSES = (  # (class, substrings of the kernel name), first match wins
     ("matmul (cuBLAS / CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
+    ("optimizer (multi-tensor apply)", ("multi_tensor_apply",)),
     ("flex attention (Triton templates)", ("flex", "triton_tem")),
     ("compiled fused (Triton)", ("triton_",)),
     ("NCCL", ("nccl",)),
@@ -367,6 +368,8 @@ def kernel_time(events, num_steps: int) -> dict:
         if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
         name = event.name
+        if name.startswith(STEP_LABEL) or "#" in name:  # the GPU-side spans of record_function labels
+            continue
         ms = event.time_range.elapsed_us() / 1e3 / num_steps
         lowered = name.lower()
         kind = next((label for label, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
@@ -575,7 +578,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "as a trainer at this rate (e.g. a measured GPU rate) and report the data wait")
     parser.add_argument("--compile-artifacts", default="",
                         help="load torch's compile artifacts from this file before the warm-up (when it exists) and "
-                             "save them there after each mode (dflash/compile_cache.py: the cold start of a second process)")
+                             "save them there after each mode (dflash/compile_cache.py: the cold start of a second "
+                             "process); a DDP rank on cuda:N uses PATH.cudaN, loading PATH while that does not exist")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -599,6 +603,11 @@ def main(argv: list[str]) -> int:
         shutdown(dist)
 
 
+def device_artifacts(path: str, device: torch.device) -> Path:
+    """`path` for cuda:0, `path.cudaN` for cuda:N (inductor keys Triton kernels by device index)."""
+    return Path(path if not device.index else f"{path}.cuda{device.index}")
+
+
 def run(args, argv, dist) -> int:
     device = dist.device
     torch.manual_seed(args.seed)
@@ -608,8 +617,9 @@ def run(args, argv, dist) -> int:
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
         from dflash.compile_cache import load_compile_artifacts
 
-        print(load_compile_artifacts(args.compile_artifacts) or f"no compile artifacts at {args.compile_artifacts} yet",
-              flush=True)
+        own = device_artifacts(args.compile_artifacts, dist.device)
+        path = own if own.is_file() else Path(args.compile_artifacts)
+        print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
     model, optimizer, wrapped, ctx = build_trainer(config, dist)
     from dflash.drafter import count_parameters
     from dflash.trainer import pad_multiple
@@ -634,10 +644,11 @@ def run(args, argv, dist) -> int:
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
-        if args.compile_artifacts and dist.is_main:
+        if args.compile_artifacts and dist.device.type == "cuda":  # every rank its device's kernels
             from dflash.compile_cache import save_compile_artifacts
 
-            numbers["compile_artifacts_bytes"] = save_compile_artifacts(args.compile_artifacts)
+            numbers["compile_artifacts_bytes"] = save_compile_artifacts(device_artifacts(args.compile_artifacts,
+                                                                                          dist.device))
         if dist.is_distributed:
             scale_to_world(numbers, dist)
         say(f"{mode}: {numbers['ms_per_step_median']:,.1f} ms/step, {numbers['tokens_per_s']:,.0f} tokens/s, "
