@@ -56,7 +56,8 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, captur
         for key, shard in enumerate(shards):
             writers.open_shard(key, shard)
             shard_samples = [samples[i] for i in shard.sample_indices]
-            for first, batch in padded_batches(shard_samples, config.extract.batch_tokens):
+            batches = padded_batches(shard_samples, config.extract.batch_tokens, pad_multiple(dist.device))
+            for first, batch in batches:
                 captured = capture(target, batch, config.store.codec, dist.device)
                 writers.write(key, shard.name, shard.sample_indices[first:first + len(batch)], batch, captured)
                 bar.update(sum(len(s.input_ids) for s in batch))
@@ -89,13 +90,14 @@ def encoded_batch_bytes(config, target) -> int:
     return int(1.25 * config.extract.batch_tokens) * per_row
 
 
-def padded_batches(samples, batch_tokens: int):
-    """Consecutive samples (plan order) whose padded size n * max_len fits batch_tokens."""
+def padded_batches(samples, batch_tokens: int, multiple: int = 1):
+    """Consecutive samples (plan order) whose padded size n * max_len (max_len rounded up to
+    `multiple`, as `capture_batch` pads) fits batch_tokens; a longer sample alone is a batch."""
     start = 0
     while start < len(samples):
         end, longest = start, 0
         while end < len(samples):
-            longest_next = max(longest, len(samples[end].input_ids))
+            longest_next = max(longest, -(-len(samples[end].input_ids) // multiple) * multiple)
             if end > start and longest_next * (end - start + 1) > batch_tokens:
                 break
             longest, end = longest_next, end + 1

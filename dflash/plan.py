@@ -17,7 +17,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class ShardPlan:
-    """One shard: its name, bucket, the kept-sample indices it holds (in order), its tokens."""
+    """One shard: its name, bucket, the kept-sample indices it holds (in store order: shortest
+    first, then row id), its tokens."""
 
     name: str
     bucket: int
@@ -52,7 +53,8 @@ def plan_shards(
     bucket_edges: list[int] | tuple[int, ...],
     shard_tokens: int,
 ) -> list[ShardPlan]:
-    """Cut every bucket, in row-id order, into shards of at most `shard_tokens` tokens.
+    """Cut every bucket, in row-id order, into shards of at most `shard_tokens` tokens; inside a
+    shard the samples go shortest first (`by_length`).
 
     `lengths[i]` and `row_ids[i]` describe kept sample i; `ShardPlan.sample_indices` refer
     to those positions. A sample longer than `shard_tokens` gets a shard of its own.
@@ -88,7 +90,14 @@ def _cut_bucket(
         current_tokens += length
     if current:
         plans.append(ShardPlan(shard_name(bucket, len(plans)), bucket, tuple(current), current_tokens))
-    return plans
+    return [ShardPlan(p.name, p.bucket, by_length(p.sample_indices, lengths), p.num_tokens) for p in plans]
+
+
+def by_length(indices: tuple[int, ...], lengths: np.ndarray) -> tuple[int, ...]:
+    """A shard's samples shortest first (ties keep row-id order): stage one batches consecutive
+    samples and pads each batch to its longest, so neighbours of equal length waste no compute."""
+    members = np.asarray(indices, dtype=np.int64)
+    return tuple(members[np.argsort(lengths[members], kind="stable")].tolist())
 
 
 def assign_ranks(shards: list[ShardPlan], world_size: int) -> list[list[ShardPlan]]:

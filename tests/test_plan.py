@@ -39,19 +39,20 @@ def test_plan_covers_every_sample_once_within_limits():
         assert p.num_tokens == int(lengths[list(p.sample_indices)].sum())
         assert all(assign_bucket(int(lengths[i]), EDGES) == p.bucket for i in p.sample_indices)
         assert p.num_tokens <= shard_tokens or len(p.sample_indices) == 1
-        ids = row_ids[list(p.sample_indices)]
-        assert np.all(np.diff(ids) > 0)  # row-id order inside a shard
+        # inside a shard: shortest first, ties in row-id order (stage one pads batches of neighbours)
+        order = [(int(lengths[i]), int(row_ids[i])) for i in p.sample_indices]
+        assert order == sorted(order)
         assert p.name.startswith(f"b{p.bucket:02d}-")
     assert len({p.name for p in plans}) == len(plans)
 
 
 def test_plan_packs_greedily_and_isolates_long_samples():
-    lengths = np.array([100, 100, 100, 300, 100])
+    lengths = np.array([100, 90, 100, 300, 100])
     row_ids = np.arange(5)
     plans = plan_shards(lengths, row_ids, [0, 1000], shard_tokens=250)
-    assert [p.sample_indices for p in plans] == [(0, 1), (2,), (3,), (4,)]
+    assert [p.sample_indices for p in plans] == [(1, 0), (2,), (3,), (4,)]  # cut in row-id order, then by length
     assert [p.name for p in plans] == ["b00-00000", "b00-00001", "b00-00002", "b00-00003"]
-    assert [p.num_tokens for p in plans] == [200, 100, 300, 100]
+    assert [p.num_tokens for p in plans] == [190, 100, 300, 100]
 
 
 def test_plan_deterministic_and_follows_row_id_order():
@@ -100,3 +101,26 @@ def test_write_order_interleaves_buckets_and_keeps_each_bucket_in_name_order():
     first_half = {s.bucket for s in order[:len(order) // 2]}
     assert first_half == {0, 1, 2}  # every length is written early, not bucket after bucket
     assert order[0].bucket != order[1].bucket
+
+
+@pytest.mark.parametrize("multiple", [1, 16])
+def test_batches_of_a_shard_keep_its_order_and_fit_the_budget_once_padded(multiple):
+    """Stage one's batches: consecutive samples of the shard (shortest first), each batch's padded size
+    (its longest sample rounded up to the pad multiple, times its samples) within batch_tokens."""
+    from types import SimpleNamespace
+
+    from dflash.capture import padded_batches
+
+    lengths, row_ids = _random_samples(4)
+    plans = plan_shards(lengths, row_ids, EDGES, 4000)
+    shards_of_many = 0
+    for plan in plans:
+        samples = [SimpleNamespace(input_ids=np.zeros(lengths[i])) for i in plan.sample_indices]
+        batches = list(padded_batches(samples, 1000, multiple))
+        assert [first for first, _ in batches] == list(np.cumsum([0] + [len(b) for _, b in batches[:-1]]))
+        assert sum(len(b) for _, b in batches) == len(samples)
+        for _, batch in batches:
+            padded = -(-max(len(s.input_ids) for s in batch) // multiple) * multiple
+            assert padded * len(batch) <= 1000 or len(batch) == 1
+        shards_of_many += len(batches) > 1
+    assert shards_of_many > 0

@@ -90,18 +90,16 @@ def make_samples(lengths: np.ndarray, vocab_size: int, seed: int) -> list:
     return samples
 
 
-def bucketed_batches(samples: list, bucket_edges, batch_tokens: int) -> list[list]:
-    """Samples grouped by bucket (plan order) then cut into right-padded batches, as stage one does."""
-    from dflash.plan import assign_bucket
+def bucketed_batches(samples: list, bucket_edges, batch_tokens: int, shard_tokens: int) -> list[list]:
+    """The batches stage one runs: the plan's shards (bucketed, each shortest first), each cut into
+    right-padded batches of consecutive samples."""
     from dflash.capture import padded_batches
+    from dflash.plan import plan_shards
 
-    by_bucket: dict[int, list] = {}
-    for sample in samples:
-        by_bucket.setdefault(assign_bucket(len(sample), bucket_edges), []).append(sample)
-    batches = []
-    for bucket in sorted(by_bucket):
-        batches.extend(batch for _, batch in padded_batches(by_bucket[bucket], batch_tokens))
-    return batches
+    lengths = np.array([len(s) for s in samples])
+    plans = plan_shards(lengths, np.array([s.row_id for s in samples]), bucket_edges, shard_tokens)
+    return [batch for plan in plans
+            for _, batch in padded_batches([samples[i] for i in plan.sample_indices], batch_tokens, multiple=16)]
 
 
 def warmup_batches(batches: list[list]) -> list[list]:
@@ -463,7 +461,7 @@ def main(argv: list[str]) -> int:
     config, model = build_target(args, device)
     progress("target built")
     samples = pick_samples(args, config.vocab_size)
-    batches = bucketed_batches(samples, bucket_edges, args.batch_tokens)
+    batches = bucketed_batches(samples, bucket_edges, args.batch_tokens, StoreConfig().shard_tokens)
     real_tokens = sum(len(s) for s in samples)
     padded_tokens = sum(len(b) * max(len(s) for s in b) for b in batches)
     layer_ids = default_layer_ids(config.num_hidden_layers, REAL_LAYER_COUNT)
