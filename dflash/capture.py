@@ -24,6 +24,7 @@ class WriteStats:
     shards_written: int = 0
     num_samples: int = 0
     num_tokens: int = 0
+    padded_tokens: int = 0  # rows the target ran, padding included (batches padded to their longest)
     stored_bytes: int = 0
     writer_wait_seconds: float = 0.0  # the target's thread blocked on full writer queues (back-pressure)
     drain_seconds: float = 0.0  # after the last forward, waiting for the writers to finish
@@ -56,8 +57,9 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, captur
         for key, shard in enumerate(shards):
             writers.open_shard(key, shard)
             shard_samples = [samples[i] for i in shard.sample_indices]
-            batches = padded_batches(shard_samples, config.extract.batch_tokens, pad_multiple(dist.device))
-            for first, batch in batches:
+            multiple = pad_multiple(dist.device)
+            for first, batch in padded_batches(shard_samples, config.extract.batch_tokens, multiple):
+                result.padded_tokens += len(batch) * -(-max(len(s.input_ids) for s in batch) // multiple) * multiple
                 captured = capture(target, batch, config.store.codec, dist.device)
                 writers.write(key, shard.name, shard.sample_indices[first:first + len(batch)], batch, captured)
                 bar.update(sum(len(s.input_ids) for s in batch))

@@ -25,6 +25,7 @@ class ExtractResult:
     store_path: str
     num_samples: int = 0
     num_tokens: int = 0
+    padded_tokens: int = 0
     stored_bytes: int = 0
     seconds: float = 0.0
     shards_written: int = 0
@@ -168,7 +169,7 @@ def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int, m
 def summarize(dist: DistState, attrs: dict, result: ExtractResult) -> None:
     totals = all_reduce_sum(dist, [result.num_samples, result.num_tokens, result.stored_bytes,
                                    result.shards_written, result.seconds, result.writer_wait_seconds,
-                                   result.drain_seconds])
+                                   result.drain_seconds, result.padded_tokens])
     if not dist.is_main:
         return
     samples, tokens, stored, written = (int(v) for v in totals[:4])
@@ -178,7 +179,8 @@ def summarize(dist: DistState, attrs: dict, result: ExtractResult) -> None:
     print(f"stage one done: {written} shards, {samples} samples, {tokens:,} tokens, "
           f"{stored / 1e6:,.1f} MB stored ({stored / max(tokens, 1):,.0f} B/token, "
           f"{ratio:.2f}x smaller than bf16), {seconds:.1f} s, "
-          f"{tokens / max(seconds, 1e-9):,.0f} tokens/s over {dist.world_size} rank(s)")
+          f"{tokens / max(seconds, 1e-9):,.0f} tokens/s over {dist.world_size} rank(s)"
+          + (f"; {tokens / totals[7]:.1%} of the rows the target ran were real (batch padding)" if totals[7] else ""))
     waited, drained = totals[5] / dist.world_size, totals[6] / dist.world_size
     print(f"  writers (mean per rank): the target waited {waited:.1f} s on full writer queues, then "
           f"{drained:.1f} s for the last shards after its last batch")

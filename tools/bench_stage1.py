@@ -425,6 +425,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--labels", action="store_true",
                         help="also time capture with the target's greedy labels (store.labels = target)")
+    parser.add_argument("--padding-only", action="store_true",
+                        help="only print the padding efficiency of stage one's batches for --tokens of the length mix "
+                             "(no target, any machine)")
     parser.add_argument("--compile-layers", action="store_true",
                         help="then compile the target's decoder layers regionally (dflash.target.compile_decoder_layers) "
                              "and time capture and the full path again, checking the features against eager")
@@ -458,6 +461,16 @@ def main(argv: list[str]) -> int:
     from dflash.target import TargetModel, default_layer_ids
 
     bucket_edges = StoreConfig().bucket_edges
+    if args.padding_only:
+        samples = pick_samples(args, 1000)
+        batches = bucketed_batches(samples, bucket_edges, args.batch_tokens, StoreConfig().shard_tokens)
+        real = sum(len(s) for s in samples)
+        padded = sum(len(b) * -(-max(len(s) for s in b) // 16) * 16 for b in batches)
+        print(f"{len(samples)} samples, {real:,} tokens in {len(batches)} batches of <= {args.batch_tokens:,} padded "
+              f"tokens: padding efficiency {real / padded:.4f}")
+        write_results(args.out, {"meta": run_metadata(["tools/bench_stage1.py", *argv]), "tokens": real,
+                                 "padded_tokens": padded, "batches": len(batches), "padding_efficiency": real / padded})
+        return 0
     config, model = build_target(args, device)
     progress("target built")
     samples = pick_samples(args, config.vocab_size)
