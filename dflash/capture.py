@@ -53,13 +53,13 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, captur
                      "labels": target.predict_labels}
     writers = WriterPool(min(config.extract.writer_processes, len(shards)), config.store.path,
                          lengths, row_ids, shard_options, batch_bytes=encoded_batch_bytes(config, target))
+    multiple = pad_multiple(dist.device)
     try:
         for key, shard in enumerate(shards):
             writers.open_shard(key, shard)
             shard_samples = [samples[i] for i in shard.sample_indices]
-            multiple = pad_multiple(dist.device)
             for first, batch in padded_batches(shard_samples, config.extract.batch_tokens, multiple):
-                result.padded_tokens += len(batch) * -(-max(len(s.input_ids) for s in batch) // multiple) * multiple
+                result.padded_tokens += len(batch) * padded_length(batch, multiple)
                 captured = capture(target, batch, config.store.codec, dist.device)
                 writers.write(key, shard.name, shard.sample_indices[first:first + len(batch)], batch, captured)
                 bar.update(sum(len(s.input_ids) for s in batch))
@@ -92,14 +92,19 @@ def encoded_batch_bytes(config, target) -> int:
     return int(1.25 * config.extract.batch_tokens) * per_row
 
 
+def padded_length(batch, multiple: int) -> int:
+    """The length `capture_batch` pads a batch to: its longest sample, rounded up to `multiple`."""
+    return -(-max(len(s.input_ids) for s in batch) // multiple) * multiple
+
+
 def padded_batches(samples, batch_tokens: int, multiple: int = 1):
-    """Consecutive samples (plan order) whose padded size n * max_len (max_len rounded up to
-    `multiple`, as `capture_batch` pads) fits batch_tokens; a longer sample alone is a batch."""
+    """Consecutive samples (plan order) whose padded size n * `padded_length` fits batch_tokens;
+    a longer sample alone is a batch."""
     start = 0
     while start < len(samples):
         end, longest = start, 0
         while end < len(samples):
-            longest_next = max(longest, -(-len(samples[end].input_ids) // multiple) * multiple)
+            longest_next = max(longest, padded_length(samples[end:end + 1], multiple))
             if end > start and longest_next * (end - start + 1) > batch_tokens:
                 break
             longest, end = longest_next, end + 1

@@ -51,15 +51,35 @@ def block_labels(
     is valid iff k >= 1, i + k is inside the packed row and in the same sequence (doc id),
     the token is supervised, and the anchor is not padding. Invalid labels are IGNORE_LABEL.
     """
-    num_tokens = input_ids_T.shape[0]
+    target_AB, valid_AB = _slot_targets(loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_size)
+    labels_AB = torch.where(valid_AB, input_ids_T[target_AB].long(), IGNORE_LABEL)
+    return labels_AB, valid_AB
+
+
+def label_rows(
+    loss_mask_T: torch.Tensor,
+    doc_ids_T: torch.Tensor,
+    anchor_index_A: torch.Tensor,
+    anchor_valid_A: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Flat indices `(L,)` int64 into the `A * B` block rows of the rows that carry a label
+    (`block_labels`'s rule). The collate computes them on the host, so the loss runs the LM head
+    over these rows only and the device learns their number from the shape, without a sync."""
+    _, valid_AB = _slot_targets(loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_size)
+    return valid_AB.reshape(-1).nonzero().squeeze(1)
+
+
+def _slot_targets(loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_size: int):
+    """The flat token index each block slot predicts (clamped inside the row) and whether it is a label."""
+    num_tokens = doc_ids_T.shape[0]
     slots = torch.arange(block_size, device=anchor_index_A.device)
     target_AB = anchor_index_A[:, None] + slots[None, :]
     inside = target_AB < num_tokens
     target_AB = target_AB.clamp(max=num_tokens - 1)
     same_doc = doc_ids_T[target_AB] == doc_ids_T[anchor_index_A][:, None]
     valid_AB = inside & same_doc & loss_mask_T[target_AB].bool() & (slots[None, :] >= 1) & anchor_valid_A[:, None].bool()
-    labels_AB = torch.where(valid_AB, input_ids_T[target_AB].long(), IGNORE_LABEL)
-    return labels_AB, valid_AB
+    return target_AB, valid_AB
 
 
 def _ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor):
@@ -135,24 +155,6 @@ class LossOutput:
     loss_sum: torch.Tensor  # scalar, sum(w * ce); differentiable (for normalising over micro-batches)
     weight_sum: torch.Tensor  # scalar, sum(w) over valid slots
     correct: torch.Tensor  # (A, B) bool, top-1 prediction equals a valid label
-
-
-def label_rows(
-    loss_mask_T: torch.Tensor,
-    doc_ids_T: torch.Tensor,
-    anchor_index_A: torch.Tensor,
-    anchor_valid_A: torch.Tensor,
-    block_size: int,
-) -> torch.Tensor:
-    """Flat indices `(L,)` int64 into the `A * B` block rows of the rows that carry a label.
-
-    The validity rule is `block_labels`'s (it is called here). The collate computes this on the
-    host, so the loss can run the LM head over these rows only and the device learns their number
-    from the tensor's shape, without a sync. Slot 0 is never among them.
-    """
-    placeholder_T = torch.zeros_like(doc_ids_T)
-    _, valid_AB = block_labels(placeholder_T, loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_size)
-    return valid_AB.reshape(-1).nonzero().squeeze(1)
 
 
 def dflash_loss(

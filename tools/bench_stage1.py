@@ -462,10 +462,12 @@ def main(argv: list[str]) -> int:
 
     bucket_edges = StoreConfig().bucket_edges
     if args.padding_only:
+        from dflash.capture import padded_length
+
         samples = pick_samples(args, 1000)
         batches = bucketed_batches(samples, bucket_edges, args.batch_tokens, StoreConfig().shard_tokens)
         real = sum(len(s) for s in samples)
-        padded = sum(len(b) * -(-max(len(s) for s in b) // 16) * 16 for b in batches)
+        padded = sum(len(b) * padded_length(b, 16) for b in batches)
         print(f"{len(samples)} samples, {real:,} tokens in {len(batches)} batches of <= {args.batch_tokens:,} padded "
               f"tokens: padding efficiency {real / padded:.4f}")
         write_results(args.out, {"meta": run_metadata(["tools/bench_stage1.py", *argv]), "tokens": real,
