@@ -425,6 +425,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--labels", action="store_true",
                         help="also time capture with the target's greedy labels (store.labels = target)")
+    parser.add_argument("--essential", action="store_true",
+                        help="skip the unmasked bare forward and the writers-alone pass (a large --tokens in one "
+                             "device call: the bare forward, capture and the full path remain)")
     parser.add_argument("--padding-only", action="store_true",
                         help="only print the padding efficiency of stage one's batches for --tokens of the length mix "
                              "(no target, any machine)")
@@ -490,9 +493,11 @@ def main(argv: list[str]) -> int:
     time_bare_forward(model, warmup, device)
     bare_seconds = time_bare_forward(model, batches, device)
     progress(f"bare forward: {real_tokens / bare_seconds:,.0f} tokens/s")
-    time_bare_forward(model, warmup, device, mask=False)
-    unmasked_seconds = time_bare_forward(model, batches, device, mask=False)
-    progress(f"bare forward without the padding mask: {real_tokens / unmasked_seconds:,.0f} tokens/s")
+    unmasked_seconds = None
+    if not args.essential:
+        time_bare_forward(model, warmup, device, mask=False)
+        unmasked_seconds = time_bare_forward(model, batches, device, mask=False)
+        progress(f"bare forward without the padding mask: {real_tokens / unmasked_seconds:,.0f} tokens/s")
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
     labels_seconds = None
     if args.labels:  # before the cut: target labels run every layer, the final norm and the LM head
@@ -513,6 +518,12 @@ def main(argv: list[str]) -> int:
     full, writers_only = {}, {}
     try:
         for codec in codecs:
+            if args.essential:
+                full[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens,
+                                            args.writer_processes, device, store_root / f"store-{codec}")
+                shutil.rmtree(store_root / f"store-{codec}", ignore_errors=True)
+                say_full(f"full stage one, {codec}", full[codec])
+                continue
             pool = capture_pool(target, batches, codec, device)
             writers_only[codec] = run_full_path(target, samples, bucket_edges, codec, args.batch_tokens,
                                                 args.writer_processes, device, store_root / f"writers-{codec}", pool)
@@ -561,9 +572,10 @@ def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params
     raw_bytes = REAL_LAYER_COUNT * config.hidden_size * 2
     bare_rate = real_tokens / bare_seconds
     rows = [["bare forward (logits_to_keep=1)", bare_rate, 1.0, mfu(flops["bare"], bare_seconds), "", "", ""]]
-    rate = real_tokens / unmasked_seconds
-    rows.append(["  same without the padding mask (as capture runs)", rate, rate / bare_rate,
-                 mfu(flops["bare"], unmasked_seconds), "", "", ""])
+    if unmasked_seconds is not None:
+        rate = real_tokens / unmasked_seconds
+        rows.append(["  same without the padding mask (as capture runs)", rate, rate / bare_rate,
+                     mfu(flops["bare"], unmasked_seconds), "", "", ""])
     rate = real_tokens / capture_seconds
     rows.append([f"capture + encode {capture_codec} + copy to host", rate, rate / bare_rate,
                  mfu(flops["cut"], capture_seconds), "", "", ""])
@@ -614,9 +626,9 @@ def report(args, argv, config, layer_ids, real_tokens, padded_tokens, all_params
         "tokens": real_tokens, "padded_tokens": padded_tokens, "tflop": {k: v / 1e12 for k, v in flops.items()},
         "raw_bf16_bytes_per_token": raw_bytes,
         "bare": {"seconds": bare_seconds, "tokens_per_s": bare_rate, "mfu": mfu(flops["bare"], bare_seconds)},
-        "bare_unmasked": {"seconds": unmasked_seconds, "tokens_per_s": real_tokens / unmasked_seconds,
-                          "ratio_to_bare": bare_seconds / unmasked_seconds,
-                          "mfu": mfu(flops["bare"], unmasked_seconds)},
+        "bare_unmasked": None if unmasked_seconds is None else {
+            "seconds": unmasked_seconds, "tokens_per_s": real_tokens / unmasked_seconds,
+            "ratio_to_bare": bare_seconds / unmasked_seconds, "mfu": mfu(flops["bare"], unmasked_seconds)},
         "capture_only": {"codec": capture_codec, "seconds": capture_seconds,
                          "tokens_per_s": real_tokens / capture_seconds,
                          "ratio_to_bare": real_tokens / capture_seconds / bare_rate,
