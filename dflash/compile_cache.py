@@ -25,15 +25,25 @@ ARTIFACTS_NAME = "compile-artifacts.bin"
 
 def artifacts_path(out_dir: str | Path, device_index: int = 0) -> Path:
     """Where the process on cuda:`device_index` saves its artifacts."""
-    name = ARTIFACTS_NAME if device_index == 0 else ARTIFACTS_NAME.replace(".bin", f".cuda{device_index}.bin")
-    return Path(out_dir) / name
+    return device_file(Path(out_dir) / ARTIFACTS_NAME, device_index)
+
+
+def device_file(path: str | Path, device_index: int) -> Path:
+    """cuda:0's artifacts file `path` itself; cuda:N's beside it, `<stem>.cudaN<suffix>`."""
+    path = Path(path)
+    return path if not device_index else path.with_name(f"{path.stem}.cuda{device_index}{path.suffix}")
 
 
 def artifacts_to_load(out_dir: str | Path, device_index: int) -> Path:
     """This device's artifacts when a run saved them, else cuda:0's (the dynamo and AOT-autograd
     entries still apply); the returned path may not exist."""
-    own = artifacts_path(out_dir, device_index)
-    return own if own.is_file() else artifacts_path(out_dir, 0)
+    return own_or_first(artifacts_path(out_dir), device_index)
+
+
+def own_or_first(path: str | Path, device_index: int) -> Path:
+    """`device_file(path, device_index)` when it exists, else `path` (cuda:0's file)."""
+    own = device_file(path, device_index)
+    return own if own.is_file() else Path(path)
 
 
 def load_compile_artifacts(path: str | Path) -> str:

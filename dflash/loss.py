@@ -19,7 +19,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 IGNORE_LABEL = -100  # label of slots that are not supervised; never equals an argmax
 
@@ -170,29 +169,22 @@ def dflash_loss(
 
     `rows_L` (from `label_rows`, computed by the collate) restricts the LM head to the rows that
     carry a label; without it every row of slots 1.. goes through the head (unlabelled ones with
-    weight 0). Both give the same loss, gradients and `correct`.
+    weight 0). Both give the same loss, gradients and `correct`. The selected rows are cast to the
+    head's dtype (the others are never touched); the gather's backward scatters the gradient back.
     """
     num_anchors, block_size = labels_AB.shape
     if hidden_QH.shape[0] != num_anchors * block_size:
         raise ValueError(f"loss: hidden has {hidden_QH.shape[0]} rows, labels need {num_anchors} x {block_size}")
     row_weight_AB = weights_B.to(device=hidden_QH.device, dtype=torch.float32)[None, :] * valid_AB
-    if rows_L is None:
-        # Slot 0 (the anchor token) is never a label: only slots 1.. go through the LM head.
-        hidden_AKH = hidden_QH.view(num_anchors, block_size, -1)[:, 1:]
-        loss_sum, _, argmax_Q = _ChunkedLMHeadCrossEntropy.apply(
-            hidden_AKH.reshape(-1, hidden_QH.shape[1]), lm_head_VH, labels_AB[:, 1:].reshape(-1),
-            row_weight_AB[:, 1:].reshape(-1), chunk_size,
-        )
-        argmax_AB = F.pad(argmax_Q.view(num_anchors, block_size - 1), (1, 0), value=IGNORE_LABEL)
-    else:
-        # Only labelled rows: the head's FLOPs follow the labels (short sequences leave many
-        # block slots past their end), and the gather's backward scatters the gradient back.
-        loss_sum, _, argmax_L = _ChunkedLMHeadCrossEntropy.apply(
-            hidden_QH.index_select(0, rows_L), lm_head_VH, labels_AB.reshape(-1).index_select(0, rows_L),
-            row_weight_AB.reshape(-1).index_select(0, rows_L), chunk_size,
-        )
-        argmax_AB = torch.full((num_anchors * block_size,), IGNORE_LABEL, dtype=argmax_L.dtype,
-                               device=argmax_L.device).index_copy_(0, rows_L, argmax_L).view(num_anchors, block_size)
+    if rows_L is None:  # slot 0 (the anchor token) is never a label: every other row, no sync
+        rows_L = torch.arange(num_anchors * block_size, device=hidden_QH.device).view(num_anchors, block_size)[:, 1:]
+        rows_L = rows_L.reshape(-1)
+    loss_sum, _, argmax_L = _ChunkedLMHeadCrossEntropy.apply(
+        hidden_QH.index_select(0, rows_L).to(lm_head_VH.dtype), lm_head_VH,
+        labels_AB.reshape(-1).index_select(0, rows_L), row_weight_AB.reshape(-1).index_select(0, rows_L), chunk_size,
+    )
+    argmax_AB = torch.full((num_anchors * block_size,), IGNORE_LABEL, dtype=argmax_L.dtype,
+                           device=argmax_L.device).index_copy_(0, rows_L, argmax_L).view(num_anchors, block_size)
     weight_sum = row_weight_AB.sum()
     # An all-padding micro-batch gives loss 0 (and zero gradients), not NaN.
     loss = loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)

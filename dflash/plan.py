@@ -81,16 +81,20 @@ def _cut_bucket(
     plans: list[ShardPlan] = []
     current: list[int] = []
     current_tokens = 0
+
+    def close() -> None:
+        plans.append(ShardPlan(shard_name(bucket, len(plans)), bucket, by_length(current, lengths), current_tokens))
+
     for index in members.tolist():
         length = int(lengths[index])
         if current and current_tokens + length > shard_tokens:
-            plans.append(ShardPlan(shard_name(bucket, len(plans)), bucket, tuple(current), current_tokens))
+            close()
             current, current_tokens = [], 0
         current.append(index)
         current_tokens += length
     if current:
-        plans.append(ShardPlan(shard_name(bucket, len(plans)), bucket, tuple(current), current_tokens))
-    return [ShardPlan(p.name, p.bucket, by_length(p.sample_indices, lengths), p.num_tokens) for p in plans]
+        close()
+    return plans
 
 
 def by_length(indices: tuple[int, ...], lengths: np.ndarray) -> tuple[int, ...]:

@@ -139,9 +139,9 @@ def forward_loss(model, ctx: TrainContext, batch: dict):
     labels_AB, valid_AB = block_labels(batch.get("labels", batch["input_ids"]), batch["loss_mask"],
                                        batch["doc_ids"], batch["anchor_index"], batch["anchor_valid"],
                                        args.block_size)
-    # The final norm returns float32 under autocast; the frozen head is bf16 on CUDA.
-    out = dflash_loss(hidden_QH.to(ctx.lm_head_VH.dtype), ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B,
-                      ctx.loss_chunk, rows_L=batch.get("label_rows"))
+    # The final norm returns float32 under autocast; the loss casts the rows it uses to the head's dtype.
+    out = dflash_loss(hidden_QH, ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B, ctx.loss_chunk,
+                      rows_L=batch.get("label_rows"))
     return out, valid_AB
 
 

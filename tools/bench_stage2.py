@@ -579,7 +579,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile-artifacts", default="",
                         help="load torch's compile artifacts from this file before the warm-up (when it exists) and "
                              "save them there after each mode (dflash/compile_cache.py: the cold start of a second "
-                             "process); a DDP rank on cuda:N uses PATH.cudaN, loading PATH while that does not exist")
+                             "process); a DDP rank on cuda:N uses STEM.cudaN.SUFFIX beside it, loading PATH while that does not exist")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -603,11 +603,6 @@ def main(argv: list[str]) -> int:
         shutdown(dist)
 
 
-def device_artifacts(path: str, device: torch.device) -> Path:
-    """`path` for cuda:0, `path.cudaN` for cuda:N (inductor keys Triton kernels by device index)."""
-    return Path(path if not device.index else f"{path}.cuda{device.index}")
-
-
 def run(args, argv, dist) -> int:
     device = dist.device
     torch.manual_seed(args.seed)
@@ -615,10 +610,9 @@ def run(args, argv, dist) -> int:
     if args.loader_only:
         return run_loader_only(args, argv, config, device)
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
-        from dflash.compile_cache import load_compile_artifacts
+        from dflash.compile_cache import load_compile_artifacts, own_or_first
 
-        own = device_artifacts(args.compile_artifacts, dist.device)
-        path = own if own.is_file() else Path(args.compile_artifacts)
+        path = own_or_first(args.compile_artifacts, dist.device.index or 0)
         print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
     model, optimizer, wrapped, ctx = build_trainer(config, dist)
     from dflash.drafter import count_parameters
@@ -645,10 +639,10 @@ def run(args, argv, dist) -> int:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
         if args.compile_artifacts and dist.device.type == "cuda":  # every rank its device's kernels
-            from dflash.compile_cache import save_compile_artifacts
+            from dflash.compile_cache import device_file, save_compile_artifacts
 
-            numbers["compile_artifacts_bytes"] = save_compile_artifacts(device_artifacts(args.compile_artifacts,
-                                                                                          dist.device))
+            numbers["compile_artifacts_bytes"] = save_compile_artifacts(
+                device_file(args.compile_artifacts, dist.device.index or 0))
         if dist.is_distributed:
             scale_to_world(numbers, dist)
         say(f"{mode}: {numbers['ms_per_step_median']:,.1f} ms/step, {numbers['tokens_per_s']:,.0f} tokens/s, "
