@@ -233,21 +233,32 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new
               help="Answer tokens at most (longer ones are cut and counted).")
 @click.option("--temperature", default=0.0, show_default=True, help="0: greedy; > 0: sampling at this temperature.")
 @click.option("--top-p", default=1.0, show_default=True, help="Nucleus sampling mass (with --temperature > 0).")
+@click.option("--top-k", default=0, show_default=True,
+              help="Sample among the K most likely tokens only (0: the whole vocabulary).")
+@click.option("--num-samples", default=1, show_default=True,
+              help="Sampled answers per prompt (needs --temperature > 0); rows carry their sample index 1..N.")
+@click.option("--with-greedy", is_flag=True,
+              help="With sampling, also write each prompt's greedy answer (sample index 0).")
 @click.option("--seed", default=0, show_default=True,
-              help="Sampling seed (one stream per shard, so resumes draw the same).")
+              help="Sampling seed: every answer draws from its own stream of (seed, source row, sample), "
+                   "so a resumed run draws the same.")
+@click.option("--engine", type=click.Choice(["auto", "slots", "generate"]), default="auto", show_default=True,
+              help="slots: continuous batching with CUDA graphs (Llama, Mistral, Qwen2, Qwen3 targets); generate: "
+                   "transformers' generate; auto: slots where the target allows it, else generate (says so).")
 @click.option("--batch-size", default=0, show_default=True,
-              help="Prompts per generate call (0: 256 on CUDA, 8 on CPU).")
+              help="Rows decoded at once (0: as many slots as half the free GPU memory holds, at most 1024, with "
+                   "the slots engine; 256 prompts per call with generate; 8 on the CPU).")
 @click.option("--rows-per-shard", default=1024, show_default=True,
-              help="Answers per output file (the unit a resume keeps).")
+              help="Prompts per output file (the unit a resume keeps); each holds all their answers.")
 @click.option("--limit", default=0, show_default=True, help="Only the first N usable rows (0: all).")
 @click.option("--static-cache", type=click.Choice(["auto", "on", "off"]), default="auto", show_default=True,
-              help="transformers' static KV cache and compiled decoding (auto: on CUDA).")
+              help="--engine generate: transformers' static KV cache and compiled decoding (auto: on CUDA).")
 @click.option("--device", default="auto", show_default=True,
               help="auto (cuda:<local rank> when available), cpu, cuda:N.")
 @click.option("--gpus", help="Comma-separated GPU ids, one process each via torchrun (e.g. 0,1,2,3).")
 @click.option("--overwrite", is_flag=True, help="Replace answers generated with other settings in --out.")
-def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, seed, batch_size, rows_per_shard,
-             limit, static_cache, device, gpus, overwrite):
+def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, top_k, num_samples, with_greedy, seed,
+             engine, batch_size, rows_per_shard, limit, static_cache, device, gpus, overwrite):
     """Regenerate the answers of data.source with the target, for training on what it would say.
 
     Each row is rendered up to its last assistant turn with the chat template stage one uses;
@@ -262,9 +273,9 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, se
     from stages import generate as generate_stage
 
     options = generate_stage.GenerateOptions(
-        out=out, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
-        batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device,
-        static_cache=static_cache, overwrite=overwrite)
+        out=out, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        num_samples=num_samples, with_greedy=with_greedy, seed=seed, engine=engine, batch_size=batch_size,
+        rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache, overwrite=overwrite)
     generate_stage.run(config, options)
 
 

@@ -1,14 +1,22 @@
-"""Batched answer generation with the target (transformers `generate`): the engine of
-`dflash generate` (stages/generate.py) and of tools/bench_generate.py.
+"""Answer generation with the target: the engine of `dflash generate` (stages/generate.py) and
+of tools/bench_generate.py.
 
-Prompts run in length-sorted batches, longest first (memory peaks in the first batch, not
-after an hour), left-padded so that every answer starts at the same column. On CUDA the
-static KV cache lets transformers compile the decoding step; prompt widths then round up to
-`PAD_WIDTH` so that a few shapes serve every batch.
+Each `Job` is one answer to make: a prompt, its sample index (0 greedy, 1.. sampled) and the
+output shard it belongs to. Two paths make them:
+
+- `slots` (`dflash.decoding.SlotDecoder`): continuous batching with a KV cache allocated once
+  and CUDA-graph decode steps, for full-attention targets (Llama, Mistral, Qwen2, Qwen3). Every
+  sampled answer draws from its own stream (seed, source row, sample index), so it is the same
+  in whatever batch or run it is decoded.
+- `generate` (transformers' `generate`, the fallback for the other families, such as the
+  Qwen3.5/3.6 hybrid whose linear-attention state the engine does not hold): each shard's jobs
+  run in length-sorted, left-padded batches, longest first, with one sampling seed per shard.
+  On CUDA the static KV cache lets transformers compile the decoding step; prompt widths then
+  round up to `PAD_WIDTH` so that a few shapes serve every batch.
 
 The output format lives here too: prompts read from a chat source, `part-NNNNN.jsonl` shards
-of `{"messages": [..., answer], "source_row", "cut"}` rows, and the manifest that refuses to
-mix answers generated with other settings into one directory.
+of `{"messages": [..., answer], "source_row", "sample", "cut"}` rows, and the manifest that
+refuses to mix answers generated with other settings into one directory.
 """
 
 from __future__ import annotations
@@ -21,12 +29,16 @@ from typing import Callable
 import torch
 
 from dflash import data
+from dflash.decoding import Request, SlotDecoder, stream_id, unsupported_reason
 from dflash.errors import DflashError
 from dflash.outputs import write_text_atomic
 
 PAD_WIDTH = 64
 MANIFEST = "generate-manifest.txt"
 BAD_PROMPT_TOO_LONG = "prompt_too_long"  # the prompt alone reaches data.max_length: no answer could be trained on
+ENGINES = ("auto", "slots", "generate")
+SLOTS_MAX = 1024  # the engine's default slot count on CUDA, when the KV cache fits
+CACHE_MEMORY_SHARE = 0.5  # of the GPU's free memory, for the engine's KV cache
 
 
 class GenerateMismatchError(DflashError, ValueError):
@@ -41,48 +53,122 @@ class Prompt:
 
 
 @dataclass
+class Job:
+    prompt: Prompt
+    sample: int  # 0: the greedy answer; 1..N: sampled answers
+    shard: int  # output shard it belongs to
+
+
+@dataclass
 class Answer:
     token_ids: list[int]  # up to the first end token (dropped)
     text: str
     cut: bool  # reached max_new_tokens without an end token
 
 
+def sample_indices(temperature: float, num_samples: int, with_greedy: bool) -> list[int]:
+    """The answers made per prompt: greedy alone at temperature 0, else N sampled ones (1..N),
+    with the greedy one (0) first when asked."""
+    if temperature <= 0:
+        return [0]
+    return ([0] if with_greedy else []) + list(range(1, num_samples + 1))
+
+
 class Generator:
     def __init__(self, target, tokenizer, stop_ids: list[int], device: torch.device, *, batch_size: int = 0,
-                 static_cache: str = "auto", max_new_tokens: int = 1024, temperature: float = 0.0,
-                 top_p: float = 1.0):
-        """`batch_size` 0: 256 on CUDA, 8 on CPU; `static_cache` auto: on CUDA."""
+                 engine: str = "auto", static_cache: str = "auto", max_new_tokens: int = 1024,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
+        """`batch_size` 0: the engine's slots fill half the free GPU memory (at most `SLOTS_MAX`),
+        transformers' batches are 256 prompts; on the CPU 8. `static_cache` auto: on CUDA
+        (transformers' path only). `engine` auto: the slots engine where the target allows it."""
         self.target, self.tokenizer, self.device = target, tokenizer, device
         self.stops = list(stop_ids)
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = pad if pad is not None else self.stops[0]
         cuda = device.type == "cuda"
+        self.requested_batch = batch_size
         self.batch_size = batch_size or (256 if cuda else 8)
         self.static = static_cache == "on" or (static_cache == "auto" and cuda)
         self.width_multiple = PAD_WIDTH if self.static else 1
-        self.max_new_tokens = max_new_tokens
-        self.sampling = ({"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0
-                         else {"do_sample": False})
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.seed = (
+            max_new_tokens, temperature, top_p, top_k, seed)
+        reason = unsupported_reason(target)
+        if engine == "slots" and reason is not None:
+            raise ValueError(f"--engine slots cannot serve this target: {reason}")
+        self.engine = "slots" if engine != "generate" and reason is None else "generate"
+        self.fallback_reason = reason if engine == "auto" else None
 
-    def answers(self, prompts: list[Prompt], on_batch: Callable[[list[Answer]], None] | None = None) -> list[Answer]:
-        """The answers of `prompts`, in their order; `on_batch` sees each batch's answers as it finishes."""
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i].input_ids))
-        answers: list[Answer | None] = [None] * len(prompts)
-        for first in range(0, len(order), self.batch_size):
-            picked = order[first:first + self.batch_size]
-            finished = [Answer(ids, self.decode(ids), cut)
-                        for ids, cut in self.batch([prompts[i].input_ids for i in picked])]
-            for i, answer in zip(picked, finished):
-                answers[i] = answer
-            if on_batch is not None:
-                on_batch(finished)
-        return answers
+    def describe(self) -> str:
+        """One line: which path makes the answers, and why when it is the fallback."""
+        if self.engine == "slots":
+            return "decoding: continuous batching over a preallocated KV cache" + (
+                ", CUDA graphs" if self.device.type == "cuda" else "")
+        if self.fallback_reason:
+            return (f"decoding: transformers' generate (the fast engine does not serve {self.fallback_reason}); "
+                    "expect fewer tokens/s")
+        return "decoding: transformers' generate (--engine generate)"
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
+    def run(self, jobs: list[Job], on_answer: Callable[[int, Answer], None],
+            on_steps: Callable[[int], None] | None = None) -> None:
+        """Every job's answer, handed to `on_answer(job index, answer)` as it is made (not in job order)."""
+        if self.engine == "slots":
+            self._run_slots(jobs, on_answer, on_steps)
+        else:
+            self._run_generate(jobs, on_answer)
+
+    def answers(self, jobs: list[Job]) -> list[Answer]:
+        """Every job's answer, in job order."""
+        out: list[Answer | None] = [None] * len(jobs)
+        self.run(jobs, lambda index, answer: out.__setitem__(index, answer))
+        return out
+
+    # ------------------------------------------------------------------ the slots engine
+
+    def slot_count(self, max_context: int) -> int:
+        if self.requested_batch or self.device.type != "cuda":
+            return self.batch_size
+        per_slot = SlotDecoder.cache_bytes_per_slot(self.target, max_context)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        fits = int(free * CACHE_MEMORY_SHARE // per_slot)
+        if fits < 1:
+            raise ValueError(f"one slot's KV cache ({per_slot / 2**30:.1f} GiB at context {max_context}) does not fit "
+                             f"in {CACHE_MEMORY_SHARE:.0%} of the GPU's free memory; lower --max-new-tokens or "
+                             f"data.max_length")
+        return min(SLOTS_MAX, fits)
+
+    def _run_slots(self, jobs: list[Job], on_answer, on_steps) -> None:
+        max_context = max(len(job.prompt.input_ids) for job in jobs) + self.max_new_tokens
+        decoder = SlotDecoder(self.target, self.stops, slots=min(self.slot_count(max_context), len(jobs)),
+                              max_new_tokens=self.max_new_tokens, max_context=max_context,
+                              top_k=self.top_k, top_p=self.top_p)
+        requests = [Request(index, job.prompt.input_ids, self.temperature if job.sample else 0.0,
+                            stream_id(self.seed, job.prompt.row_id, job.sample))
+                    for index, job in enumerate(jobs)]
+        decoder.run(requests, lambda done: on_answer(done.key, Answer(done.token_ids, self.decode(done.token_ids),
+                                                                      done.cut)), on_steps)
+
+    # ------------------------------------------------------------------ transformers' generate
+
+    def _run_generate(self, jobs: list[Job], on_answer) -> None:
+        """Shard by shard: one sampling seed per shard, greedy and sampled jobs apart, length-sorted
+        batches, longest first (memory peaks in the first batch, not after an hour)."""
+        for shard in sorted({job.shard for job in jobs}):
+            torch.manual_seed(self.seed * 1_000_003 + shard)  # a resumed shard draws the same
+            mine = [index for index, job in enumerate(jobs) if job.shard == shard]
+            for greedy in (True, False):
+                picked = sorted((i for i in mine if (jobs[i].sample == 0) == greedy),
+                                key=lambda i: -len(jobs[i].prompt.input_ids))
+                for first in range(0, len(picked), self.batch_size):
+                    batch = picked[first:first + self.batch_size]
+                    made = self.batch([jobs[i].prompt.input_ids for i in batch], sample=not greedy)
+                    for i, (ids, cut) in zip(batch, made):
+                        on_answer(i, Answer(ids, self.decode(ids), cut))
+
     @torch.inference_mode()
-    def batch(self, prompt_ids: list[list[int]]) -> list[tuple[list[int], bool]]:
+    def batch(self, prompt_ids: list[list[int]], sample: bool = False) -> list[tuple[list[int], bool]]:
         """Each prompt's answer tokens (up to the first end token, which is dropped) and whether it was cut."""
         width = -(-max(len(ids) for ids in prompt_ids) // self.width_multiple) * self.width_multiple
         input_ids = torch.full((len(prompt_ids), width), self.pad, dtype=torch.long)
@@ -90,10 +176,12 @@ class Generator:
         for row, ids in enumerate(prompt_ids):  # left padding: every answer starts at column `width`
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention[row, width - len(ids):] = 1
+        sampling = ({"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+                    if sample else {"do_sample": False})
         generated = self.target.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
             max_new_tokens=self.max_new_tokens, eos_token_id=self.stops, pad_token_id=self.pad,
-            cache_implementation="static" if self.static else None, **self.sampling)
+            cache_implementation="static" if self.static else None, **sampling)
         out = []
         for answer_ids in generated[:, width:].tolist():
             ended = next((i for i, token in enumerate(answer_ids) if token in self.stops), None)
@@ -153,8 +241,60 @@ def prepare_output(out: Path, manifest: dict, overwrite: bool) -> None:
     write_text_atomic(path, json.dumps(manifest, indent=1) + "\n")
 
 
-def output_rows(prompts: list[Prompt], answers: list[Answer]) -> list[dict]:
-    """The JSONL rows of answered prompts: the conversation with its new last turn, the 1-based
-    source row, and whether the answer was cut."""
-    return [{"messages": prompt.messages + [{"role": "assistant", "content": answer.text}],
-             "source_row": prompt.row_id + 1, "cut": answer.cut} for prompt, answer in zip(prompts, answers)]
+def output_row(job: Job, answer: Answer) -> dict:
+    """The JSONL row of one answer: the conversation with its new last turn, the 1-based source
+    row, the sample index (0 greedy) and whether the answer was cut."""
+    return {"messages": job.prompt.messages + [{"role": "assistant", "content": answer.text}],
+            "source_row": job.prompt.row_id + 1, "sample": job.sample, "cut": answer.cut}
+
+
+@dataclass
+class GreedyCheck:
+    """One answer held against plain one-at-a-time greedy decoding of the same prompt."""
+    equal: bool
+    first_difference: int | None = None  # answer token index where they first differ
+    gap: float | None = None  # target logit of the plain token minus the answer's there
+    tolerance: float | None = None  # the largest gap that is a rounding near-tie (dflash eval's rule)
+
+    @property
+    def near_tie(self) -> bool:
+        return self.gap is not None and abs(self.gap) <= self.tolerance
+
+
+def check_greedy(target, prompt_ids: list[list[int]], answers: list[Answer], stops: list[int],
+                 max_new_tokens: int) -> list[GreedyCheck]:
+    """Each greedy answer against `greedy_generate` (batch 1, the KV cache of transformers); where
+    they differ, the target's logit gap of the two tokens at the first difference (an answer
+    that ended there stands for its most likely end token), so that a rounding near-tie is told
+    apart from a wrong answer by `dflash eval`'s rule (`TIE_ULPS` rounding steps)."""
+    from dflash.evaluation import TIE_ULPS
+    from dflash.modeling_dflash import greedy_generate
+
+    device = target.get_input_embeddings().weight.device
+    checks = []
+    for ids, answer in zip(prompt_ids, answers):
+        input_ids = torch.tensor([ids], device=device)
+        plain = greedy_generate(target, input_ids, max_new_tokens, stops)  # its end token included
+        plain_ended = plain[-1] in stops
+        mine = answer.token_ids
+        if (plain[:-1] if plain_ended else plain) == mine and plain_ended != answer.cut:
+            checks.append(GreedyCheck(True))
+            continue
+        index = next((i for i, (a, b) in enumerate(zip(plain, mine)) if a != b), min(len(plain), len(mine)))
+        with torch.inference_mode():
+            context = torch.tensor([ids + plain[:index]], device=device)
+            logits = target(input_ids=context, logits_to_keep=1).logits[0, -1]
+        tolerance = TIE_ULPS * torch.finfo(logits.dtype).eps * max(float(logits.abs().max()), 1.0)
+        logits = logits.float()
+        mine_token = mine[index] if index < len(mine) else max(stops, key=lambda stop: float(logits[stop]))
+        plain_token = plain[index] if index < len(plain) else max(stops, key=lambda stop: float(logits[stop]))
+        checks.append(GreedyCheck(False, index, float(logits[plain_token] - logits[mine_token]), tolerance))
+    return checks
+
+
+def describe_checks(checks: list[GreedyCheck]) -> str:
+    equal = sum(check.equal for check in checks)
+    ties = sum(check.near_tie for check in checks)
+    wrong = len(checks) - equal - ties
+    return (f"{equal} of {len(checks)} greedy answers equal plain one-at-a-time decoding, {ties} differ at a "
+            f"near-tie of the target's top two tokens, {wrong} differ otherwise")

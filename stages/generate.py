@@ -3,15 +3,18 @@
 A drafter is accepted where it predicts the target, not the dataset's author, so the
 published DFlash recipe trains on the target's own answers. This stage renders every row up
 to its last assistant turn with the chat template stage one uses, lets the target write that
-turn (greedy by default, or temperature / top-p sampling), keeps the earlier turns, and writes
-JSONL rows `{"messages": [..., {"role": "assistant", "content": ANSWER}], "source_row": N,
-"cut": bool}` that `data.source` reads (`source_row` is the 1-based row of the source, `cut`
-says the answer reached --max-new-tokens).
+turn (greedy by default; with --temperature > 0, --num-samples sampled answers per prompt,
+and the greedy one beside them with --with-greedy), keeps the earlier turns, and writes JSONL
+rows `{"messages": [..., {"role": "assistant", "content": ANSWER}], "source_row": N,
+"sample": K, "cut": bool}` that `data.source` reads (`source_row` is the 1-based row of the
+source, `sample` 0 the greedy answer and 1.. the sampled ones, `cut` says the answer reached
+--max-new-tokens).
 
-The rows are planned first, in source order, into shards of `--rows-per-shard`; each shard is
-generated in length-sorted, left-padded batches and written atomically as `part-NNNNN.jsonl`,
-so a killed run resumes where it stopped (finished shards are kept) and writes the same files
-as an uninterrupted one. `generate-manifest.txt` (JSON; not a data suffix, so `data.source`
+The rows are planned first, in source order, into shards of `--rows-per-shard` prompts; the
+answers of every shard still to write stream through one engine (dflash/generation.py), and
+each shard is written atomically as `part-NNNNN.jsonl` once its answers are in, its rows in
+prompt and sample order, so a killed run resumes where it stopped (finished shards are kept)
+and writes the same files as an uninterrupted one. `generate-manifest.txt` (JSON; not a data suffix, so `data.source`
 never reads it) records what the output holds: a rerun with other content settings is refused
 unless --overwrite. Under torchrun (`--gpus`) rank r writes shards r, r + world, ...
 """
@@ -29,8 +32,8 @@ from tqdm import tqdm
 from dflash import data
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
-from dflash.generation import (Answer, Generator, Prompt, output_rows, prepare_output, read_prompts,
-                               shard_path)
+from dflash.generation import (ENGINES, Answer, Generator, Job, Prompt, output_row, prepare_output, read_prompts,
+                               sample_indices, shard_path)
 from dflash.outputs import write_text_atomic
 from dflash.target import (load_causal_lm, prepare_checkpoint_in_order, stop_token_ids, target_dtype,
                            weights_fingerprint)
@@ -43,8 +46,12 @@ class GenerateOptions:
     max_new_tokens: int = 1024
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: the whole vocabulary
+    num_samples: int = 1  # sampled answers per prompt (with temperature > 0)
+    with_greedy: bool = False  # also the greedy answer (sample 0) when sampling
     seed: int = 0
-    batch_size: int = 0  # 0: 256 on CUDA, 8 on CPU
+    batch_size: int = 0  # 0: the engine's slots fill half the free GPU memory; 256 prompts per batch otherwise; CPU 8
+    engine: str = "auto"  # "auto": the slots engine where the target allows it, "slots", "generate"
     rows_per_shard: int = 1024
     limit: int = 0  # only the first N usable rows (0: all)
     device: str = "auto"
@@ -82,8 +89,14 @@ def check_options(options: GenerateOptions) -> None:
     if options.temperature < 0 or not 0 < options.top_p <= 1:
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {options.temperature}, "
                           f"{options.top_p}")
-    if options.batch_size < 0 or options.limit < 0:
-        raise ConfigError("--batch-size and --limit must be >= 0")
+    if options.batch_size < 0 or options.limit < 0 or options.top_k < 0:
+        raise ConfigError("--batch-size, --limit and --top-k must be >= 0")
+    if options.num_samples < 1 or (options.temperature == 0 and (options.num_samples > 1 or options.with_greedy)):
+        raise ConfigError(f"--num-samples {options.num_samples}{' --with-greedy' if options.with_greedy else ''}: "
+                          f"several answers per prompt are sampled, so they need --temperature > 0 (at 0 the one "
+                          f"answer is the greedy one)")
+    if options.engine not in ENGINES:
+        raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
     if options.static_cache not in ("auto", "on", "off"):
         raise ConfigError(f"--static-cache must be auto, on or off, got {options.static_cache!r}")
 
@@ -111,21 +124,48 @@ def generate(config: Config, options: GenerateOptions, dist: DistState) -> Gener
     if todo:
         target = load_causal_lm(str(checkpoint), target_dtype(config.target.dtype, dist.device), dist.device)
         generator = Generator(target, tokenizer, stop_token_ids(tokenizer, target), dist.device,
-                              batch_size=options.batch_size, static_cache=options.static_cache,
+                              batch_size=options.batch_size, engine=options.engine, static_cache=options.static_cache,
                               max_new_tokens=options.max_new_tokens, temperature=options.temperature,
-                              top_p=options.top_p)
-        start = time.perf_counter()
-        bar = tqdm(total=sum(len(shards[k]) for k in todo), unit="answer", disable=not dist.is_main,
-                   desc=f"generate (rank 0 of {dist.world_size})", dynamic_ncols=True)
-        for k in todo:
-            rows = generate_shard(generator, shards[k], options.seed * 1_000_003 + k, bar, result, start)
-            write_text_atomic(shard_path(out, k), "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
-            result.shards_written += 1
-        bar.close()
-        result.seconds = time.perf_counter() - start
+                              top_p=options.top_p, top_k=options.top_k, seed=options.seed)
+        if dist.is_main:
+            print(generator.describe())
+        generate_shards(generator, {k: shards[k] for k in todo}, out, options, dist, result)
     dist.barrier()
     summarize(dist, result, options)
     return result
+
+
+def generate_shards(generator: Generator, shards: dict[int, list[Prompt]], out: Path, options: GenerateOptions,
+                    dist: DistState, result: GenerateResult) -> None:
+    """Every answer of `shards` through one engine; each shard is written as soon as it is whole."""
+    samples = sample_indices(options.temperature, options.num_samples, options.with_greedy)
+    jobs = [Job(prompt, sample, k) for k, prompts in shards.items() for prompt in prompts for sample in samples]
+    members: dict[int, list[int]] = {k: [] for k in shards}  # each shard's jobs, in prompt then sample order
+    for index, job in enumerate(jobs):
+        members[job.shard].append(index)
+    pending = {k: len(indices) for k, indices in members.items()}
+    answers: dict[int, Answer] = {}
+    start = time.perf_counter()
+    bar = tqdm(total=len(jobs), unit="answer", disable=not dist.is_main, dynamic_ncols=True,
+               desc=f"generate (rank 0 of {dist.world_size})")
+
+    def take(index: int, answer: Answer) -> None:
+        answers[index] = answer
+        result.answers += 1
+        result.tokens += len(answer.token_ids)
+        result.cut += answer.cut
+        bar.update(1)
+        bar.set_postfix(tokens_per_s=f"{result.tokens / max(time.perf_counter() - start, 1e-9):,.0f}", refresh=False)
+        shard = jobs[index].shard
+        pending[shard] -= 1
+        if pending[shard] == 0:
+            write_text_atomic(shard_path(out, shard), "".join(
+                json.dumps(output_row(jobs[i], answers.pop(i)), ensure_ascii=False) + "\n" for i in members[shard]))
+            result.shards_written += 1
+
+    generator.run(jobs, take)
+    bar.close()
+    result.seconds = time.perf_counter() - start
 
 
 def content_identity(config: Config, options: GenerateOptions, checkpoint: Path, tokenizer) -> dict:
@@ -137,7 +177,8 @@ def content_identity(config: Config, options: GenerateOptions, checkpoint: Path,
         "tokenizer": tokenizer_identity(tokenizer)["hash"],
         "max_length": config.data.max_length,
         **{key: value for key, value in asdict(options).items()
-           if key in ("max_new_tokens", "temperature", "top_p", "seed", "rows_per_shard", "limit")},
+           if key in ("max_new_tokens", "temperature", "top_p", "top_k", "num_samples", "with_greedy", "seed",
+                      "rows_per_shard", "limit")},
     }
 
 
@@ -148,21 +189,6 @@ def report_plan(result: GenerateResult, num_shards: int, num_done: int) -> None:
         examples = ", ".join(str(r + 1) for r in rows[:5])
         print(f"  skipped {len(rows)} row(s): {reason} (e.g. rows {examples})")
     print(f"plan: {num_shards} shards, {num_done} already written")
-
-
-def generate_shard(generator: Generator, prompts: list[Prompt], seed: int, bar, result: GenerateResult,
-                   start: float) -> list[dict]:
-    """One shard's output rows, in source order."""
-    torch.manual_seed(seed)  # sampling: one seed per shard, so a resumed run draws the same
-
-    def count(answers: list[Answer]) -> None:
-        result.answers += len(answers)
-        result.tokens += sum(len(answer.token_ids) for answer in answers)
-        result.cut += sum(answer.cut for answer in answers)
-        bar.update(len(answers))
-        bar.set_postfix(tokens_per_s=f"{result.tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
-
-    return output_rows(prompts, generator.answers(prompts, on_batch=count))
 
 
 def summarize(dist: DistState, result: GenerateResult, options: GenerateOptions) -> None:

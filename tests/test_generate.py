@@ -1,5 +1,7 @@
-"""`dflash generate` on the embedded tiny target: answers, multi-turn rows, bad rows, refusal,
-and a killed run that resumes to the same files as an uninterrupted one."""
+"""`dflash generate`: on the embedded tiny target (Qwen3.5, transformers' generate) and on a tiny
+Llama checkpoint (the continuous-batching engine): answers, multi-turn rows, bad rows, several
+sampled answers per prompt beside the greedy one, refusal, and killed runs that resume to the
+same files as uninterrupted ones."""
 
 import json
 import os
@@ -12,20 +14,37 @@ import pytest
 import torch
 
 from dflash import data, generation
-from dflash.config import load_config
+from dflash.config import ConfigError, load_config
 from dflash.modeling_dflash import greedy_generate
 from stages import generate
 
 pytestmark = pytest.mark.slow
 
 
-def write_config(root, embedded_cache_dir, rows) -> str:
+@pytest.fixture(scope="module")
+def llama_target_dir(tmp_path_factory, qwen_tokenizer):
+    """A tiny random Llama checkpoint with the Qwen tokenizer: a family the engine serves."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash.embedded import QWEN35_VOCAB_SIZE
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=QWEN35_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         initializer_range=0.125, max_position_embeddings=2048))
+    directory = tmp_path_factory.mktemp("llama-target") / "target"
+    model.save_pretrained(directory, safe_serialization=True)
+    qwen_tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_config(root, embedded_cache_dir, rows, target="embedded:tiny") -> str:
     source = root / "rows.jsonl"
     source.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
     config = root / "config.toml"
     config.write_text(f"""
 [target]
-path = "embedded:tiny"
+path = "{target}"
 [data]
 source = "{source}"
 max_length = 256
@@ -38,7 +57,23 @@ def read_parts(out) -> list[dict]:
     return [json.loads(line) for part in sorted(out.glob("part-*.jsonl")) for line in part.read_text().splitlines()]
 
 
-def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp_path, embedded_cache_dir):
+def plain_greedy(config, row, max_new_tokens):
+    """The answer of plain one-at-a-time greedy decoding to `row`'s prompt, and whether it was cut."""
+    from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids
+    from dflash.tokenizer import load_target_tokenizer
+
+    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
+    tokenizer = load_target_tokenizer(checkpoint)
+    target = load_causal_lm(str(checkpoint), torch.float32, torch.device("cpu"))
+    stops = stop_token_ids(tokenizer, target)
+    prompt = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    expected = greedy_generate(target, ids, max_new_tokens, stops)
+    cut = expected[-1] not in stops
+    return tokenizer.decode(expected if cut else expected[:-1], skip_special_tokens=True), cut
+
+
+def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp_path, embedded_cache_dir, capsys):
     rows = [
         {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."},
                       {"role": "assistant", "content": "hi"}, {"role": "user", "content": "Again?"},
@@ -53,29 +88,25 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
     out = tmp_path / "out"
     options = generate.GenerateOptions(out=str(out), max_new_tokens=6, batch_size=1, rows_per_shard=2)
     result = generate.run(config, options)
+    assert "decoding: transformers' generate (the fast engine does not serve model type 'qwen3_5_text'" in \
+        capsys.readouterr().out
     assert (result.num_rows, result.num_prompts, result.answers) == (6, 3, 3)
     assert {reason: rows for reason, rows in result.bad_rows.items()} == {
         data.BAD_INVALID_JSON: [1], data.BAD_EMPTY: [3], generation.BAD_PROMPT_TOO_LONG: [5]}
     written = read_parts(out)
     assert [row["source_row"] for row in written] == [1, 3, 5]
+    assert [row["sample"] for row in written] == [0, 0, 0]
     assert written[0]["messages"][:4] == rows[0]["messages"][:4]  # earlier turns kept
     assert [m["role"] for m in written[0]["messages"]] == ["system", "user", "assistant", "user", "assistant"]
     assert written[2]["messages"][0] == {"role": "user", "content": "Name a prime."}
 
-    from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids
+    for row in written:
+        assert (row["messages"][-1]["content"], row["cut"]) == plain_greedy(config, row, 6)
+
+    from dflash.target import prepare_checkpoint
     from dflash.tokenizer import load_target_tokenizer
 
-    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
-    tokenizer = load_target_tokenizer(checkpoint)
-    target = load_causal_lm(str(checkpoint), torch.float32, torch.device("cpu"))
-    for row in written:
-        prompt = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
-        ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
-        expected = greedy_generate(target, ids, 6, stop_token_ids(tokenizer, target))
-        expected = [t for t in expected if t not in stop_token_ids(tokenizer, target)]
-        assert row["messages"][-1]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
-        assert row["cut"] == (len(expected) == 6)
-
+    tokenizer = load_target_tokenizer(prepare_checkpoint(config.target.path, config.data.cache_dir))
     # The output is a data source stage one reads: every answer is a supervised assistant turn.
     tokenized = data.tokenize_rows(str(out), tokenizer, max_length=512)
     assert len(tokenized.samples) + sum(tokenized.bad_rows.values()) == 3
@@ -87,15 +118,20 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
     assert json.loads((out / generation.MANIFEST).read_text())["content"]["max_new_tokens"] == 7
 
 
-def test_a_killed_run_resumes_to_the_same_output(tmp_path, embedded_cache_dir):
+@pytest.mark.parametrize("engine", ["generate", "slots"])
+def test_a_killed_run_resumes_to_the_same_output(tmp_path, embedded_cache_dir, llama_target_dir, engine):
+    """transformers' generate on the Qwen3.5 tiny target (greedy), and the engine on the Llama one
+    (two sampled answers and the greedy one per prompt)."""
     from dflash.embedded import code_chat_rows
 
-    config = write_config(tmp_path, embedded_cache_dir, code_chat_rows()[:12])
+    target = "embedded:tiny" if engine == "generate" else str(llama_target_dir)
+    config = write_config(tmp_path, embedded_cache_dir, code_chat_rows()[:12], target)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    sampling = [] if engine == "generate" else ["--temperature", "0.9", "--num-samples", "2", "--with-greedy"]
 
     def command(out, *extra):
-        return [sys.executable, "-m", "dflash.cli", "generate", "-c", config, "--out", str(out),
-                "--max-new-tokens", "12", "--rows-per-shard", "3", "--batch-size", "2", *extra]
+        return [sys.executable, "-m", "dflash.cli", "generate", "-c", config, "--out", str(out), "--engine", engine,
+                "--max-new-tokens", "12", "--rows-per-shard", "3", "--batch-size", "2", *sampling, *extra]
 
     subprocess.run(command(tmp_path / "whole"), check=True, env=env, capture_output=True)
     killed = subprocess.Popen(command(tmp_path / "killed"), env=env, stdout=subprocess.DEVNULL,
@@ -114,3 +150,25 @@ def test_a_killed_run_resumes_to_the_same_output(tmp_path, embedded_cache_dir):
     for name in [f"part-{k:05d}.jsonl" for k in range(4)]:
         assert (tmp_path / "killed" / name).read_text() == (tmp_path / "whole" / name).read_text(), name
     assert not [p for p in (tmp_path / "killed").iterdir() if ".tmp-" in p.name]
+
+
+def test_several_sampled_answers_beside_the_greedy_one(tmp_path, embedded_cache_dir, llama_target_dir, capsys):
+    from dflash.embedded import code_chat_rows
+
+    rows = code_chat_rows()[:5]
+    config = load_config(write_config(tmp_path, embedded_cache_dir, rows, str(llama_target_dir)))
+    options = generate.GenerateOptions(out=str(tmp_path / "out"), max_new_tokens=10, temperature=1.0, top_k=50,
+                                       num_samples=3, with_greedy=True, rows_per_shard=2, batch_size=4)
+    result = generate.run(config, options)
+    assert "decoding: continuous batching over a preallocated KV cache" in capsys.readouterr().out
+    assert (result.num_prompts, result.answers, result.shards_written) == (5, 20, 3)
+    written = read_parts(tmp_path / "out")
+    assert [(row["source_row"], row["sample"]) for row in written] == [(r, k) for r in range(1, 6) for k in range(4)]
+    for row in written[::4]:  # sample 0 is the target's own greedy answer
+        assert (row["messages"][-1]["content"], row["cut"]) == plain_greedy(config, row, 10)
+    answers = [[row["messages"][-1]["content"] for row in written[i:i + 4]] for i in range(0, 20, 4)]
+    assert all(len(set(per_prompt[1:])) > 1 for per_prompt in answers)  # samples differ from each other
+    manifest = json.loads((tmp_path / "out" / generation.MANIFEST).read_text())["content"]
+    assert (manifest["num_samples"], manifest["with_greedy"], manifest["top_k"]) == (3, True, 50)
+    with pytest.raises(ConfigError, match="need --temperature > 0"):
+        generate.run(config, generate.GenerateOptions(out=str(tmp_path / "x"), num_samples=2))
