@@ -97,6 +97,7 @@ class Generator:
             raise ValueError(f"--engine slots cannot serve this target: {reason}")
         self.engine = "slots" if engine != "generate" and reason is None else "generate"
         self.fallback_reason = reason if engine == "auto" else None
+        self.decoder: SlotDecoder | None = None  # kept across runs: its KV cache and CUDA graphs
 
     def describe(self) -> str:
         """One line: which path makes the answers, and why when it is the fallback."""
@@ -141,9 +142,13 @@ class Generator:
 
     def _run_slots(self, jobs: list[Job], on_answer, on_steps) -> None:
         max_context = max(len(job.prompt.input_ids) for job in jobs) + self.max_new_tokens
-        decoder = SlotDecoder(self.target, self.stops, slots=min(self.slot_count(max_context), len(jobs)),
-                              max_new_tokens=self.max_new_tokens, max_context=max_context,
-                              top_k=self.top_k, top_p=self.top_p)
+        slots = min(self.slot_count(max_context), len(jobs))
+        decoder = self.decoder
+        if decoder is None or decoder.slots != slots or decoder.max_context < max_context:
+            self.decoder = decoder = None  # free the old cache first
+            decoder = self.decoder = SlotDecoder(self.target, self.stops, slots=slots,
+                                                 max_new_tokens=self.max_new_tokens, max_context=max_context,
+                                                 top_k=self.top_k, top_p=self.top_p)
         requests = [Request(index, job.prompt.input_ids, self.temperature if job.sample else 0.0,
                             stream_id(self.seed, job.prompt.row_id, job.sample))
                     for index, job in enumerate(jobs)]

@@ -1,19 +1,24 @@
-"""Benchmark answer generation (`dflash generate`'s engine, dflash/generation.py) on one GPU.
+"""Benchmark answer generation (`dflash generate`'s engines, dflash/generation.py) on one GPU.
+
+In one run, over the same prompts and the same target:
+- `slots`: the continuous-batching engine (dflash/decoding.py) at each of `--slots`, over all
+  `--prompts` prompts; then `--check` of its greedy answers are held against plain one-at-a-time
+  greedy decoding (equal, a bf16 near-tie by `dflash eval`'s rule, or a real difference);
+- `generate`: transformers' `generate` (dynamic cache; `--static` adds the static cache) at
+  `--hf-batch` prompts, over the first `--hf-prompts` prompts (it is slow: a subset suffices
+  for its rate), in length-sorted batches as `dflash generate`'s fallback runs them.
+Tokens/s counts answer tokens before the end token, once. Each mode runs one untimed warm-up
+first (the engine's CUDA graphs, transformers' compile).
 
 Targets: a real one from a config (`-c configs/smollm2-135m.toml --set target.path=X.gguf`:
-real prompts, rendered from `--source` with its chat template) and/or `--random-27b`, a
-random-weight Qwen3.5/3.6-27B-shaped model built on the GPU (random-token prompts; a random
-model rarely emits an end token, so every answer runs to --max-new-tokens). For every
-`--batch-sizes` x static cache off/on it generates the answers of `--prompts` prompts
-(length-sorted batches, longest first, as `dflash generate` does) after one warm-up batch, and
-reports generated tokens/s (end tokens and what follows them are not counted). The dynamic
-cache at the largest batch is the plain `generate` baseline (8.8K tokens/s for SmolLM2 at batch
-1024 x 256 new tokens on an H200 when issue 13 was filed).
+prompts of `--source` rendered with its chat template) and/or `--random-27b`, a random-weight
+Qwen3.5/3.6-27B-shaped model (a hybrid: only transformers' `generate` serves it), timed beside
+its bare decode step (one token per row with the KV cache, no generate loop) at the same batch.
 
     python tools/bench_generate.py -c configs/smollm2-135m.toml --set target.path=smol.gguf \\
-        --batch-sizes 512,1024 --prompts 2048 --max-new-tokens 256 --out bench/generate.json
-    python tools/bench_generate.py --random-27b --batch-sizes 64,256 --prompts 256 --max-new-tokens 128 --out x.json
-    python tools/bench_generate.py --quick --out /tmp/generate.json    # tiny target on the CPU
+        --slots 256,512,1024 --max-new-tokens 512 --out bench/generate.json
+    python tools/bench_generate.py --random-27b --hf-batch 64 --hf-prompts 64 --max-new-tokens 128 --out x.json
+    python tools/bench_generate.py --quick --out /tmp/generate.json    # tiny targets on the CPU
 """
 
 import argparse
@@ -31,11 +36,11 @@ from benchlib import (  # noqa: E402
     synchronize, write_results,
 )
 
-from dflash.generation import Generator, Prompt  # noqa: E402
+from dflash.generation import Generator, Job, Prompt, check_greedy, describe_checks  # noqa: E402
 
 
 def real_prompts(config, count: int, source: str, device):
-    """(target, tokenizer, stops, prompts) of the config's target over `source`."""
+    """(target, tokenizer, stops, prompts) of the config's target over `source` (all rows when count is 0)."""
     from dflash import data
     from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
     from dflash.tokenizer import load_target_tokenizer
@@ -61,38 +66,114 @@ def random_prompts(count: int, vocab_size: int, seed: int, high: int = 1024) -> 
     return [Prompt(i, [], rng.integers(0, vocab_size, size=int(n)).tolist()) for i, n in enumerate(lengths)]
 
 
-def measure(target, tokenizer, stops, prompts, device, batch_size: int, static: bool, max_new_tokens: int) -> dict:
-    generator = Generator(target, tokenizer, stops, device, batch_size=batch_size,
-                          static_cache="on" if static else "off", max_new_tokens=max_new_tokens)
-    generator.batch([p.input_ids for p in prompts[:batch_size]])  # warm-up (and the compile, if any)
+def timed_answers(generator: Generator, jobs: list[Job], device) -> tuple[list, float]:
     synchronize(device)
     start = time.perf_counter()
-    answers = generator.answers(prompts)
+    answers = generator.answers(jobs)
     synchronize(device)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(a.token_ids) for a in answers)
-    return {"batch_size": batch_size, "static_cache": static, "prompts": len(prompts), "tokens": tokens,
-            "seconds": seconds, "tokens_per_s": tokens / seconds, "cut": sum(a.cut for a in answers),
-            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    return answers, time.perf_counter() - start
 
 
-def run_target(name: str, target, tokenizer, stops, prompts, device, args) -> list[dict]:
+def measure(name: str, target, tokenizer, stops, prompts, device, engine: str, batch: int, args,
+            static: str = "off") -> tuple[dict, list]:
+    generator = Generator(target, tokenizer, stops, device, batch_size=batch, engine=engine, static_cache=static,
+                          max_new_tokens=args.max_new_tokens)
+    jobs = [Job(prompt, 0, 0) for prompt in prompts]
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    longest = sorted(jobs, key=lambda job: -len(job.prompt.input_ids))[:batch]
+    generator.answers(longest)  # warm-up: the engine's cache and graphs, transformers' compile, the allocator
+    answers, seconds = timed_answers(generator, jobs, device)
+    tokens = sum(len(answer.token_ids) for answer in answers)
+    numbers = {"target": name, "engine": engine if engine == "slots" else f"generate (static cache {static})",
+               "batch": batch, "prompts": len(prompts), "tokens": tokens, "seconds": seconds,
+               "tokens_per_s": tokens / seconds, "cut": sum(answer.cut for answer in answers),
+               "mean_answer_tokens": tokens / len(answers),
+               "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None}
+    progress(f"{name} {numbers['engine']} batch {batch}: {numbers['tokens_per_s']:,.0f} tokens/s "
+             f"({tokens:,} tokens, {seconds:.1f} s)")
+    return numbers, answers
+
+
+def guarded(function, *args, **kwargs):
+    """Run one mode; an out-of-memory batch or an unsupported cache is reported and the run goes on."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as error:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        progress(f"failed: {type(error).__name__}: {str(error)[:300]}")
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}, None
+
+
+def run_real(config, args, device) -> list[dict]:
+    target, tokenizer, stops, prompts = real_prompts(config, args.prompts, args.source, device)
+    lengths = [len(p.input_ids) for p in prompts]
+    progress(f"{len(prompts)} prompts of {args.source}: {sum(lengths):,} tokens, mean {np.mean(lengths):.0f}, "
+             f"max {max(lengths)}")
+    results, checked = [], False
+    for slots in [int(s) for s in args.slots.split(",") if s]:
+        numbers, answers = guarded(measure, config.target.path, target, tokenizer, stops, prompts, device, "slots",
+                                   slots, args)
+        if answers is not None and args.check and not checked:
+            checked = True
+            checks = check_greedy(target, [p.input_ids for p in prompts[:args.check]], answers[:args.check], stops,
+                                  args.max_new_tokens)
+            numbers["greedy_check"] = describe_checks(checks)
+            numbers["greedy_check_gaps"] = [(c.first_difference, c.gap, c.tolerance) for c in checks if not c.equal]
+            progress(numbers["greedy_check"])
+        results.append(numbers)
+    hf_prompts = prompts[:args.hf_prompts]
+    for static in (["off", "on"] if args.static else ["off"]):
+        numbers, _ = guarded(measure, config.target.path, target, tokenizer, stops, hf_prompts, device, "generate",
+                             args.hf_batch, args, static)
+        results.append(numbers)
+    return results
+
+
+@torch.inference_mode()
+def bare_decode_step(target, prompts: list[Prompt], device, steps: int = 16) -> dict:
+    """One token per row with the KV cache after a prefill, `steps` times: the forward alone."""
+    width = max(len(p.input_ids) for p in prompts)
+    ids = torch.tensor([p.input_ids + [0] * (width - len(p.input_ids)) for p in prompts], device=device)
+    out = target(input_ids=ids, use_cache=True, logits_to_keep=1)
+    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = target(input_ids=token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    synchronize(device)
+    seconds = (time.perf_counter() - start) / steps
+    return {"target": "random Qwen3.5-27B shape", "engine": "bare decode step (forward only)", "batch": len(prompts),
+            "seconds": seconds, "tokens_per_s": len(prompts) / seconds}
+
+
+def run_random_27b(args, device) -> list[dict]:
+    model_config = qwen35_27b_config()
+    target = build_random_target(model_config, device, torch.bfloat16)
+    prompts = random_prompts(args.hf_prompts, model_config.vocab_size, args.seed)
+    stops = [model_config.vocab_size - 1]
+    numbers, _ = guarded(measure, "random Qwen3.5-27B shape", target, None, stops, prompts, device, "generate",
+                         args.hf_batch, args)
+    bare, _ = guarded(lambda: (bare_decode_step(target, prompts[:args.hf_batch], device), None))
+    progress(f"bare decode step at batch {args.hf_batch}: {bare.get('tokens_per_s', 0):,.0f} tokens/s")
+    return [numbers, bare]
+
+
+def quick_targets(args):
+    """The CPU smoke run: the embedded tiny target (fallback) and a tiny Llama (engine)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    args.slots, args.prompts, args.hf_prompts, args.hf_batch, args.max_new_tokens, args.check = "4", 8, 8, 4, 8, 2
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    prompts = random_prompts(args.prompts, 512, args.seed, high=64)
     results = []
-    for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
-        for static in (False, True):
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            try:
-                numbers = measure(target, tokenizer, stops, prompts, device, batch_size, static, args.max_new_tokens)
-            except Exception as error:  # an out-of-memory batch or an unsupported cache: report, go on
-                numbers = {"batch_size": batch_size, "static_cache": static, "error": f"{type(error).__name__}: "
-                                                                                     f"{str(error)[:300]}"}
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            numbers["target"] = name
-            results.append(numbers)
-            progress(f"{name} batch {batch_size} static={static}: "
-                     + (f"{numbers['tokens_per_s']:,.0f} tokens/s" if "error" not in numbers else numbers["error"]))
+    for engine in ("slots", "generate"):
+        numbers, _ = guarded(measure, "tiny llama", llama, None, [3], prompts, torch.device("cpu"), engine, 4, args)
+        results.append(numbers)
     return results
 
 
@@ -101,36 +182,36 @@ def main(argv: list[str]) -> int:
     parser.add_argument("-c", "--config", default=None, help="dflash config of a real target (its target.path)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--source", default="embedded:code-docs", help="prompts of the real target")
+    parser.add_argument("--prompts", type=int, default=0, help="prompts of --source (0: every usable row)")
+    parser.add_argument("--slots", default="512,1024", help="the engine's slot counts, comma-separated")
+    parser.add_argument("--check", type=int, default=16, help="greedy answers held against one-at-a-time decoding")
+    parser.add_argument("--hf-batch", type=int, default=1024, help="transformers' generate batch size")
+    parser.add_argument("--hf-prompts", type=int, default=1024, help="prompts for transformers' generate")
+    parser.add_argument("--static", action="store_true", help="also transformers' static cache")
     parser.add_argument("--random-27b", action="store_true", help="also a random 27B-shaped Qwen3.5 target")
-    parser.add_argument("--quick", action="store_true", help="the embedded tiny target on the CPU")
-    parser.add_argument("--batch-sizes", default="256,1024")
-    parser.add_argument("--prompts", type=int, default=2048)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="tiny targets on the CPU (a smoke run)")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
-    if args.quick:
-        args.batch_sizes, args.prompts, args.max_new_tokens = "4", 8, 8
     results = []
-    if args.config or args.quick:
+    if args.quick:
+        results += quick_targets(args)
+    if args.config:
         from dflash.config import load_config
 
-        config = load_config(args.config, args.overrides)
-        target, tokenizer, stops, prompts = real_prompts(config, args.prompts, args.source, device)
-        results += run_target(config.target.path, target, tokenizer, stops, prompts, device, args)
-        del target
+        results += run_real(load_config(args.config, args.overrides), args, device)
     if args.random_27b:
-        model_config = qwen35_27b_config()
-        target = build_random_target(model_config, device, torch.bfloat16)
-        prompts = random_prompts(args.prompts, model_config.vocab_size, args.seed)
-        results += run_target("random Qwen3.5-27B shape", target, None, [model_config.vocab_size - 1], prompts,
-                              device, args)
-    print_table("generate", ["target", "batch", "static cache", "tokens/s", "tokens", "seconds", "cut", "peak GiB"],
-                [[r["target"], r["batch_size"], "on" if r["static_cache"] else "off",
-                  r.get("tokens_per_s", r.get("error")), r.get("tokens", ""), r.get("seconds", ""), r.get("cut", ""),
-                  r.get("peak_memory_gib") or ""]
-                 for r in results])
+        results += run_random_27b(args, device)
+    print_table("generate", ["target", "engine", "batch", "tokens/s", "tokens", "seconds", "mean answer", "cut",
+                             "peak GiB"],
+                [[r.get("target", ""), r.get("engine", ""), r.get("batch", ""), r.get("tokens_per_s", r.get("error")),
+                  r.get("tokens", ""), r.get("seconds", ""), r.get("mean_answer_tokens", ""), r.get("cut", ""),
+                  r.get("peak_memory_gib") or ""] for r in results])
+    for r in results:
+        if "greedy_check" in r:
+            print(f"greedy check ({r['engine']} batch {r['batch']}): {r['greedy_check']}")
     write_results(args.out, {"meta": run_metadata(["tools/bench_generate.py", *argv]), "results": results})
     return 0
 
