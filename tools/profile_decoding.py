@@ -15,16 +15,29 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_generate import real_prompts  # noqa: E402
-
-from dflash.config import load_config  # noqa: E402
 from dflash.decoding import Request, SlotDecoder  # noqa: E402
+
+
+def random_smollm2(device, count: int):
+    """A random-weight model of SmolLM2-135M's shape and prompts of code-docs-like lengths (it
+    rarely emits its end token: every answer runs to --max-new-tokens)."""
+    import numpy as np
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                         rope_theta=100000.0, tie_word_embeddings=True)
+    with torch.device(device):
+        target = LlamaForCausalLM(config).to(torch.bfloat16).eval().requires_grad_(False)
+    rng = np.random.default_rng(0)
+    lengths = np.exp(rng.uniform(np.log(30), np.log(400), size=count)).astype(int)
+    return target, [2], [rng.integers(0, 49152, size=n).tolist() for n in lengths]
 
 
 @torch.inference_mode()
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("-c", "--config", required=True)
+    parser.add_argument("-c", "--config", default=None, help="a real target's config (else a random SmolLM2 shape)")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--slots", type=int, default=1024)
     parser.add_argument("--prompts", type=int, default=3000)
@@ -32,9 +45,17 @@ def main(argv):
     parser.add_argument("--check-every", type=int, default=8)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
-    config = load_config(args.config, args.overrides)
-    target, _, stops, prompts = real_prompts(config, args.prompts, "embedded:code-docs", device)
-    context = max(len(p.input_ids) for p in prompts) + args.max_new_tokens
+    if args.config:
+        from bench_generate import real_prompts
+
+        from dflash.config import load_config
+
+        target, _, stops, prompts = real_prompts(load_config(args.config, args.overrides), args.prompts,
+                                                 "embedded:code-docs", device)
+        prompts = [p.input_ids for p in prompts]
+    else:
+        target, stops, prompts = random_smollm2(device, args.prompts)
+    context = max(len(p) for p in prompts) + args.max_new_tokens
     decoder = SlotDecoder(target, stops, slots=args.slots, max_new_tokens=args.max_new_tokens, max_context=context,
                           check_every=args.check_every)
     spent, calls, steps_by_attend = defaultdict(float), defaultdict(int), defaultdict(int)
@@ -52,7 +73,7 @@ def main(argv):
                 steps_by_attend[a[0]] += a[1]
             return value
         setattr(decoder, name, timed)
-    requests = lambda: [Request(i, p.input_ids) for i, p in enumerate(prompts)]  # noqa: E731
+    requests = lambda: [Request(i, p) for i, p in enumerate(prompts)]  # noqa: E731
     decoder.run(requests()[:args.slots], lambda done: None)  # warm-up: graphs
     spent.clear(); calls.clear(); steps_by_attend.clear()
     tokens = [0]
