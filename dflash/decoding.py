@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-ATTEND_MULTIPLE = 256  # the attended cache length rounds up to this: one CUDA graph per multiple
+ATTEND_MULTIPLE = 128  # the attended cache length rounds up to this: one CUDA graph per multiple
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward at most
 MASK64 = (1 << 64) - 1
 

@@ -38,6 +38,9 @@ MANIFEST = "generate-manifest.txt"
 BAD_PROMPT_TOO_LONG = "prompt_too_long"  # the prompt alone reaches data.max_length: no answer could be trained on
 ENGINES = ("auto", "slots", "generate")
 SLOTS_MAX = 1024  # the engine's default slot count on CUDA, when the KV cache fits
+# The engine takes jobs in windows of this many times its slots, longest prompt first within each:
+# a step attends as far as its longest row, so long prompts decode together, not beside short ones.
+WINDOW_SLOTS = 8
 CACHE_MEMORY_SHARE = 0.5  # of the GPU's free memory, for the engine's KV cache
 
 
@@ -149,9 +152,13 @@ class Generator:
             decoder = self.decoder = SlotDecoder(self.target, self.stops, slots=slots,
                                                  max_new_tokens=self.max_new_tokens, max_context=max_context,
                                                  top_k=self.top_k, top_p=self.top_p)
-        requests = [Request(index, job.prompt.input_ids, self.temperature if job.sample else 0.0,
-                            stream_id(self.seed, job.prompt.row_id, job.sample))
-                    for index, job in enumerate(jobs)]
+        window = WINDOW_SLOTS * slots
+        order = [index for first in range(0, len(jobs), window)
+                 for index in sorted(range(first, min(first + window, len(jobs))),
+                                     key=lambda i: -len(jobs[i].prompt.input_ids))]
+        requests = [Request(index, jobs[index].prompt.input_ids, self.temperature if jobs[index].sample else 0.0,
+                            stream_id(self.seed, jobs[index].prompt.row_id, jobs[index].sample))
+                    for index in order]
         decoder.run(requests, lambda done: on_answer(done.key, Answer(done.token_ids, self.decode(done.token_ids),
                                                                       done.cut)), on_steps)
 

@@ -11,10 +11,11 @@ source, `sample` 0 the greedy answer and 1.. the sampled ones, `cut` says the an
 --max-new-tokens).
 
 The rows are planned first, in source order, into shards of `--rows-per-shard` prompts; the
-answers of every shard still to write stream through one engine (dflash/generation.py), and
-each shard is written atomically as `part-NNNNN.jsonl` once its answers are in, its rows in
-prompt and sample order, so a killed run resumes where it stopped (finished shards are kept)
-and writes the same files as an uninterrupted one. `generate-manifest.txt` (JSON; not a data suffix, so `data.source`
+answers of every shard still to write stream through one engine (dflash/generation.py; the
+slots engine takes them in windows of a few thousand, longest prompt first), and each shard is
+written atomically as `part-NNNNN.jsonl` once its answers are in, its rows in prompt and sample
+order, so a killed run resumes where it stopped (finished shards are kept) and writes the same
+files as an uninterrupted one. `generate-manifest.txt` (JSON; not a data suffix, so `data.source`
 never reads it) records what the output holds: a rerun with other content settings is refused
 unless --overwrite. Under torchrun (`--gpus`) rank r writes shards r, r + world, ...
 """
