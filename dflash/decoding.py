@@ -12,9 +12,13 @@ busy instead:
   layer; a request's prompt is prefilled into its slot (several new requests in one
   right-padded forward), each decode step writes one key and value per slot at that slot's
   position and attends to the positions up to it.
-- On CUDA one decode step of every slot is captured as a CUDA graph per attended length
-  (`ATTEND_MULTIPLE` steps of the cache), and `check_every` steps run back to back before
-  the host looks at which slots ended (one small transfer).
+- Decode attention (`attention`): "sdpa" reads the cache up to the longest row in flight
+  (rounded to `ATTEND_MULTIPLE`), with a mask per slot; "flex" (compiled flex attention, CUDA)
+  reads each slot's own key blocks only, through a block mask built from the slots' positions.
+  Both fold a key head's query heads into query rows, so the cache is never repeated.
+- On CUDA one decode step of every slot is captured as a CUDA graph per attended length, and
+  `check_every` steps run back to back before the host looks at which slots ended (one small
+  transfer).
 - The next token is chosen on the device: greedy (argmax, ties to the lowest id as
   `torch.argmax`), or sampled at the slot's temperature with top-k / top-p by inverse
   transform of one uniform number per slot and step. That number comes from a counter hash of
@@ -36,9 +40,12 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTEND_MULTIPLE = 128  # the attended cache length rounds up to this: one CUDA graph per multiple
+KV_BLOCK = 128  # keys per block of the "flex" decode attention's block mask
+ATTENTIONS = ("sdpa", "flex")
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward at most
 MASK64 = (1 << 64) - 1
 
@@ -139,7 +146,7 @@ class SlotDecoder:
 
     def __init__(self, model: nn.Module, stop_ids: list[int], *, slots: int, max_new_tokens: int,
                  max_context: int, top_k: int = 0, top_p: float = 1.0, check_every: int = 8,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, attention: str = "sdpa"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the decoding engine cannot serve this target: {reason}")
@@ -155,6 +162,11 @@ class SlotDecoder:
         self.max_context = -(-max_context // ATTEND_MULTIPLE) * ATTEND_MULTIPLE
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=self.device)
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+        self.attention = attention
+        # flex attention is compiled on CUDA (its decoding kernel); the CPU runs its reference path
+        self.flex = torch.compile(flex_attention, dynamic=False) if self.device.type == "cuda" else flex_attention
         self._allocate()
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (attended length, sampling)
         self.graph_pool = None
@@ -175,6 +187,9 @@ class SlotDecoder:
         self.values = [torch.zeros(shape, dtype=self.dtype, device=device) for _ in self.layers]
         self.rows_S = torch.arange(S, device=device)
         self.key_positions = torch.arange(self.max_context, device=device)
+        num_blocks = self.max_context // KV_BLOCK
+        self.block_range = torch.arange(num_blocks, dtype=torch.int32, device=device)
+        self.full_block_indices = self.block_range.expand(S, 1, 1, num_blocks).contiguous()
         self.token_S = torch.zeros(S, dtype=torch.long, device=device)  # the token fed at the next step
         self.pos_S = torch.zeros(S, dtype=torch.long, device=device)  # its position
         self.generated_S = torch.zeros(S, dtype=torch.long, device=device)  # answer tokens so far
@@ -200,20 +215,45 @@ class SlotDecoder:
         k = k * cos + _rotate_half(k) * sin
         return q, k, v, attention.scaling
 
+    def _decode_mask(self, group: int) -> BlockMask:
+        """The "flex" mask: each slot sees the keys at positions up to its own, the blocks before
+        its position's block whole, that block through the mask function, no block after it."""
+        S, num_blocks = self.slots, self.block_range.numel()
+        length = self.pos_S + 1
+        full_S = (length // KV_BLOCK).to(torch.int32)
+        partial_S = (length % KV_BLOCK > 0).to(torch.int32)
+        partial_index = (full_S[:, None] + self.block_range[None]).clamp_max(num_blocks - 1)
+        positions = self.pos_S
+
+        def visible(batch, head, query, key):
+            return key <= positions[batch]
+
+        return BlockMask.from_kv_blocks(partial_S.view(S, 1, 1), partial_index.view(S, 1, 1, num_blocks),
+                                        full_S.view(S, 1, 1), self.full_block_indices, BLOCK_SIZE=KV_BLOCK,
+                                        mask_mod=visible, seq_lengths=(group, self.max_context),
+                                        compute_q_blocks=False)
+
     def _decode_logits(self, attend: int) -> torch.Tensor:
         """One step of every slot: its token at its position; the keys and values go into the cache."""
         S, group = self.slots, self.num_heads // self.num_kv_heads
         hidden = self.base.embed_tokens(self.token_S[:, None])
         cos, sin = self.base.rotary_emb(hidden, self.pos_S[:, None])
-        visible = (self.key_positions[None, :attend] <= self.pos_S[:, None])[:, None, None, :]
+        if self.attention == "flex":
+            mask = self._decode_mask(group)
+        else:
+            visible = (self.key_positions[None, :attend] <= self.pos_S[:, None])[:, None, None, :]
         for index, layer in enumerate(self.layers):
             q, k, v, scale = self._attention_inputs(layer, layer.input_layernorm(hidden), cos, sin)
             self.keys[index][self.rows_S, :, self.pos_S] = k[:, :, 0]
             self.values[index][self.rows_S, :, self.pos_S] = v[:, :, 0]
             # grouped-query attention without repeating the cache: a key head's queries are its rows
-            out = F.scaled_dot_product_attention(
-                q.reshape(S, self.num_kv_heads, group, self.head_dim), self.keys[index][:, :, :attend],
-                self.values[index][:, :, :attend], attn_mask=visible, scale=scale)
+            q = q.reshape(S, self.num_kv_heads, group, self.head_dim)
+            if self.attention == "flex":
+                out = self.flex(q, self.keys[index], self.values[index], block_mask=mask, scale=scale)
+            else:
+                out = F.scaled_dot_product_attention(q, self.keys[index][:, :, :attend],
+                                                     self.values[index][:, :, :attend], attn_mask=visible,
+                                                     scale=scale)
             hidden = hidden + layer.self_attn.o_proj(out.reshape(S, 1, self.num_heads * self.head_dim))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.model.lm_head(self.base.norm(hidden[:, 0])).float()
@@ -332,6 +372,8 @@ class SlotDecoder:
             furthest = max(len(owner[slot].prompt_ids) + generated[slot] for slot in range(self.slots)
                            if owner[slot] is not None)
             attend = min(self.max_context, -(-(furthest + self.check_every) // ATTEND_MULTIPLE) * ATTEND_MULTIPLE)
+            if self.attention == "flex":  # the block mask bounds each slot: one graph for every length
+                attend = self.max_context
             self._run_steps(attend, self.check_every)
             if on_steps is not None:
                 on_steps(self.check_every)

@@ -80,10 +80,12 @@ def sample_indices(temperature: float, num_samples: int, with_greedy: bool) -> l
 class Generator:
     def __init__(self, target, tokenizer, stop_ids: list[int], device: torch.device, *, batch_size: int = 0,
                  engine: str = "auto", static_cache: str = "auto", max_new_tokens: int = 1024,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0):
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+                 decode_attention: str = "sdpa"):
         """`batch_size` 0: the engine's slots fill half the free GPU memory (at most `SLOTS_MAX`),
         transformers' batches are 256 prompts; on the CPU 8. `static_cache` auto: on CUDA
-        (transformers' path only). `engine` auto: the slots engine where the target allows it."""
+        (transformers' path only). `engine` auto: the slots engine where the target allows it;
+        `decode_attention` its decode step's attention (`dflash.decoding.ATTENTIONS`)."""
         self.target, self.tokenizer, self.device = target, tokenizer, device
         self.stops = list(stop_ids)
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -95,6 +97,7 @@ class Generator:
         self.width_multiple = PAD_WIDTH if self.static else 1
         self.max_new_tokens, self.temperature, self.top_p, self.top_k, self.seed = (
             max_new_tokens, temperature, top_p, top_k, seed)
+        self.decode_attention = decode_attention
         reason = unsupported_reason(target)
         if engine == "slots" and reason is not None:
             raise ValueError(f"--engine slots cannot serve this target: {reason}")
@@ -151,7 +154,7 @@ class Generator:
             self.decoder = decoder = None  # free the old cache first
             decoder = self.decoder = SlotDecoder(self.target, self.stops, slots=slots,
                                                  max_new_tokens=self.max_new_tokens, max_context=max_context,
-                                                 top_k=self.top_k, top_p=self.top_p)
+                                                 top_k=self.top_k, top_p=self.top_p, attention=self.decode_attention)
         window = WINDOW_SLOTS * slots
         order = [index for first in range(0, len(jobs), window)
                  for index in sorted(range(first, min(first + window, len(jobs))),

@@ -36,13 +36,15 @@ def decode(model, requests, stops=STOPS, **kwargs) -> dict:
     return answers
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_greedy_answers_equal_one_at_a_time_greedy_decoding(family, seed):
+def test_greedy_answers_equal_one_at_a_time_greedy_decoding(family, seed, attention):
     model = tiny(family, seed)
     prompts = random_prompts(13, seed)
     stops = STOPS + greedy_generate(model, torch.tensor([prompts[0]]), 6)[-1:]  # one answer surely ends
-    answers = decode(model, [Request(i, ids) for i, ids in enumerate(prompts)], stops, check_every=3)
+    answers = decode(model, [Request(i, ids) for i, ids in enumerate(prompts)], stops, check_every=3,
+                     attention=attention)
     ended = 0
     for i, ids in enumerate(prompts):
         plain = greedy_generate(model, torch.tensor([ids]), 24, stops)
@@ -121,8 +123,9 @@ def test_a_request_longer_than_the_context_is_refused_by_key():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_cuda_graph_decoding_equals_plain_greedy_up_to_bf16_near_ties(family):
+def test_cuda_graph_decoding_equals_plain_greedy_up_to_bf16_near_ties(family, attention):
     """On CUDA, in bf16, with the decode steps as CUDA graphs: every greedy answer equals plain
     one-at-a-time decoding or differs first at a near-tie of the target's top two tokens
     (`dflash eval`'s rule). Sampled answers draw the same random numbers in another batch
@@ -133,7 +136,7 @@ def test_cuda_graph_decoding_equals_plain_greedy_up_to_bf16_near_ties(family):
     model = tiny(family, 3).to("cuda", torch.bfloat16)
     prompts = random_prompts(40, 3)
     answers = decode(model, [Request(i, ids) for i, ids in enumerate(prompts)], slots=16, max_new_tokens=48,
-                     max_context=400)
+                     max_context=400, attention=attention)
     checks = check_greedy(model, prompts, [Answer(answers[i].token_ids, "", answers[i].cut) for i in range(40)],
                           STOPS, 48)
     assert all(check.equal or check.near_tie for check in checks), [c for c in checks if not c.equal]
@@ -141,7 +144,7 @@ def test_cuda_graph_decoding_equals_plain_greedy_up_to_bf16_near_ties(family):
 
     def sampled(order):
         requests = [Request(i, prompts[i], temperature=1.0, stream=stream_id(0, i, 1)) for i in order]
-        return decode(model, requests, slots=16, max_new_tokens=48, max_context=400, top_k=20)
+        return decode(model, requests, slots=16, max_new_tokens=48, max_context=400, top_k=20, attention=attention)
 
     first, reversed_order = sampled(range(40)), sampled(range(39, -1, -1))
     same = sum(first[i].token_ids == reversed_order[i].token_ids for i in range(40))

@@ -1,7 +1,8 @@
 """Benchmark answer generation (`dflash generate`'s engines, dflash/generation.py) on one GPU.
 
 In one run, over the same prompts and the same target:
-- `slots`: the continuous-batching engine (dflash/decoding.py) at each of `--slots`, over all
+- `slots`: the continuous-batching engine (dflash/decoding.py) at each of `--slots` and
+  `--attention` (its decode attention: sdpa, flex), over all
   `--prompts` prompts; then `--check` of its greedy answers are held against plain one-at-a-time
   greedy decoding (equal, a bf16 near-tie by `dflash eval`'s rule, or a real difference);
 - `generate`: transformers' `generate` (dynamic cache; `--static` adds the static cache) at
@@ -75,9 +76,9 @@ def timed_answers(generator: Generator, jobs: list[Job], device) -> tuple[list, 
 
 
 def measure(name: str, target, tokenizer, stops, prompts, device, engine: str, batch: int, args,
-            static: str = "off") -> tuple[dict, list]:
+            static: str = "off", attention: str = "sdpa") -> tuple[dict, list]:
     generator = Generator(target, tokenizer, stops, device, batch_size=batch, engine=engine, static_cache=static,
-                          max_new_tokens=args.max_new_tokens)
+                          max_new_tokens=args.max_new_tokens, decode_attention=attention)
     jobs = [Job(prompt, 0, 0) for prompt in prompts]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -88,7 +89,8 @@ def measure(name: str, target, tokenizer, stops, prompts, device, engine: str, b
     generator.answers(longest)  # warm-up: the engine's cache and graphs, transformers' compile, the allocator
     answers, seconds = timed_answers(generator, jobs, device)
     tokens = sum(len(answer.token_ids) for answer in answers)
-    numbers = {"target": name, "engine": engine if engine == "slots" else f"generate (static cache {static})",
+    numbers = {"target": name, "engine": f"slots ({attention})" if engine == "slots" else
+               f"generate (static cache {static})",
                "batch": batch, "prompts": len(prompts), "tokens": tokens, "seconds": seconds,
                "tokens_per_s": tokens / seconds, "cut": sum(answer.cut for answer in answers),
                "mean_answer_tokens": tokens / len(answers),
@@ -115,9 +117,11 @@ def run_real(config, args, device) -> list[dict]:
     progress(f"{len(prompts)} prompts of {args.source}: {sum(lengths):,} tokens, mean {np.mean(lengths):.0f}, "
              f"max {max(lengths)}")
     results, checked = [], False
-    for slots in [int(s) for s in args.slots.split(",") if s]:
+    runs = [(int(slots), attention) for attention in args.attention.split(",") for slots in args.slots.split(",")
+            if slots]
+    for slots, attention in runs:
         numbers, answers = guarded(measure, config.target.path, target, tokenizer, stops, prompts, device, "slots",
-                                   slots, args)
+                                   slots, args, attention=attention)
         if answers is not None and args.check and not checked:
             checked = True
             checks = check_greedy(target, [p.input_ids for p in prompts[:args.check]], answers[:args.check], stops,
@@ -187,6 +191,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--source", default="embedded:code-docs", help="prompts of the real target")
     parser.add_argument("--prompts", type=int, default=0, help="prompts of --source (0: every usable row)")
     parser.add_argument("--slots", default="512,1024", help="the engine's slot counts, comma-separated")
+    parser.add_argument("--attention", default="sdpa", help="the engine's decode attentions, comma-separated "
+                                                            "(sdpa, flex)")
     parser.add_argument("--check", type=int, default=16, help="greedy answers held against one-at-a-time decoding")
     parser.add_argument("--hf-batch", type=int, default=1024, help="transformers' generate batch size")
     parser.add_argument("--hf-prompts", type=int, default=1024, help="prompts for transformers' generate")
