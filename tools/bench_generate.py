@@ -5,6 +5,7 @@ In one run, over the same prompts and the same target:
   `--attention` (its decode attention: sdpa, flex), over all
   `--prompts` prompts; then `--check` of its greedy answers are held against plain one-at-a-time
   greedy decoding (equal, a bf16 near-tie by `dflash eval`'s rule, or a real difference);
+- `--transformers-cb`: transformers' own continuous batching (`generate_batch`) over the same prompts;
 - `generate`: transformers' `generate` (dynamic cache; `--static` adds the static cache) at
   `--hf-batch` prompts, over the first `--hf-prompts` prompts (it is slow: a subset suffices
   for its rate), in length-sorted batches as `dflash generate`'s fallback runs them.
@@ -100,6 +101,30 @@ def measure(name: str, target, tokenizer, stops, prompts, device, engine: str, b
     return numbers, answers
 
 
+def measure_transformers_cb(name: str, target, stops, prompts, device, args) -> tuple[dict, None]:
+    """transformers' own continuous batching (`generate_batch`, paged attention) over the same prompts."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stops,
+                              pad_token_id=stops[0])
+    inputs = [p.input_ids for p in prompts]
+    longest = sorted(inputs, key=len)[-8:]
+    target.generate_batch(inputs=longest, generation_config=config)  # warm-up
+    synchronize(device)
+    start = time.perf_counter()
+    outputs = target.generate_batch(inputs=inputs, generation_config=config)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    tokens = 0
+    for output in outputs.values():
+        ids = list(output.generated_tokens)
+        tokens += next((i for i, token in enumerate(ids) if token in stops), len(ids))
+    numbers = {"target": name, "engine": "transformers generate_batch (continuous batching)", "batch": "auto",
+               "prompts": len(prompts), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+    progress(f"{name} transformers generate_batch: {numbers['tokens_per_s']:,.0f} tokens/s")
+    return numbers, None
+
+
 def guarded(function, *args, **kwargs):
     """Run one mode; an out-of-memory batch or an unsupported cache is reported and the run goes on."""
     try:
@@ -129,6 +154,9 @@ def run_real(config, args, device) -> list[dict]:
             numbers["greedy_check"] = describe_checks(checks)
             numbers["greedy_check_gaps"] = [(c.first_difference, c.gap, c.tolerance) for c in checks if not c.equal]
             progress(numbers["greedy_check"])
+        results.append(numbers)
+    if args.transformers_cb:
+        numbers, _ = guarded(measure_transformers_cb, config.target.path, target, stops, prompts, device, args)
         results.append(numbers)
     hf_prompts = prompts[:args.hf_prompts]
     for static in (["off", "on"] if args.static else ["off"]):
@@ -197,6 +225,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hf-batch", type=int, default=1024, help="transformers' generate batch size")
     parser.add_argument("--hf-prompts", type=int, default=1024, help="prompts for transformers' generate")
     parser.add_argument("--static", action="store_true", help="also transformers' static cache")
+    parser.add_argument("--transformers-cb", action="store_true",
+                        help="also transformers' continuous batching (generate_batch) over every prompt")
     parser.add_argument("--random-27b", action="store_true", help="also a random 27B-shaped Qwen3.5 target")
     parser.add_argument("--quick", action="store_true", help="tiny targets on the CPU (a smoke run)")
     parser.add_argument("--max-new-tokens", type=int, default=512)
