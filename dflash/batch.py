@@ -2,7 +2,8 @@
 
 `StoreDataset[(epoch, i)]` reads sample i and draws its anchors for that epoch;
 `collate_packed` concatenates a micro-batch's samples into one packed row laid out as in
-docs/INTERNALS.md "Stage-two tensors". Context features stay encoded (bf16 bits as uint16,
+docs/INTERNALS.md "Stage-two tensors"; `epoch_loader` is the DataLoader over one rank's part of
+an epoch's schedule. Context features stay encoded (bf16 bits as uint16,
 or fp8 bits as uint8 plus per-token-per-layer scales): they are decoded on the GPU, which
 halves (bf16) or quarters (fp8) the bytes that cross the host-device link compared to float32.
 
@@ -205,3 +206,11 @@ def build_loader(
         prefetch_factor=prefetch_factor if workers_used else None,
         persistent_workers=workers_used,
     )
+
+
+def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *, pad_multiple: int,
+                 block_size: int | None, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+    """Micro-batches of `rank` from `start_step` of the schedule on; skipped steps are never read."""
+    batches = [[(schedule.epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(rank, start_step)]
+    return build_loader(dataset, batches, pad_multiple=pad_multiple, block_size=block_size, num_workers=num_workers,
+                        pin_memory=pin_memory)

@@ -227,7 +227,7 @@ class DrafterMLP(nn.Module):
 
 # A layer is `attention_inputs` -> attention kernel -> `layer_output`. The two halves hold every
 # matmul and elementwise op and no mask, and take the weights as arguments: one function (and,
-# under torch.compile, one graph) serves every layer. dflash/trainer.py compiles them apart from
+# under torch.compile, one graph) serves every layer. dflash/train_step.py compiles them apart from
 # flex attention.
 
 
@@ -262,7 +262,7 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        # Replaced by compiled versions (shared by all layers) in dflash/trainer.apply_parallelism.
+        # Replaced by compiled versions (shared by all layers) in dflash/train_step.apply_parallelism.
         self.halves = (attention_inputs, layer_output)
 
     def forward(self, block_QH, context_TH, rope_q, rope_k, mask) -> torch.Tensor:

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from dflash.errors import DflashError
 from dflash.outputs import follow_umask
+from dflash.resume import require_finite
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -31,13 +32,6 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 
 class ExportFormatError(DflashError, ValueError):
     """An export's config or weights do not match the drafter layout; the message names the key."""
-
-
-def require_finite(state: dict[str, torch.Tensor], what: str) -> None:
-    """Refuse weights holding NaN/Inf, naming the first such key (no export or checkpoint of them)."""
-    for key, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ExportFormatError(f"{what}: {key} holds non-finite values (NaN/Inf); refusing to write it")
 
 
 def expected_shapes(args) -> dict[str, tuple[int, ...]]:
@@ -164,7 +158,7 @@ def export_drafter(
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"export dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
     state = match_drafter_keys(model_state, args, source="export_drafter(model_state)")
-    require_finite(state, f"export to {out_dir}")
+    require_finite(state, f"export to {out_dir}", ExportFormatError)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {key: value.detach().to(device="cpu", dtype=dtype).contiguous() for key, value in state.items()}

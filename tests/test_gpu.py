@@ -15,7 +15,7 @@ import torch
 from dflash.batch import StoreDataset, collate_packed
 from dflash.drafter import DFlashDrafter, compile_layers, drafter_args
 from dflash.loss import gamma_weights
-from dflash.trainer import TrainContext, forward_loss, to_device, train_step
+from dflash.train_step import TrainContext, forward_loss, to_device, train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

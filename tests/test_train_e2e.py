@@ -17,12 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash import sizing, training
+from dflash import sizing, train_loop
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.config import load_config
 from dflash.export import load_exported
+from dflash.sampler import held_out_micro_batches
 from dflash.store import CorruptShardError, StoreMismatchError
-from dflash.trainer import NonFiniteError
+from dflash.metrics import NonFiniteError
 from stages import extract, train
 
 pytestmark = pytest.mark.slow
@@ -224,13 +225,13 @@ def test_first_step_notice_names_the_compile_cache_on_cuda_only(monkeypatch):
     from dflash.dist import DistState
 
     one = DistState(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    assert training.first_step_notice(SimpleNamespace(device=torch.device("cpu")), one) == ""
+    assert train_loop.first_step_notice(SimpleNamespace(device=torch.device("cpu")), one) == ""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/inductor")
     cuda = SimpleNamespace(device=torch.device("cuda", 1))
-    notice = training.first_step_notice(cuda, one)
+    notice = train_loop.first_step_notice(cuda, one)
     assert "compiling" in notice and "/scratch/inductor" in notice and "ranks" not in notice
     three = DistState(rank=1, world_size=3, local_rank=1, device=torch.device("cuda", 1))
-    assert "each of the 3 ranks compiles for its own GPU" in training.first_step_notice(cuda, three)
+    assert "each of the 3 ranks compiles for its own GPU" in train_loop.first_step_notice(cuda, three)
 
 
 def test_a_held_out_set_too_small_for_mixed_steps_still_evaluates():
@@ -241,9 +242,8 @@ def test_a_held_out_set_too_small_for_mixed_steps_still_evaluates():
     config = load_config(None, ["train.token_budget=1024", "train.eval_batches=4"])
     reader = SimpleNamespace(index={"length": np.array([100, 200, 300, 120]), "bucket": np.array([0, 1, 1, 0]),
                                     "num_supervised": np.array([50, 60, 70, 40])})
-    dist = SimpleNamespace(rank=0, world_size=1)
     for eval_indices in (np.array([2]), np.array([1, 2])):
-        batches = training.held_out_micro_batches(config, dist, reader, eval_indices)
+        batches = held_out_micro_batches(config, reader, eval_indices, rank=0, world_size=1)
         assert sorted(int(i) for batch in batches for i in batch) == eval_indices.tolist()
 
 

@@ -1,11 +1,11 @@
 """Benchmark stage two: the real training step at the `qwen3.6-27b` drafter size on synthetic data.
 
-Builds the drafter with dflash/trainer.py's own pieces (`build_model`: fp32 master weights,
+Builds the drafter with dflash/train_step.py's own pieces (`build_model`: fp32 master weights,
 `build_optimizer`: fused AdamW, `apply_parallelism`: compiled layers), a frozen random
 248,320 x 5120 bf16 embedding and LM head, and synthetic packed micro-batches of the real
 shape made by `dflash.batch.collate_packed`: sequences from a log-uniform length mix over
 64..4096, random fp8-encoded context features (5 x 5120 per token), loss masks ~70%
-supervised, up to 512 anchors per sequence, block 16. Every step is `dflash.trainer.train_step`.
+supervised, up to 512 anchors per sequence, block 16. Every step is `dflash.train_step.train_step`.
 
 Modes:
   peer     exactly 8,192 source tokens (one 8,192-token sequence) and 512 anchors x 16 per
@@ -72,7 +72,7 @@ def build_trainer(config, dist):
     from dflash.drafter import drafter_args
     from dflash.loss import default_gamma, gamma_weights
     from dflash.masks import default_backend
-    from dflash.trainer import TrainContext, apply_parallelism, build_model, build_optimizer
+    from dflash.train_step import TrainContext, apply_parallelism, build_model, build_optimizer
 
     device = dist.device
     # The named size's own mask token (the config's -1 means "the store's choice"; there is no store here).
@@ -203,7 +203,7 @@ def step_flops(args_drafter, source_tokens: int, anchors: int) -> float:
 
 
 def run_step(wrapped, ctx, optimizer, step: list[dict], config):
-    from dflash.trainer import to_device, train_step
+    from dflash.train_step import to_device, train_step
 
     micro_batches = [to_device(batch, ctx.device) for batch in step]
     return train_step(wrapped, ctx, micro_batches, optimizer, config.train.lr, config.train.clip)
@@ -471,16 +471,15 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
 def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     """The trainer's DataLoader (dataset, schedule, collate) over `epochs` epochs of the store, in one loader."""
     from dflash.batch import StoreDataset, build_loader
-    from dflash.dist import DistState
+    from dflash.sampler import schedule_for
     from dflash.store import StoreReader
-    from dflash.trainer import pad_multiple, schedule_for
+    from dflash.train_step import pad_multiple
 
     reader = StoreReader(str(store_dir))
-    dist = DistState(rank=0, world_size=1, local_rank=0, device=ctx.device)
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
     batches = []
     for epoch in range(epochs):
-        schedule = schedule_for(config, reader, np.arange(len(reader)), dist, epoch)
+        schedule = schedule_for(config, reader, np.arange(len(reader)), epoch, 1, config.train.accum_steps)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
     loader = build_loader(dataset, batches, pad_multiple=pad_multiple(ctx), block_size=ctx.args.block_size,
                           num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
@@ -488,7 +487,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
 
 
 def measure_fed(config, ctx, store_dir: Path, epochs: int, step_fn, warm_steps: int = 2) -> dict:
-    """Optimizer steps fed by the real loader, as dflash/training.py's loop runs them: `step_fn(micro_batches)`
+    """Optimizer steps fed by the real loader, as dflash/train_loop.py's loop runs them: `step_fn(micro_batches)`
     is the step. The data-wait fraction is the host time blocked in `next(loader)` over the wall
     time of the timed steps (the first `warm_steps` steps, worker start-up and new shapes, are not timed)."""
     _, batches, loader = loader_over_store(config, ctx, store_dir, epochs)
@@ -616,7 +615,7 @@ def run(args, argv, dist) -> int:
         print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
     model, optimizer, wrapped, ctx = build_trainer(config, dist)
     from dflash.drafter import count_parameters
-    from dflash.trainer import pad_multiple
+    from dflash.train_step import pad_multiple
 
     say = print if dist.is_main else (lambda *a, **k: None)
     say(f"drafter {config.drafter.size}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
@@ -750,14 +749,14 @@ def report(args, results: dict) -> None:
         consumed = consumed or results.get("fed", {}).get("stand_in_tokens_per_s", 0.0)
         loader["trainer_tokens_per_s"] = consumed
         loader["headroom"] = loader["tokens_per_s"] / consumed if consumed else None
-        print_table("loader (dflash.trainer.epoch_loader over a synthetic fp8 store)",
+        print_table("loader (dflash.batch.epoch_loader over a synthetic fp8 store)",
                     ["workers", "micro-batches", "tokens/s", "trainer consumes tokens/s", "headroom"],
                     [[loader["num_workers"], loader["micro_batches"], loader["tokens_per_s"], consumed,
                       loader["headroom"] if loader["headroom"] is not None else "n/a"]])
     if "fed" in results:
         fed = results["fed"]
         stand_in = fed.get("stand_in_tokens_per_s")
-        print_table("steps fed by the loader (dflash.training's loop: next(loader), to_device, train_step)"
+        print_table("steps fed by the loader (dflash.train_loop's loop: next(loader), to_device, train_step)"
                     + (f"; stand-in step at {stand_in:,.0f} tokens/s" if stand_in else ""),
                     ["workers", "timed steps", "ms/step", "tokens/s", "data wait"],
                     [[fed["num_workers"], fed["timed_steps"], fed["ms_per_step"], fed["tokens_per_s"],
