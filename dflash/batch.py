@@ -25,16 +25,9 @@ import torch.utils.data
 from dflash.anchors import anchor_rng, sample_anchors
 from dflash.data import row_label
 from dflash.loss import label_rows
+from dflash.masks import PADDING_DOC
+from dflash.padding import round_up
 from dflash.store import CorruptShardError
-
-PADDING_DOC = -1  # same value as dflash.masks.PADDING_DOC
-
-
-def round_up_positive(n: int, multiple: int) -> int:
-    """Smallest positive multiple of `multiple` that is >= n."""
-    if multiple < 1:
-        raise ValueError(f"pad_multiple must be >= 1, got {multiple}")
-    return max(multiple, -(-n // multiple) * multiple)
 
 
 class StoreDataset(torch.utils.data.Dataset):
@@ -155,8 +148,8 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
         return {"skipped": skipped, "empty": True}
     lengths = np.array([len(item["input_ids"]) for item in items], dtype=np.int64)
     num_real_anchors = sum(len(item["anchors"]) for item in items)
-    num_tokens = round_up_positive(int(lengths.sum()), pad_multiple)
-    num_anchors = round_up_positive(num_real_anchors, pad_multiple)
+    num_tokens = max(pad_multiple, round_up(int(lengths.sum()), pad_multiple))  # never an empty axis
+    num_anchors = max(pad_multiple, round_up(num_real_anchors, pad_multiple))
     tokens = _pack_tokens(items, num_tokens)
     anchors = _pack_anchors(items, num_tokens, num_anchors)
     buckets = {item["bucket"] for item in items}

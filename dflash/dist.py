@@ -49,7 +49,9 @@ def init_distributed(device: str = "auto") -> DistState:
     return DistState(rank=rank, world_size=world_size, local_rank=local_rank, device=resolved)
 
 
-def resolve_device(device: str, local_rank: int) -> torch.device:
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """The package's one device rule: "auto" is cuda:<local rank> when CUDA is there, else the CPU;
+    "cuda" is cuda:<local rank>; any other name is taken as it is."""
     if device == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if device == "cuda":

@@ -14,10 +14,9 @@ from pathlib import Path
 from transformers import Qwen3_5TextConfig
 
 from dflash.outputs import atomic_dir
+from dflash.recipe import VOCAB_SIZE
 
 EMBEDDED_TARGET = "embedded:tiny"
-# The real Qwen3.5/3.6 vocabulary size (embedding rows, padded past the tokenizer's ids).
-QWEN35_VOCAB_SIZE = 248320
 
 
 def tiny_target_config() -> Qwen3_5TextConfig:
@@ -29,7 +28,7 @@ def tiny_target_config() -> Qwen3_5TextConfig:
     """
     return Qwen3_5TextConfig(
         initializer_range=0.125,
-        vocab_size=QWEN35_VOCAB_SIZE,
+        vocab_size=VOCAB_SIZE,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=8,

@@ -71,12 +71,6 @@ class EvalResult:
     per_prompt: list[PromptResult] = field(default_factory=list)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
     """The export as served, checked against the target it drafts for."""
     if not (Path(export_dir) / "config.json").is_file():

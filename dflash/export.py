@@ -18,13 +18,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash.checkpoint import require_finite
 from dflash.errors import DflashError
-from dflash.outputs import follow_umask
-from dflash.resume import require_finite
+from dflash.outputs import atomic_dir
+from dflash.recipe import BLOCK_SIZE, MASK_TOKEN_ID
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MODELING_NAME = "modeling_dflash.py"
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, MODELING_NAME)
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 DEFAULT_MAX_POSITION_EMBEDDINGS = 262_144  # the Qwen3.5/3.6 targets' context length
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -32,6 +34,10 @@ DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float
 
 class ExportFormatError(DflashError, ValueError):
     """An export's config or weights do not match the drafter layout; the message names the key."""
+
+
+class ExportDirectoryError(DflashError, FileExistsError):
+    """The export's directory holds files that are not an export's, which replacing it would remove."""
 
 
 def expected_shapes(args) -> dict[str, tuple[int, ...]]:
@@ -160,14 +166,17 @@ def export_drafter(
     state = match_drafter_keys(model_state, args, source="export_drafter(model_state)")
     require_finite(state, f"export to {out_dir}", ExportFormatError)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    others = sorted(path.name for path in out_dir.iterdir() if path.name not in EXPORT_FILES) if out_dir.is_dir() else []
+    if others:
+        raise ExportDirectoryError(f"export to {out_dir}: the directory holds other files ({', '.join(others)}), which "
+                              f"replacing it would remove; export into a new or empty directory")
     tensors = {key: value.detach().to(device="cpu", dtype=dtype).contiguous() for key, value in state.items()}
-    save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     config = drafter_config_dict(args, dtype, max_position_embeddings)
-    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    shutil.copyfile(Path(__file__).with_name(MODELING_NAME), out_dir / MODELING_NAME)
-    for name in (CONFIG_NAME, WEIGHTS_NAME, MODELING_NAME):
-        follow_umask(out_dir / name)  # safetensors writes 0600: a serving process of another user reads them
+    # Whole or nothing, with the umask's permissions (a serving process of another user reads it).
+    with atomic_dir(out_dir) as staging:
+        save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        shutil.copyfile(Path(__file__).with_name(MODELING_NAME), staging / MODELING_NAME)
     return out_dir
 
 
@@ -204,8 +213,8 @@ def args_from_config(config: dict, source: str):
         sliding_window=config.get("sliding_window") or require("max_position_embeddings"),
         rope_theta=float(rope_theta),
         target_layer_ids=tuple(dflash["target_layer_ids"]),
-        block_size=dflash.get("block_size", config.get("block_size", 16)),
-        mask_token_id=dflash.get("mask_token_id", 248_070),
+        block_size=dflash.get("block_size", config.get("block_size", BLOCK_SIZE)),
+        mask_token_id=dflash.get("mask_token_id", MASK_TOKEN_ID),
         vocab_size=require("vocab_size"),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         num_target_layers=target_depth(config, dflash),

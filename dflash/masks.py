@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
 PADDING_DOC = -1  # doc id of padded context tokens and padded anchors
 
 
@@ -76,8 +77,8 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
     """
     device = torch.device(device) if device is not None else _meta_field(batch_meta, "doc_ids").device
     backend = backend or default_backend(device)
-    if backend not in ("flex", "dense"):
-        raise ValueError(f"masks: unknown backend {backend!r}, expected 'flex' or 'dense'")
+    if backend not in BACKENDS:
+        raise ValueError(f"masks: unknown backend {backend!r}, expected one of {BACKENDS}")
     tensors = [_meta_field(batch_meta, name).to(device) for name in ("doc_ids", "position_ids", "anchor_doc", "anchor_pos")]
     num_queries = tensors[2].shape[0] * block_size
     num_keys = tensors[0].shape[0] + num_queries

@@ -1,7 +1,7 @@
 """Saving a stage-two run and resuming it: which checkpoint `--resume` means, the config that
 resumes it on this many ranks, restoring model, optimizer, RNG and data cursor, and writing a
-checkpoint of the run, refused when its weights are not finite (`require_finite`, which the
-export applies too). The checkpoint's own format is dflash/checkpoint.py's.
+checkpoint of the run, refused when its weights are not finite. The checkpoint's own format,
+and the finite guard that exports apply too, are dflash/checkpoint.py's.
 """
 
 import dataclasses
@@ -9,23 +9,11 @@ from pathlib import Path
 
 import torch
 
-from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, read_state, restore_rng_states,
-                               save_checkpoint)
+from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, read_state, require_finite,
+                               restore_rng_states, save_checkpoint)
 from dflash.config import Config, ConfigError, replace
 from dflash.dist import DistState
-from dflash.errors import DflashError
 from dflash.sampler import DataCursor
-
-
-class NonFiniteWeightsError(DflashError, ValueError):
-    """Weights about to be written hold NaN/Inf; the message names the first such key."""
-
-
-def require_finite(state: dict[str, torch.Tensor], what: str, error: type[Exception] = NonFiniteWeightsError) -> None:
-    """Refuse weights holding NaN/Inf, naming the first such key (no export or checkpoint of them)."""
-    for key, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise error(f"{what}: {key} holds non-finite values (NaN/Inf); refusing to write it")
 
 
 def save_run(config: Config, dist: DistState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,

@@ -31,6 +31,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from dflash.padding import round_up
+
 # Second key of the hold-out rng, so it never coincides with a (seed, epoch, bucket) stream.
 _HOLDOUT_STREAM = 0x484F4C44  # "HOLD"
 
@@ -195,7 +197,7 @@ def _fix_count(packing: _BucketPacking, step_size: int, num_samples: int) -> Non
 
     Reaching the next multiple keeps the number of steps, so mixability is preserved.
     """
-    target = max(step_size, math.ceil(packing.count() / step_size) * step_size)
+    target = max(step_size, round_up(packing.count(), step_size))
     if target > num_samples:
         raise ValueError(
             f"{num_samples} samples cannot fill {target // step_size} optimizer step(s) of "

@@ -13,7 +13,6 @@ so the module runs on zarr 3.1 and 3.4.
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
@@ -23,6 +22,7 @@ import zarr
 from zarr.codecs import BloscCodec, BytesCodec, Crc32cCodec, ZstdCodec
 
 from dflash.errors import DflashError
+from dflash.padding import round_up
 from dflash.plan import ShardPlan
 
 SCHEMA_VERSION = 1
@@ -284,7 +284,7 @@ class ShardWriter:
                 f"{plan.num_tokens}); every length must be positive"
             )
         self.chunk_rows = min(rows_per_chunk, self.num_tokens)
-        self.shard_rows = min(rows_per_zarr_shard, math.ceil(self.num_tokens / self.chunk_rows) * self.chunk_rows)
+        self.shard_rows = min(rows_per_zarr_shard, round_up(self.num_tokens, self.chunk_rows))
         self.group = self._fresh_group(group)
         self.arrays = self._create_arrays(bf16_compression)
         self._next_sample = 0

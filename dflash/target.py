@@ -23,6 +23,8 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from dflash.padding import round_up
+
 # Where causal-LM wrappers keep their decoder layers, relative to the loaded model.
 DECODER_LAYER_PATHS = (
     "model.layers",
@@ -69,7 +71,7 @@ def pad_batch(seqs: list[np.ndarray], pad_id: int, multiple: int = 1) -> tuple[t
     """
     if not seqs:
         raise ValueError("pad_batch: empty batch")
-    max_len = -(-max(len(seq) for seq in seqs) // multiple) * multiple
+    max_len = round_up(max(len(seq) for seq in seqs), multiple)
     input_ids_BT = torch.full((len(seqs), max_len), pad_id, dtype=torch.long)
     attention_mask_BT = torch.zeros((len(seqs), max_len), dtype=torch.long)
     for row, seq in enumerate(seqs):

@@ -22,10 +22,11 @@ from dflash.config import Config, ConfigError
 from dflash.dist import DistState
 from dflash.follow import FollowStopped, FollowTimeout, StoreFollower
 from dflash.metrics import MetricsLogger, StepStats
+from dflash.padding import micro_batch_multiple
 from dflash.resume import save_run
 from dflash.sampler import DataCursor, held_out_micro_batches
 from dflash.store import CorruptShardError, StoreReader
-from dflash.train_step import TrainContext, evaluate, learning_rate, pad_multiple, to_device, train_step
+from dflash.train_step import TrainContext, evaluate, learning_rate, to_device, train_step
 
 
 @dataclass
@@ -131,7 +132,7 @@ def loop(state: TrainState) -> None:
     config, dist, ctx, result, stop = state.config, state.dist, state.ctx, state.result, state.stop
     reader = state.reader
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
-    loader_options = {"pad_multiple": pad_multiple(ctx), "block_size": ctx.args.block_size}
+    loader_options = {"pad_multiple": micro_batch_multiple(ctx.backend), "block_size": ctx.args.block_size}
     collate = functools.partial(collate_packed, **loader_options)
     eval_micro_batches = {}  # by held-out set size: a following run's set only grows
     bar = tqdm(total=state.total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,

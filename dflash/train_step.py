@@ -165,11 +165,6 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
     return stats
 
 
-def pad_multiple(ctx: TrainContext) -> int:
-    """Flex attention compiles per shape: pad to 128 on CUDA; CPU needs no padding beyond 16."""
-    return 128 if ctx.backend == "flex" else 16
-
-
 @torch.no_grad()
 def evaluate(dist: DistState, wrapped, ctx: TrainContext, dataset, collate, micro_batches) -> dict:
     """Held-out loss, accuracy and tau (epoch 0 anchors, so every evaluation sees the same blocks)."""

@@ -41,6 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dflash.errors import DflashError
+from dflash.padding import round_up
 
 PR_SET_PDEATHSIG = 1
 RESULT_POLL_SECONDS = 0.5
@@ -161,7 +162,7 @@ class WriterPool:
         layout, offset = {}, 0
         for name, tensor in captured.parts.items():
             layout[name] = (offset, tensor.dtype, tuple(tensor.shape))
-            offset += -(-tensor.nbytes // SLOT_ALIGN) * SLOT_ALIGN
+            offset += round_up(tensor.nbytes, SLOT_ALIGN)
         if not slots or offset > slots[0].numel():
             return None, to_shared_memory(captured)
         slot = self.wait_free_slot(index)

@@ -51,6 +51,7 @@ from benchlib import (  # noqa: E402
     build_random_target, log_uniform_lengths, print_table, progress, qwen35_27b_config, run_metadata, synchronize,
     write_results,
 )
+from dflash.padding import round_up  # noqa: E402
 
 if not torch.cuda.is_available():
     # CPU runs: keep transformers on its pure-torch Gated DeltaNet (fla's Triton kernels need a GPU).
@@ -107,7 +108,7 @@ def warmup_batches(batches: list[list]) -> list[list]:
     autotunes before anything is timed."""
     seen, chosen = set(), []
     for batch in batches:
-        padded = -(-max(len(s) for s in batch) // 128) * 128
+        padded = round_up(max(len(s) for s in batch), 128)
         if padded not in seen:
             seen.add(padded)
             chosen.append(batch)
@@ -181,10 +182,11 @@ def compiled_capture(target, warmup, batches, codec: str, device) -> dict:
 
 def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
     """Encoded host rows `(R, ...)` of real captured batches, R >= the largest padded batch."""
-    from dflash.capture import capture_batch, pad_multiple
+    from dflash.capture import capture_batch
+    from dflash.padding import target_batch_multiple
 
-    multiple = pad_multiple(device)
-    needed = max(len(b) * -(-max(len(s) for s in b) // multiple) * multiple for b in batches)
+    multiple = target_batch_multiple(device)
+    needed = max(len(b) * round_up(max(len(s) for s in b), multiple) for b in batches)
     parts, rows = [], 0
     for batch in sorted(batches, key=len, reverse=True):
         captured = capture_batch(target, batch, codec, device)
@@ -198,12 +200,13 @@ def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
 
 def captures_from_pool(pool: dict[str, np.ndarray], device):
     """A capture function for `write_shards` that returns views of `pool` (no forward): the writers alone."""
-    from dflash.capture import CapturedBatch, pad_multiple
+    from dflash.capture import CapturedBatch
+    from dflash.padding import target_batch_multiple
 
-    multiple = pad_multiple(device)
+    multiple = target_batch_multiple(device)
 
     def capture_batch(target, batch, codec, device):
-        padded = -(-max(len(s.input_ids) for s in batch) // multiple) * multiple
+        padded = round_up(max(len(s.input_ids) for s in batch), multiple)
         rows = len(batch) * padded
         return CapturedBatch(parts={k: torch.from_numpy(v[:rows].reshape(len(batch), padded, *v.shape[1:]))
                                     for k, v in pool.items()}, ready=None)

@@ -471,9 +471,9 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
 def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     """The trainer's DataLoader (dataset, schedule, collate) over `epochs` epochs of the store, in one loader."""
     from dflash.batch import StoreDataset, build_loader
+    from dflash.padding import micro_batch_multiple
     from dflash.sampler import schedule_for
     from dflash.store import StoreReader
-    from dflash.train_step import pad_multiple
 
     reader = StoreReader(str(store_dir))
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
@@ -481,8 +481,8 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     for epoch in range(epochs):
         schedule = schedule_for(config, reader, np.arange(len(reader)), epoch, 1, config.train.accum_steps)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
-    loader = build_loader(dataset, batches, pad_multiple=pad_multiple(ctx), block_size=ctx.args.block_size,
-                          num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
+    loader = build_loader(dataset, batches, pad_multiple=micro_batch_multiple(ctx.backend),
+                          block_size=ctx.args.block_size, num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
     return reader, batches, loader
 
 
@@ -615,7 +615,7 @@ def run(args, argv, dist) -> int:
         print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
     model, optimizer, wrapped, ctx = build_trainer(config, dist)
     from dflash.drafter import count_parameters
-    from dflash.train_step import pad_multiple
+    from dflash.padding import micro_batch_multiple
 
     say = print if dist.is_main else (lambda *a, **k: None)
     say(f"drafter {config.drafter.size}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
@@ -633,7 +633,7 @@ def run(args, argv, dist) -> int:
         if mode == "peer":
             steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed))
         elif mode == "default":
-            steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, pad_multiple(ctx)))
+            steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, micro_batch_multiple(ctx.backend)))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
@@ -656,7 +656,7 @@ def run(args, argv, dist) -> int:
         measure_loading(args, config, ctx, pool, results, step_fn, args.fed_epochs, say)
     if args.profile and dist.is_main:
         write_results(args.out, results)
-        steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, pad_multiple(ctx)))
+        steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, micro_batch_multiple(ctx.backend)))
         results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
                                            1 if args.quick else 2)
     if dist.is_main:
