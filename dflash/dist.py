@@ -83,13 +83,13 @@ def broadcast_object(state: DistState, value):
     return holder[0]
 
 
-def launch_on_gpus(gpus: str, module_args: list[str]) -> int:
-    """Run `python -m dflash.cli <module_args>` on the listed GPUs, one process each."""
+def launch_on_gpus(gpus: str, module: str, module_args: list[str]) -> int:
+    """Run `python -m <module> <module_args>` under torchrun on the listed GPUs, one process each."""
     gpu_ids = [g.strip() for g in gpus.split(",") if g.strip()]
     if not gpu_ids or not all(g.isdigit() for g in gpu_ids):
         raise ValueError(f"--gpus expects a comma-separated list of GPU indices, got {gpus!r}")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpu_ids))
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={len(gpu_ids)}", "-m", "dflash.cli", *module_args]
+               f"--nproc-per-node={len(gpu_ids)}", "-m", module, *module_args]
     return subprocess.call(command, env=env)

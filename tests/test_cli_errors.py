@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from dflash import config as config_module
-from dflash.cli import main, one_line
+from stages.cli import main, one_line
 from dflash.writers import describe_failure
 
 

@@ -217,7 +217,7 @@ num_workers = 0
 wandb = "disabled"
 compile = false
 """)
-    cli = [sys.executable, "-m", "dflash.cli"]
+    cli = [sys.executable, "-m", "stages.cli"]
     extract.run(load_config(config))  # the two stages in this process; export and eval as a user runs them
     capsys.readouterr()
     train.run(load_config(config))

@@ -108,7 +108,7 @@ def test_stage_two_trains_against_the_target_labels(labelled, tmp_path):
     root, config_path = labelled
     result = train.run(load_config(config_path, [f'train.out_dir="{tmp_path / "run"}"']))
     assert result.checkpoint is not None and result.steps == 2
-    refused = subprocess.run([sys.executable, "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+    refused = subprocess.run([sys.executable, "-m", "stages.cli", "stage2-train", "-c", str(config_path),
                               "--set", "store.labels=data", "--set", f'train.out_dir="{tmp_path / "other"}"'],
                              capture_output=True, text=True)
     assert refused.returncode == 1

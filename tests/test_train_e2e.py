@@ -102,7 +102,7 @@ def test_killed_run_resumes_with_identical_losses(config_path, tmp_path, one_thr
     uninterrupted = train.run(load_config(config_path, [run_dir_override(tmp_path / "straight")]))
 
     run_dir = tmp_path / "killed"
-    command = [sys.executable, "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+    command = [sys.executable, "-m", "stages.cli", "stage2-train", "-c", str(config_path),
                "--set", run_dir_override(run_dir), "--set", "train.save_every=2"]
     process = subprocess.Popen(command, env=single_thread_env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -136,7 +136,7 @@ def test_ddp_matches_one_process_and_resumes_on_another_number_of_ranks(config_p
         sets = [item for value in [run_dir_override(run_dir), f"train.accum_steps={accum}", *common]
                 for item in ("--set", value)]
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                 "-m", "dflash.cli", "stage2-train", "-c", str(config_path), *sets, *resume],
+                                 "-m", "stages.cli", "stage2-train", "-c", str(config_path), *sets, *resume],
                                 env=single_thread_env(), capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
@@ -177,7 +177,7 @@ def test_export_cli_and_fine_tune_from_export(config_path, tmp_path):
     train.run(load_config(config_path, [run_dir_override(run_dir), "train.max_steps=2"]))
     checkpoint = latest_checkpoint(run_dir)
     export_dir = tmp_path / "export"
-    result = subprocess.run([sys.executable, "-m", "dflash.cli", "export", str(checkpoint), str(export_dir)],
+    result = subprocess.run([sys.executable, "-m", "stages.cli", "export", str(checkpoint), str(export_dir)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     config_json = json.loads((export_dir / "config.json").read_text())
@@ -202,7 +202,7 @@ def test_store_that_does_not_match_the_drafter_is_refused(config_path):
 
 def test_sigterm_saves_a_final_checkpoint(config_path, tmp_path):
     run_dir = tmp_path / "term"
-    command = [sys.executable, "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+    command = [sys.executable, "-m", "stages.cli", "stage2-train", "-c", str(config_path),
                "--set", run_dir_override(run_dir), "--set", "train.save_every=100"]
     process = subprocess.Popen(command, env=single_thread_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
@@ -321,7 +321,7 @@ def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, t
     assert f"{skipping.skipped_samples} unreadable samples skipped; checkpoint {skipping.checkpoint}" in last_lines[0]
     assert last_lines[1].strip() == f"export it for serving: dflash export {skipping.checkpoint} EXPORT_DIR"
 
-    cli = [sys.executable, "-m", "dflash.cli", "inspect-cache", str(store), "--verify", "--repair"]
+    cli = [sys.executable, "-m", "stages.cli", "inspect-cache", str(store), "--verify", "--repair"]
     repaired = subprocess.run(cli, capture_output=True, text=True)
     assert repaired.returncode == 1 and "repair: removed" in repaired.stdout
     extract.run(load_config(config_path, [f'store.path="{store}"']))
