@@ -8,8 +8,6 @@ reference machine (paths under /data/dflash, the 27B-sized drafter).
 
 import dataclasses
 import difflib
-import hashlib
-import json
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -169,11 +167,6 @@ class Config:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    def section_hash(self, *sections: str) -> str:
-        """sha256 of the named sections, stable across processes (for stores and caches)."""
-        chosen = {name: dataclasses.asdict(getattr(self, name)) for name in sections}
-        return hashlib.sha256(json.dumps(chosen, sort_keys=True).encode()).hexdigest()
 
 
 def default_config_text() -> str:

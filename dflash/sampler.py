@@ -313,16 +313,6 @@ class EpochSchedule:
     def num_steps(self) -> int:
         return int(self.rank_plan.shape[0])
 
-    @property
-    def num_micro_batches(self) -> int:
-        return len(self.micro_batches)
-
-    @property
-    def bucket_dispatch_counts(self) -> dict[int, int]:
-        """Micro-batches dispatched per bucket this epoch."""
-        buckets, counts = np.unique(self.micro_batch_buckets, return_counts=True)
-        return {int(b): int(c) for b, c in zip(buckets, counts)}
-
     def step(self, step_index: int) -> list[list[MicroBatch]]:
         """The micro-batches of one optimizer step, one list of accum_steps per rank."""
         if not 0 <= step_index < self.num_steps:

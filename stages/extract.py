@@ -35,10 +35,6 @@ class ExtractResult:
     drain_seconds: float = 0.0  # after the last forward, waiting for the writers to finish
     handoff: dict = field(default_factory=dict)  # the writer hand-off threads' seconds (WriterPool.handoff)
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
-
 
 def run(config: Config) -> ExtractResult:
     dist = init_distributed(config.extract.device)

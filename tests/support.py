@@ -14,7 +14,7 @@ import torch
 from dflash.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
 from dflash.loss import block_labels, dflash_loss, gamma_weights
 from dflash.masks import PADDING_DOC, build_masks
-from dflash.plan import ShardPlan, rank_token_counts
+from dflash.plan import ShardPlan
 from dflash.sampler import DataCursor, EpochSchedule, build_epoch_schedule
 
 
@@ -41,6 +41,17 @@ def reference_dense_mask(ctx_doc, ctx_pos, anchor_doc, anchor_pos, block_size: i
                 visible = window is None or other_slot <= slot
                 mask[query, num_context + anchor * block_size + other_slot] = visible
     return mask
+
+
+def rank_token_counts(assignment: list[list[ShardPlan]]) -> list[int]:
+    """Tokens each rank writes under an assignment."""
+    return [sum(s.num_tokens for s in shards) for shards in assignment]
+
+
+def bucket_counts(schedule: EpochSchedule) -> dict[int, int]:
+    """Micro-batches of each bucket in an epoch's schedule."""
+    buckets, counts = np.unique(schedule.micro_batch_buckets, return_counts=True)
+    return {int(b): int(c) for b, c in zip(buckets, counts)}
 
 
 def rank_imbalance(assignment: list[list[ShardPlan]]) -> float:

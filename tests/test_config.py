@@ -65,13 +65,6 @@ def test_unknown_section_and_malformed_override(tmp_path):
         load_config(tmp_path / "missing.toml")
 
 
-def test_section_hash_is_stable_and_sensitive():
-    a, b = load_config(), load_config(None, ["store.codec=bf16"])
-    assert a.section_hash("store") == load_config().section_hash("store")
-    assert a.section_hash("store") != b.section_hash("store")
-    assert a.section_hash("train") == b.section_hash("train")
-
-
 def test_choices_and_rules_are_read_from_each_fields_own_setting():
     """A key's meaning, choices and positivity are written once, on its field; the choices are the
     owning modules' own tuples."""
