@@ -172,7 +172,7 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 def prepare_checkpoint(path: str, cache_dir: str) -> Path:
     """The checkpoint directory for `target.path`: a directory as is, a `.gguf` file converted
     once into `cache_dir`, or the embedded tiny target built there."""
-    from dflash.embedded import EMBEDDED_TARGET, build_tiny_target
+    from dflash.tiny_target import EMBEDDED_TARGET, build_tiny_target
     from dflash.gguf import converted_dir, is_gguf
 
     if path == EMBEDDED_TARGET:

@@ -38,7 +38,7 @@ FP8_GOAL_BYTES_PER_TOKEN = 24_000  # issue 5, for the 27B shape
 
 def random_target_features(quick: bool, num_tokens: int, device: torch.device) -> tuple[str, torch.Tensor]:
     """`(T, n, H)` float32 layer outputs of a random-weight target over random token ids."""
-    from dflash.embedded import tiny_target_config
+    from dflash.tiny_target import tiny_target_config
     from dflash.target import TargetModel, default_layer_ids
 
     config = tiny_target_config() if quick else qwen35_27b_config()

@@ -446,7 +446,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build_target(args, device: torch.device):
-    from dflash.embedded import tiny_target_config
+    from dflash.tiny_target import tiny_target_config
 
     config = tiny_target_config() if args.quick else qwen35_27b_config()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
