@@ -27,7 +27,7 @@ from dflash.data import row_label
 from dflash.loss import label_rows
 from dflash.masks import PADDING_DOC
 from dflash.padding import round_up
-from dflash.store import CorruptShardError
+from dflash.store_format import CorruptShardError
 
 
 class StoreDataset(torch.utils.data.Dataset):

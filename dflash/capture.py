@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from dflash import codecs, store
+from dflash import codecs, store_format
 from dflash.padding import round_up, target_batch_multiple
 from dflash.target import pad_batch
 from dflash.writers import WriterPool
@@ -87,7 +87,7 @@ def encoded_batch_bytes(config, target) -> int:
     """Upper bound of one encoded batch on the host: batch_tokens rows plus 25% for the
     padding of short sequences, of `n*H` codec values (and n fp32 scales, an int32 label)."""
     num_layers = len(target.layer_ids)
-    per_row = num_layers * target.hidden_size * store.HIDDEN_DTYPES[config.store.codec].itemsize
+    per_row = num_layers * target.hidden_size * store_format.HIDDEN_DTYPES[config.store.codec].itemsize
     per_row += 4 * num_layers if config.store.codec == "fp8" else 0
     per_row += 4 if target.predict_labels else 0  # int32 target labels
     return int(1.25 * config.extract.batch_tokens) * per_row

@@ -20,7 +20,7 @@ from dflash.errors import DflashError
 from dflash.masks import BACKENDS as ATTENTION_BACKENDS
 from dflash.metrics import WANDB_MODES
 from dflash.recipe import BLOCK_SIZE
-from dflash.store import LABEL_CHOICES
+from dflash.store_format import LABEL_CHOICES
 
 DEFAULT_ROOT = "/data/dflash"
 

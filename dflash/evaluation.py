@@ -111,7 +111,7 @@ def load_prompts(config: Config, source: str, num_prompts: int, tokenizer) -> li
 def heldout_prompts(config: Config, tokenizer, num_prompts: int) -> list[tuple[str, np.ndarray]]:
     """Prompts of the samples stage two holds out of training (same store, fraction and seed)."""
     from dflash.sampler import split_holdout
-    from dflash.store import StoreReader
+    from dflash.store_reader import StoreReader
 
     reader = StoreReader(config.store.path)
     stored = reader.attrs["tokenizer"]["hash"]

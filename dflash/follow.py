@@ -36,7 +36,8 @@ import numpy as np
 
 from dflash.dist import DistState, broadcast_object
 from dflash.sampler import EpochSchedule, schedule_for
-from dflash.store import StoreReader, frozen_weights_complete, open_existing
+from dflash.store_format import frozen_weights_complete
+from dflash.store_reader import StoreReader, open_existing
 
 _FOLLOW_HOLDOUT_STREAM = 0x464F4C4C  # "FOLL": the per-shard hold-out rng, apart from every other stream
 

@@ -6,7 +6,7 @@
 from dflash.config import Config, ConfigError
 from dflash.drafter import AUTO_SIZE, DrafterArgs, auto_drafter_args, drafter_args
 from dflash.export import load_exported
-from dflash.store import StoreMismatchError
+from dflash.store_format import StoreMismatchError
 from dflash.recipe import MASK_TOKEN_ID
 from dflash.tokenizer import TOKENIZER_NAME
 

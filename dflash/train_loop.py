@@ -25,7 +25,8 @@ from dflash.metrics import MetricsLogger, StepStats
 from dflash.padding import micro_batch_multiple
 from dflash.resume import save_run
 from dflash.sampler import DataCursor, held_out_micro_batches
-from dflash.store import CorruptShardError, StoreReader
+from dflash.store_format import CorruptShardError
+from dflash.store_reader import StoreReader
 from dflash.train_step import TrainContext, evaluate, learning_rate, to_device, train_step
 
 

@@ -302,10 +302,10 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
     os.nice(WRITER_NICENESS)
     import zarr
 
-    from dflash import store
+    from dflash import store_writer
 
     group = zarr.open_group(store_path, mode="r+")
-    writers: dict[str, store.ShardWriter] = {}
+    writers: dict[str, store_writer.ShardWriter] = {}
     failed = False
     while (job := jobs.get()) is not None:
         slot, parts = job[-1] if job[0] == "batch" else (None, None)
@@ -316,7 +316,7 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
                 continue  # drain: the main process raises the reported error
             if job[0] == "open":
                 plan = job[1]
-                writers[plan.name] = store.ShardWriter(group, plan, lengths, row_ids, **shard_options)
+                writers[plan.name] = store_writer.ShardWriter(group, plan, lengths, row_ids, **shard_options)
             elif job[0] == "batch":
                 _, name, indices, samples, _ = job
                 write_batch(writers[name], indices, samples, parts, copy=slot is not None)

@@ -21,7 +21,7 @@ from dflash.metrics import MetricsLogger
 from dflash.resume import resolve_resume, restore, resume_config
 from dflash.sampler import DataCursor, schedule_for, split_holdout
 from dflash.sizing import build_drafter_args, check_labels
-from dflash.store import StoreReader
+from dflash.store_reader import StoreReader
 from dflash.train_loop import StopFlag, TrainResult, TrainState, loop, print_plan
 from dflash.train_step import apply_parallelism, build_context, build_model, build_optimizer
 

@@ -8,7 +8,7 @@ from dflash.drafter import DFlashDrafter, auto_drafter_args, count_parameters
 from dflash.tiny_target import tiny_target_config
 from dflash.target import default_layer_ids, text_config_summary
 from dflash import sizing
-from dflash.store import StoreMismatchError
+from dflash.store_format import StoreMismatchError
 
 
 def smollm2_config() -> LlamaConfig:

@@ -18,7 +18,8 @@ import zarr
 
 from dflash.config import load_config
 from dflash.inspection import verify_store
-from dflash.store import StoreMismatchError, StoreReader, completed_shards
+from dflash.store_format import StoreMismatchError, completed_shards
+from dflash.store_reader import StoreReader
 from stages import extract
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,8 @@ from dflash import follow, plan
 from dflash.checkpoint import latest_checkpoint, read_state
 from dflash.config import load_config
 from dflash.dist import DistState
-from dflash.store import COMPLETE_KEY, StoreReader
+from dflash.store_format import COMPLETE_KEY
+from dflash.store_reader import StoreReader
 from stages import extract, train
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import zarr
 from dflash import sizing, train_step
 from dflash.config import load_config
 from dflash.inspection import verify_store
-from dflash.store import StoreReader
+from dflash.store_reader import StoreReader
 from stages import extract, inspect, train
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.config import load_config
 from dflash.export import load_exported
 from dflash.sampler import held_out_micro_batches
-from dflash.store import CorruptShardError, StoreMismatchError
+from dflash.store_format import CorruptShardError, StoreMismatchError
 from dflash.metrics import NonFiniteError
 from stages import extract, train
 
@@ -296,7 +296,7 @@ def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, t
 
     import zarr
 
-    from dflash.store import COMPLETE_KEY
+    from dflash.store_format import COMPLETE_KEY
 
     config = load_config(config_path)
     store = tmp_path / "store"
@@ -329,7 +329,7 @@ def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, t
 
 
 def test_a_read_failure_saves_the_steps_trained_before_it(config_path, tmp_path, monkeypatch):
-    from dflash.store import StoreReader
+    from dflash.store_reader import StoreReader
 
     config = load_config(config_path, [run_dir_override(tmp_path / "run"), "train.save_every=100"])
     reads = []

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from dflash.plan import plan_shards
-from dflash.store import StoreReader, bf16_to_bits, create_or_open_store
+from dflash.store_format import bf16_to_bits
+from dflash.store_reader import StoreReader
+from dflash.store_writer import create_or_open_store
 from dflash.capture import CapturedBatch
 from dflash.writers import WriterError, WriterPool
 from support import EDGES, HIDDEN, N_LAYERS, root_attrs

@@ -11,7 +11,7 @@ length-bucketed batches through
   3. the writers alone: the same path fed with already captured batches (no forward), the
      ceiling of compression and writing,
   4. the full stage-one path, per codec: `dflash.capture.write_shards` (writer processes,
-     `store.ShardWriter`, zstd, zarr) into a local temporary store.
+     `store_writer.ShardWriter`, zstd, zarr) into a local temporary store.
 The full path is also reported over its forward span alone, from the first batch's forward to
 the end of the last batch's device copies: starting the writer pool before it and the writers
 finishing the last shards after it are paid once per rank per run, so the rate over the span
@@ -220,7 +220,7 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
 
     With `pool` (from `capture_pool`) the target is not run: this measures the writers alone.
     """
-    from dflash import inspection, plan, store
+    from dflash import inspection, plan, store_writer
     from dflash.config import Config, replace
     from dflash.dist import DistState
     from dflash.capture import capture_batch, write_shards
@@ -237,7 +237,7 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     row_ids = np.array([s.row_id for s in samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(bucket_edges), config.store.shard_tokens)
     attrs = synthetic_store_attrs(target, codec, bucket_edges, shards)
-    store.create_or_open_store(str(store_dir), attrs, overwrite=True)
+    store_writer.create_or_open_store(str(store_dir), attrs, overwrite=True)
     dist = DistState(rank=0, world_size=1, local_rank=0, device=device)
     synchronize(device)
     start = time.perf_counter()
@@ -398,10 +398,10 @@ def profile_passes(target, batches, samples, bucket_edges, codec: str, args, dev
 
 
 def synthetic_store_attrs(target, codec: str, bucket_edges, shards) -> dict:
-    from dflash import store
+    from dflash import store_format
 
     return {
-        "schema_version": store.SCHEMA_VERSION, "package_version": "bench",
+        "schema_version": store_format.SCHEMA_VERSION, "package_version": "bench",
         "target": {"path": "random-init", "config_hash": "", "model_type": target.model_type,
                    "num_hidden_layers": target.num_layers, "hidden_size": target.hidden_size,
                    "vocab_size": target.vocab_size},

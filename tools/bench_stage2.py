@@ -15,7 +15,7 @@ Modes:
 After a warm-up over every distinct step (compile, autotune), N steps are timed with CUDA
 events. Reported: ms/step, source tokens/s, anchor-slots/s, MFU by the issue-5 formula,
 peak memory; `--profile DIR` adds a torch.profiler trace and counts host-device syncs;
-`--loader` writes a small synthetic store with dflash.store and measures the DataLoader's
+`--loader` writes a small synthetic store with dflash/store_writer.py and measures the DataLoader's
 own throughput against what the trainer consumes; `--fed-epochs N` then trains N epochs over
 that store fed by the loader, as stage two's loop does, and reports the data-wait fraction.
 `--loader-only --stand-in-tokens-per-s R` does the same on any machine with a stand-in step that
@@ -437,7 +437,7 @@ def warning_sites(fn, match: str, depth: int = 12) -> dict:
 
 def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, num_tokens: int, seed: int) -> None:
     """A store of the real row shape (fp8, n x H per token) holding about `num_tokens` tokens."""
-    from dflash import plan, store
+    from dflash import plan, store_format, store_writer
 
     edges = config.store.bucket_edges
     high = min(4096, config.data.max_length)
@@ -445,16 +445,16 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
     lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), num_tokens)) + 1]
     row_ids = np.arange(len(lengths), dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(edges), config.store.shard_tokens)
-    attrs = {"schema_version": store.SCHEMA_VERSION, "codec": "fp8", "hidden_size": args_drafter.hidden_size,
+    attrs = {"schema_version": store_format.SCHEMA_VERSION, "codec": "fp8", "hidden_size": args_drafter.hidden_size,
              "target_layer_ids": list(args_drafter.target_layer_ids), "bucket_edges": list(edges),
              "max_length": high, "target": {"vocab_size": args_drafter.vocab_size}, "config_hash": "bench",
              "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
                          "num_tokens": s.num_tokens} for s in shards]}
-    group = store.create_or_open_store(str(path), attrs, overwrite=True)
+    group = store_writer.create_or_open_store(str(path), attrs, overwrite=True)
     rng = np.random.default_rng(seed)
     rows_per_chunk = config.extract.rows_per_chunk
     for shard in shards:
-        writer = store.ShardWriter(group, shard, lengths, row_ids, codec="fp8",
+        writer = store_writer.ShardWriter(group, shard, lengths, row_ids, codec="fp8",
                                    num_layers=len(args_drafter.target_layer_ids), hidden_size=args_drafter.hidden_size,
                                    rows_per_chunk=rows_per_chunk,
                                    rows_per_zarr_shard=rows_per_chunk * config.extract.chunks_per_file)
@@ -473,7 +473,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     from dflash.batch import StoreDataset, build_loader
     from dflash.padding import micro_batch_multiple
     from dflash.sampler import schedule_for
-    from dflash.store import StoreReader
+    from dflash.store_reader import StoreReader
 
     reader = StoreReader(str(store_dir))
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
