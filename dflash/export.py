@@ -246,23 +246,3 @@ def load_exported(export_dir: str | Path) -> tuple:
     with safe_open(str(weights_path), framework="pt") as reader:
         state = {key: reader.get_tensor(key) for key in reader.keys()}
     return args, match_drafter_keys(state, args, source=str(weights_path))
-
-
-def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
-    """`dflash export`: a training checkpoint directory -> the inference format."""
-    from dflash.checkpoint import load_checkpoint
-    from dflash.drafter import DrafterArgs, drafter_args
-
-    loaded = load_checkpoint(checkpoint)
-    if loaded.drafter_args is not None:
-        fields = dict(loaded.drafter_args)
-        fields.update(layer_types=tuple(fields["layer_types"]), target_layer_ids=tuple(fields["target_layer_ids"]))
-        return export_drafter(loaded.model_state, DrafterArgs(**fields), out_dir)
-    # Checkpoints from before the drafter arguments were saved: a named size or an export.
-    config = loaded.config
-    if config["drafter"].get("init_from"):
-        args, _ = load_exported(config["drafter"]["init_from"])
-    else:
-        args = drafter_args(config["drafter"]["size"], block_size=config["drafter"]["block_size"],
-                            mask_token_id=config["drafter"]["mask_token_id"])
-    return export_drafter(loaded.model_state, args, out_dir)

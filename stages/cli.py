@@ -181,9 +181,9 @@ def export(checkpoint, out_dir):
     OUT_DIR gets config.json (Qwen3 config with dflash_config) and model.safetensors.
     """
     writes(out_dir)
-    from dflash.export import export_checkpoint
+    from stages import export as export_stage
 
-    path = export_checkpoint(checkpoint, out_dir)
+    path = export_stage.run(checkpoint, out_dir)
     click.echo(f"exported {checkpoint} -> {path}")
 
 
