@@ -136,7 +136,8 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
     A target loaded with `predict_labels` adds `labels (B, T)` int32, its greedy next tokens.
     """
     cuda = device.type == "cuda"
-    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0, multiple=target_batch_multiple(device))
+    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0,
+                                          multiple=target_batch_multiple(device))
     if cuda:
         input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
     labels_BT = None

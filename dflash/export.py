@@ -2,7 +2,7 @@
 
 An export is a directory with `config.json` (a Qwen3 config plus DFlash fields, the layout
 inference engines load as `DFlashDraftModel`), `model.safetensors` holding exactly the
-drafter keys of ARCHITECTURE.md, and `modeling_dflash.py` (a copy of
+drafter keys of docs/ARCHITECTURE.md, and `modeling_dflash.py` (a copy of
 `dflash/modeling_dflash.py`, named by the config's `auto_map`), so that
 `AutoModel.from_pretrained(dir, trust_remote_code=True)` returns the drafter with its
 speculative-decoding loop. The frozen embedding and LM head are the target's and are not
@@ -166,7 +166,8 @@ def export_drafter(
     state = match_drafter_keys(model_state, args, source="export_drafter(model_state)")
     require_finite(state, f"export to {out_dir}", ExportFormatError)
     out_dir = Path(out_dir)
-    others = sorted(path.name for path in out_dir.iterdir() if path.name not in EXPORT_FILES) if out_dir.is_dir() else []
+    existing = out_dir.iterdir() if out_dir.is_dir() else ()
+    others = sorted(path.name for path in existing if path.name not in EXPORT_FILES)
     if others:
         raise ExportDirectoryError(f"export to {out_dir}: the directory holds other files ({', '.join(others)}), which "
                               f"replacing it would remove; export into a new or empty directory")
