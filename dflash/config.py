@@ -40,7 +40,7 @@ class TargetConfig:
     path: str = setting(f"{DEFAULT_ROOT}/target",
                         "the frozen target: a checkpoint directory, a .gguf file, or embedded:tiny")
     layer_ids: tuple[int, ...] = setting(
-        (), "decoder layers whose outputs are cached (empty: evenly spaced from 1 to L-3, ARCHITECTURE.md)")
+        (), "decoder layers whose outputs are cached (empty: evenly spaced from 1 to L-3, docs/ARCHITECTURE.md)")
     num_layer_ids: int = setting(5, "how many evenly spaced layers when target.layer_ids is empty", positive=True)
     dtype: str = setting("auto", "dtype the target runs in: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, "
                          "float16, float32", choices=("auto", "bfloat16", "float16", "float32"))

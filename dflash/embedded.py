@@ -1,7 +1,7 @@
 """The embedded default's chat rows (`data.source = "embedded:NAME"`), offline.
 
 Nothing here downloads anything: the rows come from packages that ship real text (HumanEval
-problems, the Python standard library's own source; see ENVIRONMENT.md). The embedded target
+problems, the Python standard library's own source; see docs/ENVIRONMENT.md). The embedded target
 they go with is dflash/tiny_target.py's.
 """
 

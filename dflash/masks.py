@@ -2,7 +2,7 @@
 
 Layout (docs/INTERNALS.md, "Stage-two tensors"): queries are the `A*B` block tokens (query
 `q` is slot `q % B` of anchor `q // B`); keys are `[context tokens (T) ; block tokens (A*B)]`.
-The rule (ARCHITECTURE.md): a block at anchor position `p` of sequence `d` sees the context
+The rule (docs/ARCHITECTURE.md): a block at anchor position `p` of sequence `d` sees the context
 tokens of `d` at positions `< p`, and the block tokens of its own block only; full-attention
 layers see the whole block, sliding-window layers are causal inside the block and only see
 keys at absolute positions within the window (`p + j - key_pos < W`).

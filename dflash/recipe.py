@@ -1,5 +1,5 @@
 """Facts of the DFlash recipe for the Qwen3.5/3.6 targets that several modules default to,
-each defined here once (ARCHITECTURE.md): the block size, the mask token and the vocabulary.
+each defined here once (docs/ARCHITECTURE.md): the block size, the mask token and the vocabulary.
 """
 
 BLOCK_SIZE = 16  # tokens per block: the anchor and 15 drafted slots

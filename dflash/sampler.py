@@ -11,7 +11,7 @@ For one epoch, from `(seed, epoch)` alone:
    counts allow it;
 4. an optimizer step is `world_size * accum_steps` consecutive micro-batches of that
    sequence; a step made of one bucket only swaps a micro-batch with a nearby step, so
-   every step mixes sequence lengths (ARCHITECTURE.md: a requirement, not a knob);
+   every step mixes sequence lengths (docs/ARCHITECTURE.md: a requirement, not a knob);
 5. inside a step each rank gets exactly `accum_steps` micro-batches, token-balanced.
 
 The data state is a `DataCursor(epoch, step)`: resuming rebuilds the epoch's schedule and

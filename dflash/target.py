@@ -8,7 +8,7 @@ head ever run. Calling the base model costs one final norm over `(B, T, H)`, neg
 to the layers, and needs no exception-based control flow through transformers' forward.
 
 Batches are right-padded, one sequence per row: packing sequences into one row leaks between
-them in the Qwen3.5 hybrid family (ENVIRONMENT.md). With right padding, every real token
+them in the Qwen3.5 hybrid family (docs/ENVIRONMENT.md). With right padding, every real token
 only sees real tokens before it, so its states equal an unpadded single-row forward.
 """
 

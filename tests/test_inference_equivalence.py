@@ -4,7 +4,7 @@ The "engine" below is written independently of dflash.drafter and dflash.masks: 
 one anchor at a time, from the exported weights (state-dict keys), with the accepted
 context only (positions < anchor of that sequence), a block of anchor token + mask tokens,
 RoPE tables from transformers' Qwen3 rotary embedding (what engines load from the exported
-`config.json`), and masks built by hand from ARCHITECTURE.md. If training used the wrong
+`config.json`), and masks built by hand from docs/ARCHITECTURE.md. If training used the wrong
 positions, leaked across sequences, or treated a sliding layer as full, the logits differ.
 """
 
@@ -22,7 +22,7 @@ def rms_norm(x, weight, eps):
 
 
 def engine_masks(args, anchor_pos: int) -> dict:
-    """Per-layer-type (B, ctx + B) masks for one block, straight from ARCHITECTURE.md."""
+    """Per-layer-type (B, ctx + B) masks for one block, straight from docs/ARCHITECTURE.md."""
     block = args.block_size
     query_pos = anchor_pos + torch.arange(block)[:, None]
     context_pos = torch.arange(anchor_pos)[None, :]
