@@ -2,7 +2,8 @@
 
 `StoreDataset[(epoch, i)]` reads sample i and draws its anchors for that epoch;
 `collate_packed` concatenates a micro-batch's samples into one packed row laid out as in
-docs/INTERNALS.md "Stage-two tensors". Context features stay encoded (bf16 bits as uint16,
+docs/INTERNALS.md "Stage-two tensors"; `epoch_loader` is the DataLoader over one rank's part of
+an epoch's schedule. Context features stay encoded (bf16 bits as uint16,
 or fp8 bits as uint8 plus per-token-per-layer scales): they are decoded on the GPU, which
 halves (bf16) or quarters (fp8) the bytes that cross the host-device link compared to float32.
 
@@ -24,16 +25,9 @@ import torch.utils.data
 from dflash.anchors import anchor_rng, sample_anchors
 from dflash.data import row_label
 from dflash.loss import label_rows
-from dflash.store import CorruptShardError
-
-PADDING_DOC = -1  # same value as dflash.masks.PADDING_DOC
-
-
-def round_up_positive(n: int, multiple: int) -> int:
-    """Smallest positive multiple of `multiple` that is >= n."""
-    if multiple < 1:
-        raise ValueError(f"pad_multiple must be >= 1, got {multiple}")
-    return max(multiple, -(-n // multiple) * multiple)
+from dflash.masks import PADDING_DOC
+from dflash.padding import round_up
+from dflash.store_format import CorruptShardError
 
 
 class StoreDataset(torch.utils.data.Dataset):
@@ -154,8 +148,8 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
         return {"skipped": skipped, "empty": True}
     lengths = np.array([len(item["input_ids"]) for item in items], dtype=np.int64)
     num_real_anchors = sum(len(item["anchors"]) for item in items)
-    num_tokens = round_up_positive(int(lengths.sum()), pad_multiple)
-    num_anchors = round_up_positive(num_real_anchors, pad_multiple)
+    num_tokens = max(pad_multiple, round_up(int(lengths.sum()), pad_multiple))  # never an empty axis
+    num_anchors = max(pad_multiple, round_up(num_real_anchors, pad_multiple))
     tokens = _pack_tokens(items, num_tokens)
     anchors = _pack_anchors(items, num_tokens, num_anchors)
     buckets = {item["bucket"] for item in items}
@@ -205,3 +199,11 @@ def build_loader(
         prefetch_factor=prefetch_factor if workers_used else None,
         persistent_workers=workers_used,
     )
+
+
+def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *, pad_multiple: int,
+                 block_size: int | None, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+    """Micro-batches of `rank` from `start_step` of the schedule on; skipped steps are never read."""
+    batches = [[(schedule.epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(rank, start_step)]
+    return build_loader(dataset, batches, pad_multiple=pad_multiple, block_size=block_size, num_workers=num_workers,
+                        pin_memory=pin_memory)

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from dflash import codecs, store
+from dflash import codecs, store_format
+from dflash.padding import round_up, target_batch_multiple
 from dflash.target import pad_batch
 from dflash.writers import WriterPool
 
@@ -53,7 +54,7 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, captur
                      "labels": target.predict_labels}
     writers = WriterPool(min(config.extract.writer_processes, len(shards)), config.store.path,
                          lengths, row_ids, shard_options, batch_bytes=encoded_batch_bytes(config, target))
-    multiple = pad_multiple(dist.device)
+    multiple = target_batch_multiple(dist.device)
     try:
         for key, shard in enumerate(shards):
             writers.open_shard(key, shard)
@@ -86,7 +87,7 @@ def encoded_batch_bytes(config, target) -> int:
     """Upper bound of one encoded batch on the host: batch_tokens rows plus 25% for the
     padding of short sequences, of `n*H` codec values (and n fp32 scales, an int32 label)."""
     num_layers = len(target.layer_ids)
-    per_row = num_layers * target.hidden_size * store.HIDDEN_DTYPES[config.store.codec].itemsize
+    per_row = num_layers * target.hidden_size * store_format.HIDDEN_DTYPES[config.store.codec].itemsize
     per_row += 4 * num_layers if config.store.codec == "fp8" else 0
     per_row += 4 if target.predict_labels else 0  # int32 target labels
     return int(1.25 * config.extract.batch_tokens) * per_row
@@ -94,7 +95,7 @@ def encoded_batch_bytes(config, target) -> int:
 
 def padded_length(batch, multiple: int) -> int:
     """The length `capture_batch` pads a batch to: its longest sample, rounded up to `multiple`."""
-    return -(-max(len(s.input_ids) for s in batch) // multiple) * multiple
+    return round_up(max(len(s.input_ids) for s in batch), multiple)
 
 
 def padded_batches(samples, batch_tokens: int, multiple: int = 1):
@@ -110,12 +111,6 @@ def padded_batches(samples, batch_tokens: int, multiple: int = 1):
             longest, end = longest_next, end + 1
         yield start, samples[start:end]
         start = end
-
-
-def pad_multiple(device: torch.device) -> int:
-    """Batch lengths round up to 16 on CUDA: Triton specialises integer arguments on divisibility
-    by 16, so one compiled variant serves every length (fla's autotune keys hold no length)."""
-    return 16 if device.type == "cuda" else 1
 
 
 ENCODE_ROWS = 8192  # tokens encoded at a time: bounds the float32 temporaries of the fp8 codec
@@ -141,7 +136,8 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
     A target loaded with `predict_labels` adds `labels (B, T)` int32, its greedy next tokens.
     """
     cuda = device.type == "cuda"
-    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0, multiple=pad_multiple(device))
+    input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0,
+                                          multiple=target_batch_multiple(device))
     if cuda:
         input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
     labels_BT = None

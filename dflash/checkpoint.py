@@ -13,14 +13,14 @@ A checkpoint is written into a hidden temp dir beside its final place and rename
 place, so a crash never leaves a `step-*` dir that looks complete; older ones are pruned to
 `keep_last`. Under DDP every rank holds the full state and only the writer (rank 0) saves;
 every rank reads it on resume, whatever the number of ranks (the schedule of an optimizer
-step does not depend on it, see dflash/training.py's `resume_config`).
+step does not depend on it, see dflash/resume.py's `resume_config`). Weights holding NaN/Inf
+are never written (`require_finite`, which exports apply too).
 """
 
 import json
 import os
 import random
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash.outputs import follow_umask
+from dflash.errors import DflashError
+from dflash.outputs import atomic_dir
 
 CHECKPOINTS_DIR = "checkpoints"
 STEP_PREFIX = "step-"
@@ -37,6 +38,17 @@ TEMP_PREFIX = ".tmp-step-"
 STATE_NAME = "state.json"  # written last: the completion mark
 OPTIMIZER_META_KEY = "dflash_optimizer"
 FORMAT_VERSION = 1
+
+
+class NonFiniteWeightsError(DflashError, ValueError):
+    """Weights about to be written hold NaN/Inf; the message names the first such key."""
+
+
+def require_finite(state: dict[str, torch.Tensor], what: str, error: type[Exception] = NonFiniteWeightsError) -> None:
+    """Refuse weights holding NaN/Inf, naming the first such key (no export or checkpoint of them)."""
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise error(f"{what}: {key} holds non-finite values (NaN/Inf); refusing to write it")
 
 
 @dataclass
@@ -79,16 +91,10 @@ def save_checkpoint(
     final_dir = root / step_dir_name(step)
     if not is_writer:
         return final_dir
-    root.mkdir(parents=True, exist_ok=True)
-    work_dir = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{step:08d}-", dir=root))
-    try:
+    # A re-save of a step replaces it; its temp and retired dirs carry TEMP_PREFIX, which pruning clears.
+    with atomic_dir(final_dir, staging_prefix=f"{TEMP_PREFIX}{step:08d}-") as work_dir:
         write_checkpoint_files(work_dir, step, model_state, optimizer_state, scheduler_state,
                                data_cursor, rng_states, config, drafter_args)
-        follow_umask(work_dir)  # mkdtemp and safetensors make it private; `dflash export` may run as another user
-        replace_dir(work_dir, final_dir)
-    except BaseException:
-        shutil.rmtree(work_dir, ignore_errors=True)
-        raise
     prune_checkpoints(root, keep_last)
     return final_dir
 
@@ -112,23 +118,6 @@ def write_checkpoint_files(work_dir: Path, step, model_state, optimizer_state, s
         "drafter_args": drafter_args,
     }
     write_synced(work_dir / STATE_NAME, to_json(state, "checkpoint state"))
-    for path in work_dir.iterdir():
-        fsync_path(path)
-
-
-def replace_dir(work_dir: Path, final_dir: Path) -> None:
-    """Rename `work_dir` to `final_dir`; a checkpoint already there (a re-save) is replaced."""
-    if final_dir.exists():
-        # The old copy is moved aside first: a crash now leaves an ignored hidden dir, never
-        # a half-deleted step dir.
-        retired = final_dir.with_name(f"{TEMP_PREFIX}retired-{final_dir.name}")
-        shutil.rmtree(retired, ignore_errors=True)
-        os.rename(final_dir, retired)
-        os.rename(work_dir, final_dir)
-        shutil.rmtree(retired)
-    else:
-        os.rename(work_dir, final_dir)
-    fsync_path(final_dir.parent)
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> None:
@@ -296,12 +285,3 @@ def write_synced(path: Path, text: str) -> None:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or directory, so a rename is durable before the next step relies on it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

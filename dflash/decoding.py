@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash.padding import round_up
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTEND_MULTIPLE = 128  # the attended cache length rounds up to this: one CUDA graph per multiple
 KV_BLOCK = 128  # keys per block of the "flex" decode attention's block mask
@@ -159,7 +161,7 @@ class SlotDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.slots, self.max_new_tokens, self.top_k, self.top_p = slots, max_new_tokens, top_k, top_p
         self.check_every = max(1, check_every)
-        self.max_context = -(-max_context // ATTEND_MULTIPLE) * ATTEND_MULTIPLE
+        self.max_context = round_up(max_context, ATTEND_MULTIPLE)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
         self.stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=self.device)
         if attention not in ATTENTIONS:
@@ -176,7 +178,7 @@ class SlotDecoder:
     def cache_bytes_per_slot(model: nn.Module, max_context: int) -> int:
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        context = -(-max_context // ATTEND_MULTIPLE) * ATTEND_MULTIPLE
+        context = round_up(max_context, ATTEND_MULTIPLE)
         return (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * context
                 * model.lm_head.weight.element_size())
 
@@ -371,7 +373,7 @@ class SlotDecoder:
                     generated[slot] = 1
             furthest = max(len(owner[slot].prompt_ids) + generated[slot] for slot in range(self.slots)
                            if owner[slot] is not None)
-            attend = min(self.max_context, -(-(furthest + self.check_every) // ATTEND_MULTIPLE) * ATTEND_MULTIPLE)
+            attend = min(self.max_context, round_up(furthest + self.check_every, ATTEND_MULTIPLE))
             if self.attention == "flex":  # the block mask bounds each slot: one graph for every length
                 attend = self.max_context
             self._run_steps(attend, self.check_every)

@@ -49,7 +49,9 @@ def init_distributed(device: str = "auto") -> DistState:
     return DistState(rank=rank, world_size=world_size, local_rank=local_rank, device=resolved)
 
 
-def resolve_device(device: str, local_rank: int) -> torch.device:
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """The package's one device rule: "auto" is cuda:<local rank> when CUDA is there, else the CPU;
+    "cuda" is cuda:<local rank>; any other name is taken as it is."""
     if device == "auto":
         return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
     if device == "cuda":
@@ -81,13 +83,13 @@ def broadcast_object(state: DistState, value):
     return holder[0]
 
 
-def launch_on_gpus(gpus: str, module_args: list[str]) -> int:
-    """Run `python -m dflash.cli <module_args>` on the listed GPUs, one process each."""
+def launch_on_gpus(gpus: str, module: str, module_args: list[str]) -> int:
+    """Run `python -m <module> <module_args>` under torchrun on the listed GPUs, one process each."""
     gpu_ids = [g.strip() for g in gpus.split(",") if g.strip()]
     if not gpu_ids or not all(g.isdigit() for g in gpu_ids):
         raise ValueError(f"--gpus expects a comma-separated list of GPU indices, got {gpus!r}")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpu_ids))
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={len(gpu_ids)}", "-m", "dflash.cli", *module_args]
+               f"--nproc-per-node={len(gpu_ids)}", "-m", module, *module_args]
     return subprocess.call(command, env=env)

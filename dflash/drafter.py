@@ -30,6 +30,7 @@ from torch import nn
 from dflash.masks import LAYER_TYPES, attend
 # The served drafter's own norm and RoPE tables: training and serving share them.
 from dflash.modeling_dflash import RMSNorm, rms_norm, rope_tables
+from dflash.recipe import BLOCK_SIZE, MASK_TOKEN_ID, VOCAB_SIZE
 
 INIT_STD = 0.02  # Qwen3 `initializer_range`
 
@@ -46,9 +47,9 @@ class DrafterArgs:
     sliding_window: int
     rope_theta: float
     target_layer_ids: tuple[int, ...]
-    block_size: int = 16
-    mask_token_id: int = 248070
-    vocab_size: int = 248320
+    block_size: int = BLOCK_SIZE
+    mask_token_id: int = MASK_TOKEN_ID
+    vocab_size: int = VOCAB_SIZE
     rms_norm_eps: float = 1e-6
     # The target's decoder layer count (0: unknown). Only the export uses it: loaders read
     # `num_target_layers` as the target's depth (SGLang range-checks target_layer_ids with it).
@@ -227,7 +228,7 @@ class DrafterMLP(nn.Module):
 
 # A layer is `attention_inputs` -> attention kernel -> `layer_output`. The two halves hold every
 # matmul and elementwise op and no mask, and take the weights as arguments: one function (and,
-# under torch.compile, one graph) serves every layer. dflash/trainer.py compiles them apart from
+# under torch.compile, one graph) serves every layer. dflash/train_step.py compiles them apart from
 # flex attention.
 
 
@@ -262,7 +263,7 @@ class DrafterLayer(nn.Module):
         self.mlp = DrafterMLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        # Replaced by compiled versions (shared by all layers) in dflash/trainer.apply_parallelism.
+        # Replaced by compiled versions (shared by all layers) in dflash/train_step.apply_parallelism.
         self.halves = (attention_inputs, layer_output)
 
     def forward(self, block_QH, context_TH, rope_q, rope_k, mask) -> torch.Tensor:

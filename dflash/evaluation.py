@@ -71,12 +71,6 @@ class EvalResult:
     per_prompt: list[PromptResult] = field(default_factory=list)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
     """The export as served, checked against the target it drafts for."""
     if not (Path(export_dir) / "config.json").is_file():
@@ -117,7 +111,7 @@ def load_prompts(config: Config, source: str, num_prompts: int, tokenizer) -> li
 def heldout_prompts(config: Config, tokenizer, num_prompts: int) -> list[tuple[str, np.ndarray]]:
     """Prompts of the samples stage two holds out of training (same store, fraction and seed)."""
     from dflash.sampler import split_holdout
-    from dflash.store import StoreReader
+    from dflash.store_reader import StoreReader
 
     reader = StoreReader(config.store.path)
     stored = reader.attrs["tokenizer"]["hash"]

@@ -2,7 +2,7 @@
 
 An export is a directory with `config.json` (a Qwen3 config plus DFlash fields, the layout
 inference engines load as `DFlashDraftModel`), `model.safetensors` holding exactly the
-drafter keys of ARCHITECTURE.md, and `modeling_dflash.py` (a copy of
+drafter keys of docs/ARCHITECTURE.md, and `modeling_dflash.py` (a copy of
 `dflash/modeling_dflash.py`, named by the config's `auto_map`), so that
 `AutoModel.from_pretrained(dir, trust_remote_code=True)` returns the drafter with its
 speculative-decoding loop. The frozen embedding and LM head are the target's and are not
@@ -18,12 +18,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash.checkpoint import require_finite
 from dflash.errors import DflashError
-from dflash.outputs import follow_umask
+from dflash.outputs import atomic_dir
+from dflash.recipe import BLOCK_SIZE, MASK_TOKEN_ID
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MODELING_NAME = "modeling_dflash.py"
+EXPORT_FILES = (CONFIG_NAME, WEIGHTS_NAME, MODELING_NAME)
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 DEFAULT_MAX_POSITION_EMBEDDINGS = 262_144  # the Qwen3.5/3.6 targets' context length
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -33,11 +36,8 @@ class ExportFormatError(DflashError, ValueError):
     """An export's config or weights do not match the drafter layout; the message names the key."""
 
 
-def require_finite(state: dict[str, torch.Tensor], what: str) -> None:
-    """Refuse weights holding NaN/Inf, naming the first such key (no export or checkpoint of them)."""
-    for key, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise ExportFormatError(f"{what}: {key} holds non-finite values (NaN/Inf); refusing to write it")
+class ExportDirectoryError(DflashError, FileExistsError):
+    """The export's directory holds files that are not an export's, which replacing it would remove."""
 
 
 def expected_shapes(args) -> dict[str, tuple[int, ...]]:
@@ -164,16 +164,20 @@ def export_drafter(
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"export dtype must be one of {list(DTYPE_NAMES.values())}, got {dtype}")
     state = match_drafter_keys(model_state, args, source="export_drafter(model_state)")
-    require_finite(state, f"export to {out_dir}")
+    require_finite(state, f"export to {out_dir}", ExportFormatError)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    existing = out_dir.iterdir() if out_dir.is_dir() else ()
+    others = sorted(path.name for path in existing if path.name not in EXPORT_FILES)
+    if others:
+        raise ExportDirectoryError(f"export to {out_dir}: the directory holds other files ({', '.join(others)}), which "
+                              f"replacing it would remove; export into a new or empty directory")
     tensors = {key: value.detach().to(device="cpu", dtype=dtype).contiguous() for key, value in state.items()}
-    save_file(tensors, str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
     config = drafter_config_dict(args, dtype, max_position_embeddings)
-    (out_dir / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    shutil.copyfile(Path(__file__).with_name(MODELING_NAME), out_dir / MODELING_NAME)
-    for name in (CONFIG_NAME, WEIGHTS_NAME, MODELING_NAME):
-        follow_umask(out_dir / name)  # safetensors writes 0600: a serving process of another user reads them
+    # Whole or nothing, with the umask's permissions (a serving process of another user reads it).
+    with atomic_dir(out_dir) as staging:
+        save_file(tensors, str(staging / WEIGHTS_NAME), metadata={"format": "pt"})
+        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        shutil.copyfile(Path(__file__).with_name(MODELING_NAME), staging / MODELING_NAME)
     return out_dir
 
 
@@ -210,8 +214,8 @@ def args_from_config(config: dict, source: str):
         sliding_window=config.get("sliding_window") or require("max_position_embeddings"),
         rope_theta=float(rope_theta),
         target_layer_ids=tuple(dflash["target_layer_ids"]),
-        block_size=dflash.get("block_size", config.get("block_size", 16)),
-        mask_token_id=dflash.get("mask_token_id", 248_070),
+        block_size=dflash.get("block_size", config.get("block_size", BLOCK_SIZE)),
+        mask_token_id=dflash.get("mask_token_id", MASK_TOKEN_ID),
         vocab_size=require("vocab_size"),
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         num_target_layers=target_depth(config, dflash),
@@ -243,23 +247,3 @@ def load_exported(export_dir: str | Path) -> tuple:
     with safe_open(str(weights_path), framework="pt") as reader:
         state = {key: reader.get_tensor(key) for key in reader.keys()}
     return args, match_drafter_keys(state, args, source=str(weights_path))
-
-
-def export_checkpoint(checkpoint: str, out_dir: str) -> Path:
-    """`dflash export`: a training checkpoint directory -> the inference format."""
-    from dflash.checkpoint import load_checkpoint
-    from dflash.drafter import DrafterArgs, drafter_args
-
-    loaded = load_checkpoint(checkpoint)
-    if loaded.drafter_args is not None:
-        fields = dict(loaded.drafter_args)
-        fields.update(layer_types=tuple(fields["layer_types"]), target_layer_ids=tuple(fields["target_layer_ids"]))
-        return export_drafter(loaded.model_state, DrafterArgs(**fields), out_dir)
-    # Checkpoints from before the drafter arguments were saved: a named size or an export.
-    config = loaded.config
-    if config["drafter"].get("init_from"):
-        args, _ = load_exported(config["drafter"]["init_from"])
-    else:
-        args = drafter_args(config["drafter"]["size"], block_size=config["drafter"]["block_size"],
-                            mask_token_id=config["drafter"]["mask_token_id"])
-    return export_drafter(loaded.model_state, args, out_dir)

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash.dist import DistState, broadcast_object
-from dflash.sampler import EpochSchedule
-from dflash.store import StoreReader, frozen_weights_complete, open_existing
-from dflash.trainer import schedule_for
+from dflash.sampler import EpochSchedule, schedule_for
+from dflash.store_format import frozen_weights_complete
+from dflash.store_reader import StoreReader, open_existing
 
 _FOLLOW_HOLDOUT_STREAM = 0x464F4C4C  # "FOLL": the per-shard hold-out rng, apart from every other stream
 
@@ -171,7 +171,8 @@ class StoreFollower:
         self.later = {epoch: self._schedule(train_indices, epoch) for epoch in range(1, self.config.train.epochs)}
 
     def _schedule(self, samples: np.ndarray, epoch: int, stream: tuple[int, ...] = ()) -> EpochSchedule:
-        return schedule_for(self.config, self.reader, samples, self.dist, epoch, stream)
+        return schedule_for(self.config, self.reader, samples, epoch, self.dist.world_size,
+                            self.config.train.accum_steps, stream)
 
     # -- the store
     def look(self, deadline: float | None = None, stopping=None) -> tuple[bool, bool]:

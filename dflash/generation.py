@@ -32,6 +32,7 @@ from dflash import data
 from dflash.decoding import Request, SlotDecoder, stream_id, unsupported_reason
 from dflash.errors import DflashError
 from dflash.outputs import write_text_atomic
+from dflash.padding import round_up
 
 PAD_WIDTH = 64
 MANIFEST = "generate-manifest.txt"
@@ -185,7 +186,7 @@ class Generator:
     @torch.inference_mode()
     def batch(self, prompt_ids: list[list[int]], sample: bool = False) -> list[tuple[list[int], bool]]:
         """Each prompt's answer tokens (up to the first end token, which is dropped) and whether it was cut."""
-        width = -(-max(len(ids) for ids in prompt_ids) // self.width_multiple) * self.width_multiple
+        width = round_up(max(len(ids) for ids in prompt_ids), self.width_multiple)
         input_ids = torch.full((len(prompt_ids), width), self.pad, dtype=torch.long)
         attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
         for row, ids in enumerate(prompt_ids):  # left padding: every answer starts at column `width`

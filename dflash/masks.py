@@ -2,7 +2,7 @@
 
 Layout (docs/INTERNALS.md, "Stage-two tensors"): queries are the `A*B` block tokens (query
 `q` is slot `q % B` of anchor `q // B`); keys are `[context tokens (T) ; block tokens (A*B)]`.
-The rule (ARCHITECTURE.md): a block at anchor position `p` of sequence `d` sees the context
+The rule (docs/ARCHITECTURE.md): a block at anchor position `p` of sequence `d` sees the context
 tokens of `d` at positions `< p`, and the block tokens of its own block only; full-attention
 layers see the whole block, sliding-window layers are causal inside the block and only see
 keys at absolute positions within the window (`p + j - key_pos < W`).
@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
 PADDING_DOC = -1  # doc id of padded context tokens and padded anchors
 
 
@@ -76,8 +77,8 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
     """
     device = torch.device(device) if device is not None else _meta_field(batch_meta, "doc_ids").device
     backend = backend or default_backend(device)
-    if backend not in ("flex", "dense"):
-        raise ValueError(f"masks: unknown backend {backend!r}, expected 'flex' or 'dense'")
+    if backend not in BACKENDS:
+        raise ValueError(f"masks: unknown backend {backend!r}, expected one of {BACKENDS}")
     tensors = [_meta_field(batch_meta, name).to(device) for name in ("doc_ids", "position_ids", "anchor_doc", "anchor_pos")]
     num_queries = tensors[2].shape[0] * block_size
     num_keys = tensors[0].shape[0] + num_queries

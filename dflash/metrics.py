@@ -9,6 +9,9 @@ enabled. wandb is imported only when used, runs offline unless told otherwise (t
 line says where its files are), and a wandb failure warns once and never stops training.
 Only the writer rank (rank 0) logs anything.
 
+`StepStats` keeps a window's metric sums on the device between logging steps, and the
+non-finite guard: a step whose loss or gradient was NaN/Inf raises `NonFiniteError` (naming
+the step and its rows) when the window is summarised or before a checkpoint is written.
 """
 
 import json
@@ -18,7 +21,14 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.distributed as torch_dist
 from tqdm import tqdm
+
+from dflash.dist import DistState
+from dflash.errors import DflashError
+from dflash.loss import block_metrics
 
 METRICS_NAME = "metrics.jsonl"
 WANDB_MODES = ("offline", "online", "disabled")
@@ -108,3 +118,113 @@ def format_line(step: int, values: dict[str, float]) -> str:
         small = value != 0 and abs(value) < 1e-2
         parts.append(f"{name} {value:.2e}" if small or abs(value) >= 1e5 else f"{name} {value:.4f}")
     return " | ".join(parts)
+
+
+class NonFiniteError(DflashError, FloatingPointError):
+    """A step's loss or gradient was NaN/Inf; the message names the step and its samples."""
+
+
+class StepStats:
+    """Metric sums kept on the device between logging steps (no host sync per step)."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.values = torch.zeros(6 + 2 * (block_size - 1), dtype=torch.float64, device=device)
+        self.block_size = block_size
+        self.micro_batches = 0
+        self.grad_norm = None
+        self.host = {"real_tokens": 0, "padded_tokens": 0, "max_len": 0, "num_seqs": 0, "len_sum": 0}
+        self.buckets: dict[int, int] = {}
+        self.micro_batch_rows: list[np.ndarray] = []  # host: source row ids of each micro-batch
+        self.micro_batch_losses: list[torch.Tensor] = []
+        # Per optimizer step: (step, rows of its micro-batches, device flags [loss non-finite per
+        # micro-batch..., update skipped]); checked on logging steps and before any save.
+        self.steps: list[tuple[int, list[np.ndarray], torch.Tensor]] = []
+
+    def loss_flags(self) -> torch.Tensor:
+        return ~torch.isfinite(torch.stack(self.micro_batch_losses))
+
+    def record_step(self, flags: torch.Tensor, step: int = -1) -> None:
+        self.steps = [(step, self.micro_batch_rows, flags)]
+
+    def add(self, out, valid_AB, batch) -> None:
+        metrics = block_metrics(out.correct, valid_AB)
+        loss = out.loss.detach().double()
+        self.values[:6] += torch.stack([loss, out.loss_sum.detach().double(), out.weight_sum.double(),
+                                        metrics["accepted_sum"].double(), metrics["num_blocks"].double(),
+                                        torch.ones((), dtype=torch.float64, device=loss.device)])
+        self.values[6:6 + self.block_size - 1] += metrics["slot_correct"].double()
+        self.values[6 + self.block_size - 1:] += metrics["slot_valid"].double()
+        self.micro_batches += 1
+        self.micro_batch_rows.append(batch["row_ids"])
+        self.micro_batch_losses.append(out.loss.detach())
+        lengths = batch["lengths"]
+        self.host["real_tokens"] += int(batch["num_real_tokens"])
+        self.host["padded_tokens"] += int(batch["num_tokens"])
+        self.host["max_len"] = max(self.host["max_len"], int(max(lengths)))
+        self.host["num_seqs"] += len(lengths)
+        self.host["len_sum"] += int(sum(lengths))
+        self.buckets[int(batch["bucket"])] = self.buckets.get(int(batch["bucket"]), 0) + 1
+
+    def merge(self, other: "StepStats") -> None:
+        self.values += other.values
+        self.micro_batches += other.micro_batches
+        for key in ("real_tokens", "padded_tokens", "num_seqs", "len_sum"):
+            self.host[key] += other.host[key]
+        self.host["max_len"] = max(self.host["max_len"], other.host["max_len"])
+        for bucket, count in other.buckets.items():
+            self.buckets[bucket] = self.buckets.get(bucket, 0) + count
+        if other.grad_norm is not None:
+            self.grad_norm = other.grad_norm
+        self.steps += other.steps
+
+    def summarize(self, dist: DistState, with_grad_norm: bool) -> dict:
+        """sync: logging step only; one transfer (after one all-reduce under DDP). Raises
+        NonFiniteError when a step of the window had a non-finite loss or gradient."""
+        values = self.values
+        if with_grad_norm and self.grad_norm is not None:
+            values = torch.cat([values, self.grad_norm.double().reshape(1)])
+        flags = [step_flags for _, _, step_flags in self.steps]
+        values = torch.cat([values, *(f.double() for f in flags)]) if flags else values
+        if dist.is_distributed:
+            values = values.clone()
+            torch_dist.all_reduce(values)
+        host = values.tolist()
+        if flags:
+            raise_if_nonfinite(self.steps, host[len(host) - sum(len(f) for f in flags):])
+            host = host[:len(host) - sum(len(f) for f in flags)]
+        k = self.block_size - 1
+        loss_mean, _, _, accepted, blocks, count = host[:6]
+        slot_correct, slot_valid = host[6:6 + k], host[6 + k:6 + 2 * k]
+        metrics = {"loss": loss_mean / max(count, 1), "tau": 1 + accepted / max(blocks, 1),
+                   "acc": sum(slot_correct) / max(sum(slot_valid), 1)}
+        for slot in range(k):
+            metrics[f"acc_slot{slot + 1}"] = slot_correct[slot] / max(slot_valid[slot], 1)
+        if with_grad_norm and self.grad_norm is not None:
+            metrics["grad_norm"] = host[-1] / dist.world_size
+        return metrics
+
+    def check_finite(self, dist: DistState) -> None:
+        """Before a checkpoint: raise if an unlogged step of the window was not finite.
+        sync: save steps only."""
+        if self.steps:
+            flags = torch.cat([step_flags for _, _, step_flags in self.steps]).double()
+            if dist.is_distributed:
+                flags = flags.clone()
+                torch_dist.all_reduce(flags)
+            raise_if_nonfinite(self.steps, flags.tolist())
+
+
+def raise_if_nonfinite(steps, host_flags: list[float]) -> None:
+    """NonFiniteError naming the first step whose loss or gradient was not finite, and its rows."""
+    position = 0
+    for step, rows, flags in steps:
+        step_flags = host_flags[position:position + len(flags)]
+        position += len(flags)
+        if not any(step_flags):
+            continue
+        batches = [f"[rows {', '.join(str(int(r) + 1) for r in batch_rows)}]"
+                   + (" (loss not finite)" if bad else "") for batch_rows, bad in zip(rows, step_flags)]
+        raise NonFiniteError(
+            f"step {step}: the loss or gradient is not finite, so its update was skipped and training stops "
+            f"(no checkpoint is written from here). Its micro-batches on this rank: {'; '.join(batches)}. "
+            f"Check the store's features (dflash inspect-cache STORE --verify) and the learning rate")

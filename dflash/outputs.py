@@ -5,7 +5,8 @@ files and 0700 directories, and safetensors writes 0600 files; a checkpoint or e
 that way cannot be read by a serving process running as another user. `follow_umask(path)`
 sets a file to 0666 and a directory (recursively, with its contents) to 0777, both masked by
 the umask, as `open()` and `mkdir()` would have. `atomic_file` and `atomic_dir` are the one
-temp-then-rename write of the package: whole or nothing, with those permissions.
+temp-then-rename write of the package (files; directories such as checkpoints, exports and
+converted targets): whole or nothing, with those permissions.
 """
 
 import contextlib
@@ -55,19 +56,41 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(out_dir: str | Path):
-    """Yield a fresh staging directory beside `out_dir`; when the block ends without an error it
-    gets the umask's permissions and replaces `out_dir` (an existing one, incomplete by the
-    caller's judgement, is removed first). A crash never leaves a half-written `out_dir`."""
+def atomic_dir(out_dir: str | Path, staging_prefix: str = ""):
+    """Yield a fresh staging directory beside `out_dir` (its name starts with `staging_prefix`,
+    by default `.<name>.partial-`); when the block ends without an error its files get the
+    umask's permissions and are flushed to disk, and it replaces `out_dir`. An existing
+    `out_dir` (one the caller judged incomplete or replaceable) is first moved aside under the
+    same prefix and removed after the rename: a crash leaves `out_dir` whole, old or new, and at
+    most a hidden leftover beside it, never a half-written or half-deleted `out_dir`."""
     out_dir = Path(out_dir)
+    prefix = staging_prefix or f".{out_dir.name}.partial-"
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=prefix))
     try:
         yield staging
         follow_umask(staging)  # mkdtemp and safetensors make it private
+        for path in staging.rglob("*"):
+            if path.is_file():
+                fsync_path(path)
         if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(staging, out_dir)
+            retired = out_dir.with_name(f"{prefix}retired-{out_dir.name}")
+            shutil.rmtree(retired, ignore_errors=True)
+            os.rename(out_dir, retired)
+            os.rename(staging, out_dir)
+            shutil.rmtree(retired)
+        else:
+            os.rename(staging, out_dir)
+        fsync_path(out_dir.parent)
     finally:
         if staging.exists():
             shutil.rmtree(staging)
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file or directory, so a write or rename is durable before the next step relies on it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -140,7 +140,3 @@ def write_order(shards: list[ShardPlan]) -> list[ShardPlan]:
         done[shard.bucket] += shard.num_tokens
     return sorted(shards, key=lambda s: (due[s.name], s.name))
 
-
-def rank_token_counts(assignment: list[list[ShardPlan]]) -> list[int]:
-    """Tokens each rank writes under an assignment."""
-    return [sum(s.num_tokens for s in shards) for shards in assignment]

@@ -11,12 +11,15 @@ For one epoch, from `(seed, epoch)` alone:
    counts allow it;
 4. an optimizer step is `world_size * accum_steps` consecutive micro-batches of that
    sequence; a step made of one bucket only swaps a micro-batch with a nearby step, so
-   every step mixes sequence lengths (ARCHITECTURE.md: a requirement, not a knob);
+   every step mixes sequence lengths (docs/ARCHITECTURE.md: a requirement, not a knob);
 5. inside a step each rank gets exactly `accum_steps` micro-batches, token-balanced.
 
 The data state is a `DataCursor(epoch, step)`: resuming rebuilds the epoch's schedule and
 starts at `step`, reading nothing that was skipped. A run that follows a store still being
 written (dflash/follow.py) schedules its first epoch in segments; `segment` says which.
+
+`schedule_for` and `held_out_micro_batches` build a run's schedules from its config and the
+store's index (lengths, buckets, supervised counts), reading no sample.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import math
 from collections.abc import Iterator, Sequence
 
 import numpy as np
+
+from dflash.padding import round_up
 
 # Second key of the hold-out rng, so it never coincides with a (seed, epoch, bucket) stream.
 _HOLDOUT_STREAM = 0x484F4C44  # "HOLD"
@@ -192,7 +197,7 @@ def _fix_count(packing: _BucketPacking, step_size: int, num_samples: int) -> Non
 
     Reaching the next multiple keeps the number of steps, so mixability is preserved.
     """
-    target = max(step_size, math.ceil(packing.count() / step_size) * step_size)
+    target = max(step_size, round_up(packing.count(), step_size))
     if target > num_samples:
         raise ValueError(
             f"{num_samples} samples cannot fill {target // step_size} optimizer step(s) of "
@@ -308,16 +313,6 @@ class EpochSchedule:
     def num_steps(self) -> int:
         return int(self.rank_plan.shape[0])
 
-    @property
-    def num_micro_batches(self) -> int:
-        return len(self.micro_batches)
-
-    @property
-    def bucket_dispatch_counts(self) -> dict[int, int]:
-        """Micro-batches dispatched per bucket this epoch."""
-        buckets, counts = np.unique(self.micro_batch_buckets, return_counts=True)
-        return {int(b): int(c) for b, c in zip(buckets, counts)}
-
     def step(self, step_index: int) -> list[list[MicroBatch]]:
         """The micro-batches of one optimizer step, one list of accum_steps per rank."""
         if not 0 <= step_index < self.num_steps:
@@ -412,3 +407,37 @@ def build_epoch_schedule(
         dtype=np.int64,
     ).reshape(num_steps, world_size, accum_steps)
     return EpochSchedule(epoch, world_size, accum_steps, micro_batches, mb_buckets_M, tokens_M, rank_plan, packing.num_splits)
+
+
+def anchor_counts(config, reader) -> np.ndarray:
+    """Per-sample anchors, at most max_anchors (an upper bound: one more than the eligible count
+    when the first token is supervised); read from the store index, no sample is read."""
+    return np.minimum(reader.index["num_supervised"], config.train.max_anchors)
+
+
+def schedule_for(config, reader, sample_indices, epoch: int, world_size: int, accum_steps: int,
+                 stream: tuple[int, ...] = ()) -> EpochSchedule:
+    """The schedule of `epoch` over these samples of the store: the config's token and anchor
+    budgets and seed, steps of `world_size` x `accum_steps` micro-batches."""
+    return build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
+                                world_size, accum_steps, config.train.seed, epoch, sample_indices=sample_indices,
+                                anchors=anchor_counts(config, reader), anchor_budget=config.train.anchor_budget,
+                                stream=stream)
+
+
+def held_out_micro_batches(config, reader, eval_indices: np.ndarray, rank: int, world_size: int) -> list[MicroBatch]:
+    """This rank's share of the first eval_batches held-out micro-batches, fixed for the run."""
+    if not eval_indices.size:
+        return []
+    try:
+        # world 1, accum 2: only the packing and order matter here (eval never steps).
+        micro_batches = schedule_for(config, reader, eval_indices, 0, world_size=1, accum_steps=2).micro_batches
+    except ValueError:
+        # Too few held-out samples for mixed steps (one sample, or all in one bucket but one): pack them plainly.
+        buckets = reader.index["bucket"][eval_indices]
+        anchors = anchor_counts(config, reader)
+        micro_batches = [micro_batch for bucket in np.unique(buckets)
+                         for micro_batch in pack_bucket(eval_indices[buckets == bucket], reader.index["length"],
+                                                        config.train.token_budget, anchors,
+                                                        config.train.anchor_budget)]
+    return micro_batches[rank::world_size][:config.train.eval_batches]

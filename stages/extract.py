@@ -12,8 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-import dflash
-from dflash import codecs, data, plan, store
+from dflash import codecs, data, plan, store_format, store_writer
 from dflash.capture import write_shards
 from dflash.config import Config
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
@@ -35,10 +34,6 @@ class ExtractResult:
     drain_seconds: float = 0.0  # after the last forward, waiting for the writers to finish
     handoff: dict = field(default_factory=dict)  # the writer hand-off threads' seconds (WriterPool.handoff)
 
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
-
 
 def run(config: Config) -> ExtractResult:
     dist = init_distributed(config.extract.device)
@@ -57,13 +52,13 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     shards = plan.plan_shards(lengths, row_ids, list(config.store.bucket_edges), config.store.shard_tokens)
     attrs = root_attrs(config, target_path, tokenizer, shards, tokenized.samples)
     group = open_store_in_order(config, attrs, dist)
-    done = store.completed_shards(group)
+    done = store_format.completed_shards(group)
     mine = plan.write_order([s for s in plan.assign_ranks(shards, dist.world_size)[dist.rank] if s.name not in done])
     result = ExtractResult(store_path=config.store.path, bad_rows=dict(tokenized.bad_rows),
                            shards_skipped=sum(s.name in done for s in shards))
     if dist.is_main:
         report_data(tokenized, len(shards), len(done), config.data.max_length)
-    needs_weights = dist.is_main and not store.frozen_weights_complete(group)
+    needs_weights = dist.is_main and not store_format.frozen_weights_complete(group)
     if not mine and not needs_weights:
         if dist.is_main and len(done) == len(shards):
             print(f"store {config.store.path} is complete ({len(shards)} shards); nothing to do")
@@ -72,7 +67,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     target = load_target(str(target_path), dist.device, dtype=target_dtype(config.target.dtype, dist.device),
                          layer_ids=attrs["target_layer_ids"], predict_labels=config.store.labels == "target")
     if needs_weights:
-        store.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
+        store_writer.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
     if config.target.compile and dist.device.type == "cuda":
         compile_decoder_layers(target)
     start = time.perf_counter()
@@ -101,12 +96,14 @@ def tokenize_in_order(config: Config, tokenizer, dist: DistState) -> data.Tokeni
 
 def open_store_in_order(config: Config, attrs: dict, dist: DistState):
     """Rank 0 creates or checks the store; the others open it after the barrier."""
-    group = store.create_or_open_store(config.store.path, attrs, config.store.overwrite) if dist.is_main else None
+    group = store_writer.create_or_open_store(config.store.path, attrs, config.store.overwrite) if dist.is_main else None
     dist.barrier()
-    return group if dist.is_main else store.create_or_open_store(config.store.path, attrs, overwrite=False)
+    return group if dist.is_main else store_writer.create_or_open_store(config.store.path, attrs, overwrite=False)
 
 
 def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) -> dict:
+    """The store's root attributes: what stage one knows of the target and tokenizer, laid out by
+    the store's format (dflash/store_format.py)."""
     from transformers import AutoConfig
 
     from dflash.gguf import is_gguf
@@ -120,40 +117,10 @@ def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) ->
         target_info["path"] = config.target.path
     layer_ids = list(config.target.layer_ids) or default_layer_ids(
         target_info["num_hidden_layers"], config.target.num_layer_ids)
-    return {
-        "schema_version": store.SCHEMA_VERSION,
-        "package_version": dflash.__version__,
-        "target": target_info,
-        "target_layer_ids": layer_ids,
-        "target_text_config": text_config_summary(target_config),
-        "hidden_size": target_info["hidden_size"],
-        "codec": config.store.codec,
-        "labels": config.store.labels,
-        "tokenizer": tokenizer_identity(tokenizer),
-        "mask_token_id": choose_mask_token(tokenizer, (sample.input_ids for sample in samples)),
-        "num_truncated": sum(sample.truncated for sample in samples),
-        "max_length": config.data.max_length,
-        "bucket_edges": list(config.store.bucket_edges),
-        "config": config.to_dict(),
-        "content": content_identity(config),
-        "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
-                    "num_tokens": s.num_tokens} for s in shards],
-    }
-
-
-def content_identity(config: Config) -> dict:
-    """The stage-one settings that change what the store holds. Paths, worker counts, batch sizes
-    and the overwrite flag do not, so a moved store, another `data.num_workers` or a rerun after
-    `--overwrite` continue it (the target and tokenizer are compared through their own keys)."""
-    return {
-        "target": {"layer_ids": list(config.target.layer_ids), "num_layer_ids": config.target.num_layer_ids,
-                   "dtype": config.target.dtype},
-        "data": {"source": data.content_fingerprint(config.data.source, config.data.split),
-                 "split": config.data.split, "max_length": config.data.max_length,
-                 "overlong": config.data.overlong, "min_supervised": config.drafter.block_size},
-        "store": {"codec": config.store.codec, "bucket_edges": list(config.store.bucket_edges),
-                  "shard_tokens": config.store.shard_tokens, "labels": config.store.labels},
-    }
+    return store_format.root_attributes(
+        config, target_info, layer_ids, text_config_summary(target_config), tokenizer_identity(tokenizer),
+        mask_token_id=choose_mask_token(tokenizer, (sample.input_ids for sample in samples)),
+        num_truncated=sum(sample.truncated for sample in samples), shards=shards)
 
 
 def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int, max_length: int) -> None:

@@ -1,10 +1,10 @@
 """Stage two: train the DFlash drafter from a stage-one store.
 
 `run(config, resume)` wires the library together: open the store, size the drafter for it and
-refuse a store that does not match (dflash/sizing.py), build the drafter, its optimizer and the
-per-epoch schedules of mixed-length micro-batches (dflash/trainer.py), restore a checkpoint on
-`--resume`, and run the loop with metrics, held-out evaluation and checkpoints
-(dflash/training.py). With `train.follow` the store may still be being written: the follower
+refuse a store that does not match (dflash/sizing.py), build the drafter and its optimizer
+(dflash/train_step.py) and the per-epoch schedules of mixed-length micro-batches
+(dflash/sampler.py), restore a checkpoint on `--resume` (dflash/resume.py), and run the loop
+with metrics, held-out evaluation and checkpoints (dflash/train_loop.py). With `train.follow` the store may still be being written: the follower
 (dflash/follow.py) schedules the first epoch as shards arrive.
 """
 
@@ -18,12 +18,12 @@ from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
 from dflash.follow import StoreFollower, wait_for_store
 from dflash.metrics import MetricsLogger
-from dflash.sampler import DataCursor, split_holdout
+from dflash.resume import resolve_resume, restore, resume_config
+from dflash.sampler import DataCursor, schedule_for, split_holdout
 from dflash.sizing import build_drafter_args, check_labels
-from dflash.store import StoreReader
-from dflash.trainer import apply_parallelism, build_context, build_model, build_optimizer, schedule_for
-from dflash.training import (StopFlag, TrainResult, TrainState, loop, print_plan, resolve_resume, restore,
-                             resume_config)
+from dflash.store_reader import StoreReader
+from dflash.train_loop import StopFlag, TrainResult, TrainState, loop, print_plan
+from dflash.train_step import apply_parallelism, build_context, build_model, build_optimizer
 
 
 def run(config: Config, resume: str | None = None) -> TrainResult:
@@ -62,7 +62,8 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         follower = None
         train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
         # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
-        schedules = [schedule_for(config, reader, train_indices, dist, epoch) for epoch in range(config.train.epochs)]
+        schedules = [schedule_for(config, reader, train_indices, epoch, dist.world_size, config.train.accum_steps)
+                     for epoch in range(config.train.epochs)]
         steps_per_epoch = [schedule.num_steps for schedule in schedules]
         total_steps = sum(steps_per_epoch) if config.train.max_steps <= 0 else min(config.train.max_steps, sum(steps_per_epoch))
     model = build_model(config, args, dist)

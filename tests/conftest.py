@@ -1,7 +1,7 @@
 """Test set-up: CPU-only runs must not route Qwen3.5 linear attention to fla's Triton kernels.
 
 When CUDA is absent, make `fla` unimportable before transformers is imported, so
-transformers uses its pure-torch Gated DeltaNet path (ENVIRONMENT.md).
+transformers uses its pure-torch Gated DeltaNet path (docs/ENVIRONMENT.md).
 """
 
 import os
@@ -31,8 +31,8 @@ def qwen_tokenizer(tokenizer_cache_dir):
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, tokenizer_cache_dir):
-    """A tiny random Qwen3.5 checkpoint with our tokenizer (dflash.embedded.build_tiny_target), once per session."""
-    from dflash.embedded import build_tiny_target
+    """A tiny random Qwen3.5 checkpoint with our tokenizer (dflash.tiny_target.build_tiny_target), once per session."""
+    from dflash.tiny_target import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target") / "target", tokenizer_cache_dir)
 
@@ -40,7 +40,7 @@ def tiny_target_dir(tmp_path_factory, tokenizer_cache_dir):
 @pytest.fixture(scope="session")
 def embedded_cache_dir(tmp_path_factory, tokenizer_cache_dir) -> Path:
     """A `data.cache_dir` whose embedded tiny target (`target-tiny`) is built once per session."""
-    from dflash.embedded import build_tiny_target
+    from dflash.tiny_target import build_tiny_target
 
     cache_dir = tmp_path_factory.mktemp("embedded-cache")
     build_tiny_target(cache_dir / "target-tiny", tokenizer_cache_dir)

@@ -1,6 +1,9 @@
-"""Test-only helpers: plain statements of rules the library implements fast, and a batch sampler.
+"""Test-only helpers shared by several test files: plain statements of rules the library
+implements fast, a batch sampler, a tiny trained drafter with packed batches (train-vs-inference
+and eval tests), and a small store's root attributes (store and writer tests).
 
-Imported by tests as `from support import ...` (pytest puts tests/ on sys.path).
+Imported by tests as `from support import ...` (pytest puts tests/ on sys.path); test files
+never import each other.
 """
 
 from collections.abc import Iterator
@@ -8,13 +11,15 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from dflash.masks import PADDING_DOC
-from dflash.plan import ShardPlan, rank_token_counts
+from dflash.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
+from dflash.loss import block_labels, dflash_loss, gamma_weights
+from dflash.masks import PADDING_DOC, build_masks
+from dflash.plan import ShardPlan
 from dflash.sampler import DataCursor, EpochSchedule, build_epoch_schedule
 
 
 def reference_dense_mask(ctx_doc, ctx_pos, anchor_doc, anchor_pos, block_size: int, window: int | None) -> torch.Tensor:
-    """The rule of ARCHITECTURE.md spelled out with Python loops: boolean `(A*B, T + A*B)`.
+    """The rule of docs/ARCHITECTURE.md spelled out with Python loops: boolean `(A*B, T + A*B)`.
 
     Written independently of `make_mask_mod`, for tests only (slow).
     """
@@ -36,6 +41,17 @@ def reference_dense_mask(ctx_doc, ctx_pos, anchor_doc, anchor_pos, block_size: i
                 visible = window is None or other_slot <= slot
                 mask[query, num_context + anchor * block_size + other_slot] = visible
     return mask
+
+
+def rank_token_counts(assignment: list[list[ShardPlan]]) -> list[int]:
+    """Tokens each rank writes under an assignment."""
+    return [sum(s.num_tokens for s in shards) for shards in assignment]
+
+
+def bucket_counts(schedule: EpochSchedule) -> dict[int, int]:
+    """Micro-batches of each bucket in an epoch's schedule."""
+    buckets, counts = np.unique(schedule.micro_batch_buckets, return_counts=True)
+    return {int(b): int(c) for b, c in zip(buckets, counts)}
 
 
 def rank_imbalance(assignment: list[list[ShardPlan]]) -> float:
@@ -91,3 +107,94 @@ class MicroBatchSampler(torch.utils.data.Sampler):
             for _, _, samples in self.schedule(epoch).rank_batches(self.rank, start_step):
                 yield [(epoch, sample) for sample in samples]
             epoch, start_step = epoch + 1, 0
+
+
+# A tiny drafter and packed batches: tests/test_inference_equivalence.py, tests/test_eval.py.
+VOCAB = 512
+WINDOW = 20  # smaller than the sequences, so sliding layers really cut the context
+
+
+def tiny_setup(seed: int):
+    """A tiny drafter trained for a few steps (so no weight sits at its init value)."""
+    torch.manual_seed(seed)
+    args = drafter_args("tiny", vocab_size=VOCAB, mask_token_id=VOCAB - 1, sliding_window=WINDOW)
+    model = DFlashDrafter(args)
+    embed = torch.randn(VOCAB, args.hidden_size)
+    lm_head = torch.randn(VOCAB, args.hidden_size)
+    train_a_few_steps(args, model, embed, lm_head, random_packed_batch(seed + 100, args.context_feature_size,
+                                                                       args.block_size))
+    return args, model.eval(), embed, lm_head
+
+
+def train_a_few_steps(args, model, embed, lm_head, batch, steps: int = 5) -> None:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_mask = torch.ones_like(batch["input_ids"])
+    labels, valid = block_labels(batch["input_ids"], loss_mask, batch["doc_ids"], batch["anchor_index"],
+                                 batch["anchor_doc"] >= 0, args.block_size)
+    masks = build_masks(batch, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
+    block = block_embeddings(embed, batch["input_ids"], batch["anchor_index"], args.block_size, args.mask_token_id)
+    positions = block_positions(batch["anchor_pos"], args.block_size)
+    for _ in range(steps):
+        hidden = model(batch["hidden"], block, batch["position_ids"], positions, masks)
+        dflash_loss(hidden, lm_head, labels, valid, gamma_weights(args.block_size, 7.0)).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert not torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+
+
+def random_packed_batch(seed: int, feature_size: int, block_size: int) -> dict:
+    """2-3 sequences packed in one row with sorted anchors, plus padded context and a padded anchor."""
+    rng = np.random.default_rng(seed)
+    doc_ids, position_ids, anchor_doc, anchor_pos, anchor_index = [], [], [], [], []
+    for doc in range(int(rng.integers(2, 4))):
+        length = int(rng.integers(25, 60))
+        chosen = np.sort(rng.choice(length, size=5, replace=False))
+        chosen[0] = 0  # an anchor with no context at all
+        anchor_index += (len(doc_ids) + chosen).tolist()
+        anchor_doc += [doc] * len(chosen)
+        anchor_pos += chosen.tolist()
+        doc_ids += [doc] * length
+        position_ids += list(range(length))
+    anchor_index.append(0)  # padded anchor: points anywhere, doc -1
+    anchor_doc.append(-1)
+    anchor_pos.append(0)
+    doc_ids += [-1] * 7
+    position_ids += [0] * 7
+    num_tokens = len(doc_ids)
+    return {
+        "doc_ids": torch.tensor(doc_ids), "position_ids": torch.tensor(position_ids),
+        "anchor_doc": torch.tensor(anchor_doc), "anchor_pos": torch.tensor(anchor_pos),
+        "anchor_index": torch.tensor(anchor_index),
+        "input_ids": torch.from_numpy(rng.integers(0, VOCAB - 1, num_tokens)),
+        "hidden": torch.from_numpy(rng.standard_normal((num_tokens, feature_size)).astype(np.float32)),
+    }
+
+
+def packed_training_logits(args, model, embed, lm_head, batch, masks=None, position_shift=0):
+    block = block_embeddings(embed, batch["input_ids"], batch["anchor_index"], args.block_size, args.mask_token_id)
+    positions = block_positions(batch["anchor_pos"], args.block_size) + position_shift
+    if masks is None:
+        masks = build_masks(batch, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
+    with torch.no_grad():
+        hidden = model(batch["hidden"], block, batch["position_ids"], positions, masks)
+    return (hidden @ lm_head.T).view(-1, args.block_size, VOCAB)
+
+
+# A small store: tests/test_store.py, tests/test_writers.py.
+N_LAYERS, HIDDEN = 3, 16
+EDGES = [0, 8, 32, 64]
+
+
+def root_attrs(codec="bf16", plans=(), **changes):
+    attrs = {
+        "schema_version": 1, "package_version": "0.1.0",
+        "target": {"path": "fake", "config_hash": "abc", "model_type": "qwen3_5_text",
+                   "num_hidden_layers": 8, "hidden_size": HIDDEN, "vocab_size": 50},
+        "target_layer_ids": [1, 3, 5], "hidden_size": HIDDEN, "codec": codec,
+        "tokenizer": {"name_or_path": "fake", "vocab_size": 50, "hash": "t0"},
+        "max_length": 63, "bucket_edges": EDGES, "config": {"seed": 0}, "config_hash": "c0",
+        "shards": [{"name": p.name, "bucket": p.bucket, "num_samples": len(p.sample_indices),
+                    "num_tokens": p.num_tokens} for p in plans],
+    }
+    attrs.update(changes)
+    return attrs

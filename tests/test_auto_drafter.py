@@ -5,10 +5,10 @@ from transformers import LlamaConfig, Qwen3_5TextConfig
 
 from dflash.config import ConfigError, load_config
 from dflash.drafter import DFlashDrafter, auto_drafter_args, count_parameters
-from dflash.embedded import tiny_target_config
+from dflash.tiny_target import tiny_target_config
 from dflash.target import default_layer_ids, text_config_summary
 from dflash import sizing
-from dflash.store import StoreMismatchError
+from dflash.store_format import StoreMismatchError
 
 
 def smollm2_config() -> LlamaConfig:

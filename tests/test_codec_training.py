@@ -14,7 +14,7 @@ import zarr
 from dflash import codecs
 from dflash.config import load_config, replace
 from dflash.inspection import store_stats
-from dflash.store import StoreReader
+from dflash.store_reader import StoreReader
 from stages import extract, train
 
 pytestmark = pytest.mark.slow

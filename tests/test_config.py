@@ -65,8 +65,18 @@ def test_unknown_section_and_malformed_override(tmp_path):
         load_config(tmp_path / "missing.toml")
 
 
-def test_section_hash_is_stable_and_sensitive():
-    a, b = load_config(), load_config(None, ["store.codec=bf16"])
-    assert a.section_hash("store") == load_config().section_hash("store")
-    assert a.section_hash("store") != b.section_hash("store")
-    assert a.section_hash("train") == b.section_hash("train")
+def test_choices_and_rules_are_read_from_each_fields_own_setting():
+    """A key's meaning, choices and positivity are written once, on its field; the choices are the
+    owning modules' own tuples."""
+    from dflash import codecs, config, data, masks, metrics, store_format
+
+    fields = dict(config.key_fields(load_config()))
+    assert fields["store.codec"].metadata["choices"] == codecs.CODECS
+    assert fields["store.labels"].metadata["choices"] == store_format.LABEL_CHOICES
+    assert fields["data.overlong"].metadata["choices"] == data.OVERLONG_POLICIES
+    assert fields["train.wandb"].metadata["choices"] == metrics.WANDB_MODES
+    assert fields["train.attention"].metadata["choices"] == ("auto", *masks.BACKENDS)
+    with pytest.raises(ConfigError, match="store.codec must be one of bf16, fp8, got 'zstd'"):
+        load_config(None, ["store.codec=zstd"])
+    with pytest.raises(ConfigError, match="train.keep_last must be positive, got 0"):
+        load_config(None, ["train.keep_last=0"])

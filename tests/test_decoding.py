@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from dflash.decoding import Request, SlotDecoder, choose_tokens, stream_id, uniform_from, unsupported_reason
-from dflash.embedded import tiny_target_config
+from dflash.tiny_target import tiny_target_config
 from dflash.modeling_dflash import greedy_generate
 
 VOCAB = 512

@@ -11,7 +11,7 @@ from dflash.drafter import (
     count_parameters,
     drafter_args,
 )
-from dflash.embedded import tiny_target_config
+from dflash.tiny_target import tiny_target_config
 from dflash.masks import build_masks
 
 

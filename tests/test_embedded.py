@@ -9,13 +9,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash import data
-from dflash.embedded import (
-    CHECKPOINT_FILES,
-    STDLIB_MODULES,
-    build_tiny_target,
-    code_chat_rows,
-    tiny_target_config,
-)
+from dflash.embedded import STDLIB_MODULES, code_chat_rows
+from dflash.tiny_target import CHECKPOINT_FILES, build_tiny_target, tiny_target_config
 from dflash.tokenizer import CHATML_TEMPLATE, tokenizer_identity
 
 

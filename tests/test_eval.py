@@ -24,7 +24,7 @@ from dflash.evaluation import EvalResult, decode_prompt, lossless_verdict, summa
 from dflash.export import AUTO_MAP, MODELING_NAME, export_drafter
 from dflash.modeling_dflash import DFlashDraftModel, accept, greedy_generate, speculative_generate
 from stages import extract, train
-from test_inference_equivalence import VOCAB, packed_training_logits, random_packed_batch, tiny_setup
+from support import VOCAB, packed_training_logits, random_packed_batch, tiny_setup
 
 
 def served_logits(draft, embed, lm_head, batch, block_size: int, mask_token_id: int) -> torch.Tensor:
@@ -217,7 +217,7 @@ num_workers = 0
 wandb = "disabled"
 compile = false
 """)
-    cli = [sys.executable, "-m", "dflash.cli"]
+    cli = [sys.executable, "-m", "stages.cli"]
     extract.run(load_config(config))  # the two stages in this process; export and eval as a user runs them
     capsys.readouterr()
     train.run(load_config(config))

@@ -18,7 +18,8 @@ import zarr
 
 from dflash.config import load_config
 from dflash.inspection import verify_store
-from dflash.store import StoreMismatchError, StoreReader, completed_shards
+from dflash.store_format import StoreMismatchError, completed_shards
+from dflash.store_reader import StoreReader
 from stages import extract
 
 pytestmark = pytest.mark.slow
@@ -45,7 +46,7 @@ token_budget = 512
 
 
 def cli(config_path, *extra, env=None, **kwargs):
-    command = [sys.executable, "-m", "dflash.cli", "stage1-extract", "-c", str(config_path), *extra]
+    command = [sys.executable, "-m", "stages.cli", "stage1-extract", "-c", str(config_path), *extra]
     return subprocess.run(command, env=env or single_thread_env(), capture_output=True, text=True, **kwargs)
 
 
@@ -121,7 +122,7 @@ def test_store_made_with_another_config_is_refused(workspace):
 def test_kill_9_then_rerun_equals_uninterrupted(workspace, reference_store):
     root, config_path = workspace
     store = root / "killed"
-    command = [sys.executable, "-m", "dflash.cli", "stage1-extract", "-c", str(config_path),
+    command = [sys.executable, "-m", "stages.cli", "stage1-extract", "-c", str(config_path),
                "--set", f'store.path="{store}"']
     process = subprocess.Popen(command, env=single_thread_env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -148,7 +149,7 @@ def test_two_ranks_write_the_same_store_as_one(workspace, reference_store):
     root, config_path = workspace
     store = root / "two-ranks"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "dflash.cli", "stage1-extract", "-c", str(config_path), "--set", f'store.path="{store}"']
+               "-m", "stages.cli", "stage1-extract", "-c", str(config_path), "--set", f'store.path="{store}"']
     result = subprocess.run(command, env=single_thread_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "over 2 rank(s)" in result.stdout
@@ -157,7 +158,7 @@ def test_two_ranks_write_the_same_store_as_one(workspace, reference_store):
 
 
 def test_inspect_cli_verifies_and_reports(reference_store, tmp_path):
-    command = [sys.executable, "-m", "dflash.cli", "inspect-cache", str(reference_store), "--json", "--verify"]
+    command = [sys.executable, "-m", "stages.cli", "inspect-cache", str(reference_store), "--json", "--verify"]
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
@@ -182,7 +183,7 @@ def test_store_identity_is_its_content(workspace, reference_store, tmp_path, cap
         capsys.readouterr()
         assert extract.run(load_config(config_path, overrides)).shards_written == 0
         assert "nothing to do" in capsys.readouterr().out
-    relative = subprocess.run([sys.executable, "-m", "dflash.cli", "stage1-extract", "-c", str(config_path),
+    relative = subprocess.run([sys.executable, "-m", "stages.cli", "stage1-extract", "-c", str(config_path),
                                "--set", 'store.path="copied"'], cwd=tmp_path, env=single_thread_env(),
                               capture_output=True, text=True)
     assert relative.returncode == 0 and "nothing to do" in relative.stdout, relative.stderr[-2000:]

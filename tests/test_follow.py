@@ -23,7 +23,8 @@ from dflash import follow, plan
 from dflash.checkpoint import latest_checkpoint, read_state
 from dflash.config import load_config
 from dflash.dist import DistState
-from dflash.store import COMPLETE_KEY, StoreReader
+from dflash.store_format import COMPLETE_KEY
+from dflash.store_reader import StoreReader
 from stages import extract, train
 
 pytestmark = pytest.mark.slow
@@ -214,7 +215,7 @@ def test_two_ranks_follow_together_and_stop_together_when_stage_one_stalls(writt
     sets = [f'store.path="{tmp_path / "store"}"', f'train.out_dir="{tmp_path / "run"}"', "train.accum_steps=1",
             "train.follow_timeout_s=0", "train.save_every=2"]
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+                             "-m", "stages.cli", "stage2-train", "-c", str(config_path),
                              *[item for value in sets for item in ("--set", value)]],
                             env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
     assert result.returncode != 0

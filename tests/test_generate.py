@@ -26,10 +26,10 @@ def llama_target_dir(tmp_path_factory, qwen_tokenizer):
     """A tiny random Llama checkpoint with the Qwen tokenizer: a family the engine serves."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash.embedded import QWEN35_VOCAB_SIZE
+    from dflash.recipe import VOCAB_SIZE
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=QWEN35_VOCAB_SIZE, hidden_size=64, intermediate_size=128,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                          initializer_range=0.125, max_position_embeddings=2048))
     directory = tmp_path_factory.mktemp("llama-target") / "target"

@@ -15,7 +15,7 @@ import torch
 from dflash.batch import StoreDataset, collate_packed
 from dflash.drafter import DFlashDrafter, compile_layers, drafter_args
 from dflash.loss import gamma_weights
-from dflash.trainer import TrainContext, forward_loss, to_device, train_step
+from dflash.train_step import TrainContext, forward_loss, to_device, train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -127,7 +127,8 @@ def test_fp8_capture_on_the_gpu_equals_the_cpu_encode_and_labels_equal_the_argma
     from transformers import AutoModelForCausalLM
 
     from dflash import codecs
-    from dflash.capture import capture_batch, pad_multiple
+    from dflash.capture import capture_batch
+    from dflash.padding import target_batch_multiple
     from dflash.data import Sample
     from dflash.target import load_target, pad_batch
 
@@ -139,7 +140,7 @@ def test_fp8_capture_on_the_gpu_equals_the_cpu_encode_and_labels_equal_the_argma
                       loss_mask=np.ones(n, dtype=np.uint8)) for i, n in enumerate([37, 5, 90])]
     captured = capture_batch(target, samples, "fp8", device)
     captured.wait()
-    input_ids, mask = pad_batch([s.input_ids for s in samples], pad_id=0, multiple=pad_multiple(device))
+    input_ids, mask = pad_batch([s.input_ids for s in samples], pad_id=0, multiple=target_batch_multiple(device))
     hidden_BTnH = target.capture(input_ids, mask).cpu()
     expected = codecs.encode(hidden_BTnH.reshape(-1, *hidden_BTnH.shape[2:]), "fp8")
     got_scale = captured.parts["scale"].reshape(-1, expected["scale"].shape[1])
@@ -158,14 +159,14 @@ def test_fp8_capture_on_the_gpu_equals_the_cpu_encode_and_labels_equal_the_argma
 def test_compiled_decoder_layers_capture_what_eager_captures(tiny_target_dir):
     """Stage one's regional compile (`compile_decoder_layers`) against the eager layers, on
     batches of two shapes (the second compiles the shape-generic graph), every real row."""
-    from dflash.capture import pad_multiple
+    from dflash.padding import target_batch_multiple
     from dflash.target import compile_decoder_layers, load_target, pad_batch
 
     device = torch.device("cuda")
     target = load_target(str(tiny_target_dir), device, dtype=torch.float32, layer_ids=[1, 3, 5])
     rng = np.random.default_rng(7)
     batches = [[rng.integers(0, 248000, n).astype(np.int32) for n in lengths] for lengths in ([37, 5, 90], [200, 130])]
-    padded = [pad_batch(batch, pad_id=0, multiple=pad_multiple(device)) for batch in batches]
+    padded = [pad_batch(batch, pad_id=0, multiple=target_batch_multiple(device)) for batch in batches]
     eager = [target.capture(ids, mask) for ids, mask in padded]
     assert compile_decoder_layers(target) == 6
     for (ids, mask), batch, reference in zip(padded, batches, eager):

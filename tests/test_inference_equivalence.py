@@ -4,88 +4,17 @@ The "engine" below is written independently of dflash.drafter and dflash.masks: 
 one anchor at a time, from the exported weights (state-dict keys), with the accepted
 context only (positions < anchor of that sequence), a block of anchor token + mask tokens,
 RoPE tables from transformers' Qwen3 rotary embedding (what engines load from the exported
-`config.json`), and masks built by hand from ARCHITECTURE.md. If training used the wrong
+`config.json`), and masks built by hand from docs/ARCHITECTURE.md. If training used the wrong
 positions, leaked across sequences, or treated a sliding layer as full, the logits differ.
 """
 
-import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from dflash.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
-from dflash.loss import block_labels, dflash_loss, gamma_weights
 from dflash.masks import build_masks
-
-VOCAB = 512
-WINDOW = 20  # smaller than the sequences, so sliding layers really cut the context
-
-
-def tiny_setup(seed: int):
-    """A tiny drafter trained for a few steps (so no weight sits at its init value)."""
-    torch.manual_seed(seed)
-    args = drafter_args("tiny", vocab_size=VOCAB, mask_token_id=VOCAB - 1, sliding_window=WINDOW)
-    model = DFlashDrafter(args)
-    embed = torch.randn(VOCAB, args.hidden_size)
-    lm_head = torch.randn(VOCAB, args.hidden_size)
-    train_a_few_steps(args, model, embed, lm_head, random_packed_batch(seed + 100, args.context_feature_size,
-                                                                       args.block_size))
-    return args, model.eval(), embed, lm_head
-
-
-def train_a_few_steps(args, model, embed, lm_head, batch, steps: int = 5) -> None:
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    loss_mask = torch.ones_like(batch["input_ids"])
-    labels, valid = block_labels(batch["input_ids"], loss_mask, batch["doc_ids"], batch["anchor_index"],
-                                 batch["anchor_doc"] >= 0, args.block_size)
-    masks = build_masks(batch, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
-    block = block_embeddings(embed, batch["input_ids"], batch["anchor_index"], args.block_size, args.mask_token_id)
-    positions = block_positions(batch["anchor_pos"], args.block_size)
-    for _ in range(steps):
-        hidden = model(batch["hidden"], block, batch["position_ids"], positions, masks)
-        dflash_loss(hidden, lm_head, labels, valid, gamma_weights(args.block_size, 7.0)).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    assert not torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
-
-
-def random_packed_batch(seed: int, feature_size: int, block_size: int) -> dict:
-    """2-3 sequences packed in one row with sorted anchors, plus padded context and a padded anchor."""
-    rng = np.random.default_rng(seed)
-    doc_ids, position_ids, anchor_doc, anchor_pos, anchor_index = [], [], [], [], []
-    for doc in range(int(rng.integers(2, 4))):
-        length = int(rng.integers(25, 60))
-        chosen = np.sort(rng.choice(length, size=5, replace=False))
-        chosen[0] = 0  # an anchor with no context at all
-        anchor_index += (len(doc_ids) + chosen).tolist()
-        anchor_doc += [doc] * len(chosen)
-        anchor_pos += chosen.tolist()
-        doc_ids += [doc] * length
-        position_ids += list(range(length))
-    anchor_index.append(0)  # padded anchor: points anywhere, doc -1
-    anchor_doc.append(-1)
-    anchor_pos.append(0)
-    doc_ids += [-1] * 7
-    position_ids += [0] * 7
-    num_tokens = len(doc_ids)
-    return {
-        "doc_ids": torch.tensor(doc_ids), "position_ids": torch.tensor(position_ids),
-        "anchor_doc": torch.tensor(anchor_doc), "anchor_pos": torch.tensor(anchor_pos),
-        "anchor_index": torch.tensor(anchor_index),
-        "input_ids": torch.from_numpy(rng.integers(0, VOCAB - 1, num_tokens)),
-        "hidden": torch.from_numpy(rng.standard_normal((num_tokens, feature_size)).astype(np.float32)),
-    }
-
-
-def packed_training_logits(args, model, embed, lm_head, batch, masks=None, position_shift=0):
-    block = block_embeddings(embed, batch["input_ids"], batch["anchor_index"], args.block_size, args.mask_token_id)
-    positions = block_positions(batch["anchor_pos"], args.block_size) + position_shift
-    if masks is None:
-        masks = build_masks(batch, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
-    with torch.no_grad():
-        hidden = model(batch["hidden"], block, batch["position_ids"], positions, masks)
-    return (hidden @ lm_head.T).view(-1, args.block_size, VOCAB)
+from support import packed_training_logits, random_packed_batch, tiny_setup
 
 
 def rms_norm(x, weight, eps):
@@ -93,7 +22,7 @@ def rms_norm(x, weight, eps):
 
 
 def engine_masks(args, anchor_pos: int) -> dict:
-    """Per-layer-type (B, ctx + B) masks for one block, straight from ARCHITECTURE.md."""
+    """Per-layer-type (B, ctx + B) masks for one block, straight from docs/ARCHITECTURE.md."""
     block = args.block_size
     query_pos = anchor_pos + torch.arange(block)[:, None]
     context_pos = torch.arange(anchor_pos)[None, :]

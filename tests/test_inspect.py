@@ -8,7 +8,8 @@ import torch
 
 from dflash.inspection import format_bytes
 from dflash.plan import plan_shards
-from dflash.store import SCHEMA_VERSION, ShardWriter, bf16_to_bits, create_or_open_store
+from dflash.store_format import SCHEMA_VERSION, bf16_to_bits
+from dflash.store_writer import ShardWriter, create_or_open_store
 from stages import inspect as inspect_stage
 
 EDGES = [0, 16, 64]

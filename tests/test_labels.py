@@ -13,10 +13,10 @@ import pytest
 import torch
 import zarr
 
-from dflash import sizing, trainer
+from dflash import sizing, train_step
 from dflash.config import load_config
 from dflash.inspection import verify_store
-from dflash.store import StoreReader
+from dflash.store_reader import StoreReader
 from stages import extract, inspect, train
 
 pytestmark = pytest.mark.slow
@@ -108,7 +108,7 @@ def test_stage_two_trains_against_the_target_labels(labelled, tmp_path):
     root, config_path = labelled
     result = train.run(load_config(config_path, [f'train.out_dir="{tmp_path / "run"}"']))
     assert result.checkpoint is not None and result.steps == 2
-    refused = subprocess.run([sys.executable, "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+    refused = subprocess.run([sys.executable, "-m", "stages.cli", "stage2-train", "-c", str(config_path),
                               "--set", "store.labels=data", "--set", f'train.out_dir="{tmp_path / "other"}"'],
                              capture_output=True, text=True)
     assert refused.returncode == 1
@@ -134,13 +134,13 @@ def test_the_loss_reads_the_stored_labels_not_the_data_tokens(labelled):
     dist = init_distributed("cpu")
     try:
         args = sizing.build_drafter_args(config, reader.attrs)
-        model = trainer.build_model(config, args, dist)
-        ctx = trainer.build_context(config, args, reader, dist)
+        model = train_step.build_model(config, args, dist)
+        ctx = train_step.build_context(config, args, reader, dist)
         with torch.no_grad():
-            stored = trainer.forward_loss(model, ctx, batch)[0].loss
+            stored = train_step.forward_loss(model, ctx, batch)[0].loss
             as_data = dict(batch, labels=batch["input_ids"])
-            data = trainer.forward_loss(model, ctx, as_data)[0].loss
-            without = trainer.forward_loss(model, ctx, {k: v for k, v in batch.items() if k != "labels"})[0].loss
+            data = train_step.forward_loss(model, ctx, as_data)[0].loss
+            without = train_step.forward_loss(model, ctx, {k: v for k, v in batch.items() if k != "labels"})[0].loss
     finally:
         shutdown(dist)
     assert torch.equal(data, without) and not torch.equal(stored, data)

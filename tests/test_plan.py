@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from dflash.plan import ShardPlan, assign_bucket, assign_ranks, plan_shards, rank_token_counts
-from support import rank_imbalance
+from dflash.plan import ShardPlan, assign_bucket, assign_ranks, plan_shards
+from support import rank_imbalance, rank_token_counts
 
 EDGES = [16, 64, 256, 1024]
 

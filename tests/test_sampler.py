@@ -12,7 +12,7 @@ from dflash.sampler import (
     interleave_buckets,
     split_holdout,
 )
-from support import MicroBatchSampler
+from support import MicroBatchSampler, bucket_counts
 
 BUCKET_EDGES = [64, 128, 256, 512]
 
@@ -49,7 +49,7 @@ def test_every_sample_exactly_once_within_budget(shares, world, accum, budget):
     schedule = build_epoch_schedule(lengths, buckets, budget, world, accum, seed=3, epoch=0)
     seen = all_scheduled_samples(schedule)
     assert sorted(seen) == list(range(len(lengths)))
-    assert schedule.num_micro_batches == schedule.num_steps * world * accum
+    assert len(schedule.micro_batches) == schedule.num_steps * world * accum
     for mb in schedule.micro_batches:
         assert lengths[list(mb)].sum() <= budget
         assert len(set(buckets[list(mb)].tolist())) == 1  # a micro-batch holds one bucket
@@ -110,7 +110,7 @@ def test_bucket_shares_hold_in_the_first_half():
     schedule = build_epoch_schedule(lengths, buckets, 1024, 2, 2, seed=0, epoch=0)
     sequence = np.array(global_sequence_buckets(schedule))
     half = sequence[: len(sequence) // 2]
-    for bucket, count in schedule.bucket_dispatch_counts.items():
+    for bucket, count in bucket_counts(schedule).items():
         overall_share = count / len(sequence)
         assert abs((half == bucket).mean() - overall_share) < 0.01, bucket
 
@@ -118,7 +118,7 @@ def test_bucket_shares_hold_in_the_first_half():
 def test_no_same_bucket_neighbours_when_avoidable():
     lengths, buckets = make_store_index(3000, [0.3, 0.25, 0.25, 0.2], seed=7)
     schedule = build_epoch_schedule(lengths, buckets, 1024, 1, 2, seed=0, epoch=0)
-    counts = schedule.bucket_dispatch_counts
+    counts = bucket_counts(schedule)
     assert max(counts.values()) <= sum(counts.values()) - max(counts.values()) + 1  # avoidable here
     sequence = global_sequence_buckets(schedule)
     assert all(a != b for a, b in zip(sequence, sequence[1:]))
@@ -150,7 +150,7 @@ def test_count_fix_up_splits_without_dropping():
     buckets = np.zeros(10, dtype=np.int64)
     # budget 400 packs 4+4+2 = 3 micro-batches; 4 ranks need a multiple of 4
     schedule = build_epoch_schedule(lengths, buckets, 400, 4, 1, seed=0, epoch=0)
-    assert schedule.num_micro_batches == 4 and schedule.num_splits == 1
+    assert len(schedule.micro_batches) == 4 and schedule.num_splits == 1
     assert sorted(all_scheduled_samples(schedule)) == list(range(10))
     assert sorted(len(mb) for mb in schedule.micro_batches) == [2, 2, 2, 4]  # the largest was halved
 

@@ -12,28 +12,11 @@ import zarr
 
 from dflash.inspection import store_stats, verify_store
 from dflash.plan import plan_shards
-from dflash.store import (
-    CorruptShardError, ShardWriter, StoreMismatchError, StoreReader, bf16_to_bits,
-    completed_shards, create_or_open_store, diff_attrs, is_complete, shards_group, write_frozen_weights,
-)
-
-N_LAYERS, HIDDEN = 3, 16
-EDGES = [0, 8, 32, 64]
-
-
-def root_attrs(codec="bf16", plans=(), **changes):
-    attrs = {
-        "schema_version": 1, "package_version": "0.1.0",
-        "target": {"path": "fake", "config_hash": "abc", "model_type": "qwen3_5_text",
-                   "num_hidden_layers": 8, "hidden_size": HIDDEN, "vocab_size": 50},
-        "target_layer_ids": [1, 3, 5], "hidden_size": HIDDEN, "codec": codec,
-        "tokenizer": {"name_or_path": "fake", "vocab_size": 50, "hash": "t0"},
-        "max_length": 63, "bucket_edges": EDGES, "config": {"seed": 0}, "config_hash": "c0",
-        "shards": [{"name": p.name, "bucket": p.bucket, "num_samples": len(p.sample_indices),
-                    "num_tokens": p.num_tokens} for p in plans],
-    }
-    attrs.update(changes)
-    return attrs
+from dflash.store_format import (CorruptShardError, StoreMismatchError, bf16_to_bits, completed_shards, diff_attrs,
+                                 is_complete)
+from dflash.store_reader import StoreReader
+from dflash.store_writer import ShardWriter, create_or_open_store, shards_group, write_frozen_weights
+from support import EDGES, HIDDEN, N_LAYERS, root_attrs
 
 
 def fake_sample(rng, length, codec):

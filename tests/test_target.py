@@ -15,7 +15,7 @@ from transformers import (
     Qwen3_5ForConditionalGeneration,
 )
 
-from dflash.embedded import tiny_target_config
+from dflash.tiny_target import tiny_target_config
 from dflash.target import (
     default_layer_ids,
     describe_target_config,

@@ -17,12 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash import sizing, training
+from dflash import sizing, train_loop
 from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.config import load_config
 from dflash.export import load_exported
-from dflash.store import CorruptShardError, StoreMismatchError
-from dflash.trainer import NonFiniteError
+from dflash.sampler import held_out_micro_batches
+from dflash.store_format import CorruptShardError, StoreMismatchError
+from dflash.metrics import NonFiniteError
 from stages import extract, train
 
 pytestmark = pytest.mark.slow
@@ -101,7 +102,7 @@ def test_killed_run_resumes_with_identical_losses(config_path, tmp_path, one_thr
     uninterrupted = train.run(load_config(config_path, [run_dir_override(tmp_path / "straight")]))
 
     run_dir = tmp_path / "killed"
-    command = [sys.executable, "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+    command = [sys.executable, "-m", "stages.cli", "stage2-train", "-c", str(config_path),
                "--set", run_dir_override(run_dir), "--set", "train.save_every=2"]
     process = subprocess.Popen(command, env=single_thread_env(), stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -135,7 +136,7 @@ def test_ddp_matches_one_process_and_resumes_on_another_number_of_ranks(config_p
         sets = [item for value in [run_dir_override(run_dir), f"train.accum_steps={accum}", *common]
                 for item in ("--set", value)]
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                 "-m", "dflash.cli", "stage2-train", "-c", str(config_path), *sets, *resume],
+                                 "-m", "stages.cli", "stage2-train", "-c", str(config_path), *sets, *resume],
                                 env=single_thread_env(), capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
         return result.stdout
@@ -176,7 +177,7 @@ def test_export_cli_and_fine_tune_from_export(config_path, tmp_path):
     train.run(load_config(config_path, [run_dir_override(run_dir), "train.max_steps=2"]))
     checkpoint = latest_checkpoint(run_dir)
     export_dir = tmp_path / "export"
-    result = subprocess.run([sys.executable, "-m", "dflash.cli", "export", str(checkpoint), str(export_dir)],
+    result = subprocess.run([sys.executable, "-m", "stages.cli", "export", str(checkpoint), str(export_dir)],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     config_json = json.loads((export_dir / "config.json").read_text())
@@ -201,7 +202,7 @@ def test_store_that_does_not_match_the_drafter_is_refused(config_path):
 
 def test_sigterm_saves_a_final_checkpoint(config_path, tmp_path):
     run_dir = tmp_path / "term"
-    command = [sys.executable, "-m", "dflash.cli", "stage2-train", "-c", str(config_path),
+    command = [sys.executable, "-m", "stages.cli", "stage2-train", "-c", str(config_path),
                "--set", run_dir_override(run_dir), "--set", "train.save_every=100"]
     process = subprocess.Popen(command, env=single_thread_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.DEVNULL, text=True)
@@ -224,13 +225,13 @@ def test_first_step_notice_names_the_compile_cache_on_cuda_only(monkeypatch):
     from dflash.dist import DistState
 
     one = DistState(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    assert training.first_step_notice(SimpleNamespace(device=torch.device("cpu")), one) == ""
+    assert train_loop.first_step_notice(SimpleNamespace(device=torch.device("cpu")), one) == ""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/scratch/inductor")
     cuda = SimpleNamespace(device=torch.device("cuda", 1))
-    notice = training.first_step_notice(cuda, one)
+    notice = train_loop.first_step_notice(cuda, one)
     assert "compiling" in notice and "/scratch/inductor" in notice and "ranks" not in notice
     three = DistState(rank=1, world_size=3, local_rank=1, device=torch.device("cuda", 1))
-    assert "each of the 3 ranks compiles for its own GPU" in training.first_step_notice(cuda, three)
+    assert "each of the 3 ranks compiles for its own GPU" in train_loop.first_step_notice(cuda, three)
 
 
 def test_a_held_out_set_too_small_for_mixed_steps_still_evaluates():
@@ -241,9 +242,8 @@ def test_a_held_out_set_too_small_for_mixed_steps_still_evaluates():
     config = load_config(None, ["train.token_budget=1024", "train.eval_batches=4"])
     reader = SimpleNamespace(index={"length": np.array([100, 200, 300, 120]), "bucket": np.array([0, 1, 1, 0]),
                                     "num_supervised": np.array([50, 60, 70, 40])})
-    dist = SimpleNamespace(rank=0, world_size=1)
     for eval_indices in (np.array([2]), np.array([1, 2])):
-        batches = training.held_out_micro_batches(config, dist, reader, eval_indices)
+        batches = held_out_micro_batches(config, reader, eval_indices, rank=0, world_size=1)
         assert sorted(int(i) for batch in batches for i in batch) == eval_indices.tolist()
 
 
@@ -296,7 +296,7 @@ def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, t
 
     import zarr
 
-    from dflash.store import COMPLETE_KEY
+    from dflash.store_format import COMPLETE_KEY
 
     config = load_config(config_path)
     store = tmp_path / "store"
@@ -321,7 +321,7 @@ def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, t
     assert f"{skipping.skipped_samples} unreadable samples skipped; checkpoint {skipping.checkpoint}" in last_lines[0]
     assert last_lines[1].strip() == f"export it for serving: dflash export {skipping.checkpoint} EXPORT_DIR"
 
-    cli = [sys.executable, "-m", "dflash.cli", "inspect-cache", str(store), "--verify", "--repair"]
+    cli = [sys.executable, "-m", "stages.cli", "inspect-cache", str(store), "--verify", "--repair"]
     repaired = subprocess.run(cli, capture_output=True, text=True)
     assert repaired.returncode == 1 and "repair: removed" in repaired.stdout
     extract.run(load_config(config_path, [f'store.path="{store}"']))
@@ -329,7 +329,7 @@ def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, t
 
 
 def test_a_read_failure_saves_the_steps_trained_before_it(config_path, tmp_path, monkeypatch):
-    from dflash.store import StoreReader
+    from dflash.store_reader import StoreReader
 
     config = load_config(config_path, [run_dir_override(tmp_path / "run"), "train.save_every=100"])
     reads = []

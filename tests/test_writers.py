@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from dflash.plan import plan_shards
-from dflash.store import StoreReader, bf16_to_bits, create_or_open_store
+from dflash.store_format import bf16_to_bits
+from dflash.store_reader import StoreReader
+from dflash.store_writer import create_or_open_store
 from dflash.capture import CapturedBatch
 from dflash.writers import WriterError, WriterPool
-from test_store import EDGES, HIDDEN, N_LAYERS, root_attrs  # pytest puts tests/ on sys.path
+from support import EDGES, HIDDEN, N_LAYERS, root_attrs
 
 OPTIONS = {"codec": "bf16", "num_layers": N_LAYERS, "hidden_size": HIDDEN, "rows_per_chunk": 8,
            "rows_per_zarr_shard": 32}

@@ -1,7 +1,7 @@
 """Benchmark the store codecs: stored bytes/token and reconstruction error of each variant.
 
-Variants, each compressed exactly as dflash.store writes the `hidden` array (its codec chain
-from `store.hidden_compressors`, chunks of `extract.rows_per_chunk` rows):
+Variants, each compressed exactly as dflash/store_writer.py writes the `hidden` array (its codec chain
+from `store_format.hidden_compressors`, chunks of `extract.rows_per_chunk` rows):
   bf16 + zstd-1, bf16 byte planes (blosc byte shuffle + zstd-1), fp8 e4m3 per-token-per-layer
   scale + zstd-1 (plus its float32 `scale` array).
 Sources:
@@ -38,7 +38,7 @@ FP8_GOAL_BYTES_PER_TOKEN = 24_000  # issue 5, for the 27B shape
 
 def random_target_features(quick: bool, num_tokens: int, device: torch.device) -> tuple[str, torch.Tensor]:
     """`(T, n, H)` float32 layer outputs of a random-weight target over random token ids."""
-    from dflash.embedded import tiny_target_config
+    from dflash.tiny_target import tiny_target_config
     from dflash.target import TargetModel, default_layer_ids
 
     config = tiny_target_config() if quick else qwen35_27b_config()
@@ -123,7 +123,7 @@ def reconstruction_error(original_TnH: torch.Tensor, decoded_TnH: torch.Tensor) 
 
 
 def measure_variants(features_TnH: torch.Tensor, rows_per_chunk: int) -> list[dict]:
-    from dflash import codecs, store
+    from dflash import codecs, store_format
 
     num_tokens, num_layers, hidden = features_TnH.shape
     raw_bf16 = num_tokens * num_layers * hidden * 2
@@ -132,12 +132,12 @@ def measure_variants(features_TnH: torch.Tensor, rows_per_chunk: int) -> list[di
     bf16_decoded = codecs.decode(bf16_bits, None, "bf16", num_layers, dtype=torch.float32)
     bf16_error = reconstruction_error(features_TnH, bf16_decoded.reshape(features_TnH.shape))
     for variant, compression in (("bf16 + zstd-1", "zstd"), ("bf16 byte planes (blosc shuffle) + zstd-1", "blosc")):
-        size = stored_bytes(bf16_bits.numpy(), store.hidden_compressors("bf16", compression), rows_per_chunk)
+        size = stored_bytes(bf16_bits.numpy(), store_format.hidden_compressors("bf16", compression), rows_per_chunk)
         results.append({"variant": variant, "stored_bytes": size, **bf16_error})
     fp8 = codecs.encode(features_TnH, "fp8")
     fp8_decoded = codecs.decode(fp8["hidden"], fp8["scale"], "fp8", num_layers, dtype=torch.float32)
-    size = (stored_bytes(fp8["hidden"].numpy(), store.hidden_compressors("fp8"), rows_per_chunk)
-            + stored_bytes(fp8["scale"].numpy(), [c for c in store.hidden_compressors("fp8")], rows_per_chunk))
+    size = (stored_bytes(fp8["hidden"].numpy(), store_format.hidden_compressors("fp8"), rows_per_chunk)
+            + stored_bytes(fp8["scale"].numpy(), [c for c in store_format.hidden_compressors("fp8")], rows_per_chunk))
     results.append({"variant": "fp8 e4m3 (per token-layer scale) + zstd-1", "stored_bytes": size,
                     **reconstruction_error(features_TnH, fp8_decoded.reshape(features_TnH.shape))})
     for entry in results:

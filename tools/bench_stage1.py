@@ -11,7 +11,7 @@ length-bucketed batches through
   3. the writers alone: the same path fed with already captured batches (no forward), the
      ceiling of compression and writing,
   4. the full stage-one path, per codec: `dflash.capture.write_shards` (writer processes,
-     `store.ShardWriter`, zstd, zarr) into a local temporary store.
+     `store_writer.ShardWriter`, zstd, zarr) into a local temporary store.
 The full path is also reported over its forward span alone, from the first batch's forward to
 the end of the last batch's device copies: starting the writer pool before it and the writers
 finishing the last shards after it are paid once per rank per run, so the rate over the span
@@ -51,6 +51,7 @@ from benchlib import (  # noqa: E402
     build_random_target, log_uniform_lengths, print_table, progress, qwen35_27b_config, run_metadata, synchronize,
     write_results,
 )
+from dflash.padding import round_up  # noqa: E402
 
 if not torch.cuda.is_available():
     # CPU runs: keep transformers on its pure-torch Gated DeltaNet (fla's Triton kernels need a GPU).
@@ -107,7 +108,7 @@ def warmup_batches(batches: list[list]) -> list[list]:
     autotunes before anything is timed."""
     seen, chosen = set(), []
     for batch in batches:
-        padded = -(-max(len(s) for s in batch) // 128) * 128
+        padded = round_up(max(len(s) for s in batch), 128)
         if padded not in seen:
             seen.add(padded)
             chosen.append(batch)
@@ -181,10 +182,11 @@ def compiled_capture(target, warmup, batches, codec: str, device) -> dict:
 
 def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
     """Encoded host rows `(R, ...)` of real captured batches, R >= the largest padded batch."""
-    from dflash.capture import capture_batch, pad_multiple
+    from dflash.capture import capture_batch
+    from dflash.padding import target_batch_multiple
 
-    multiple = pad_multiple(device)
-    needed = max(len(b) * -(-max(len(s) for s in b) // multiple) * multiple for b in batches)
+    multiple = target_batch_multiple(device)
+    needed = max(len(b) * round_up(max(len(s) for s in b), multiple) for b in batches)
     parts, rows = [], 0
     for batch in sorted(batches, key=len, reverse=True):
         captured = capture_batch(target, batch, codec, device)
@@ -198,12 +200,13 @@ def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
 
 def captures_from_pool(pool: dict[str, np.ndarray], device):
     """A capture function for `write_shards` that returns views of `pool` (no forward): the writers alone."""
-    from dflash.capture import CapturedBatch, pad_multiple
+    from dflash.capture import CapturedBatch
+    from dflash.padding import target_batch_multiple
 
-    multiple = pad_multiple(device)
+    multiple = target_batch_multiple(device)
 
     def capture_batch(target, batch, codec, device):
-        padded = -(-max(len(s.input_ids) for s in batch) // multiple) * multiple
+        padded = round_up(max(len(s.input_ids) for s in batch), multiple)
         rows = len(batch) * padded
         return CapturedBatch(parts={k: torch.from_numpy(v[:rows].reshape(len(batch), padded, *v.shape[1:]))
                                     for k, v in pool.items()}, ready=None)
@@ -217,7 +220,7 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
 
     With `pool` (from `capture_pool`) the target is not run: this measures the writers alone.
     """
-    from dflash import inspection, plan, store
+    from dflash import inspection, plan, store_writer
     from dflash.config import Config, replace
     from dflash.dist import DistState
     from dflash.capture import capture_batch, write_shards
@@ -234,7 +237,7 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     row_ids = np.array([s.row_id for s in samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(bucket_edges), config.store.shard_tokens)
     attrs = synthetic_store_attrs(target, codec, bucket_edges, shards)
-    store.create_or_open_store(str(store_dir), attrs, overwrite=True)
+    store_writer.create_or_open_store(str(store_dir), attrs, overwrite=True)
     dist = DistState(rank=0, world_size=1, local_rank=0, device=device)
     synchronize(device)
     start = time.perf_counter()
@@ -395,10 +398,10 @@ def profile_passes(target, batches, samples, bucket_edges, codec: str, args, dev
 
 
 def synthetic_store_attrs(target, codec: str, bucket_edges, shards) -> dict:
-    from dflash import store
+    from dflash import store_format
 
     return {
-        "schema_version": store.SCHEMA_VERSION, "package_version": "bench",
+        "schema_version": store_format.SCHEMA_VERSION, "package_version": "bench",
         "target": {"path": "random-init", "config_hash": "", "model_type": target.model_type,
                    "num_hidden_layers": target.num_layers, "hidden_size": target.hidden_size,
                    "vocab_size": target.vocab_size},
@@ -443,7 +446,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build_target(args, device: torch.device):
-    from dflash.embedded import tiny_target_config
+    from dflash.tiny_target import tiny_target_config
 
     config = tiny_target_config() if args.quick else qwen35_27b_config()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -1,11 +1,11 @@
 """Benchmark stage two: the real training step at the `qwen3.6-27b` drafter size on synthetic data.
 
-Builds the drafter with dflash/trainer.py's own pieces (`build_model`: fp32 master weights,
+Builds the drafter with dflash/train_step.py's own pieces (`build_model`: fp32 master weights,
 `build_optimizer`: fused AdamW, `apply_parallelism`: compiled layers), a frozen random
 248,320 x 5120 bf16 embedding and LM head, and synthetic packed micro-batches of the real
 shape made by `dflash.batch.collate_packed`: sequences from a log-uniform length mix over
 64..4096, random fp8-encoded context features (5 x 5120 per token), loss masks ~70%
-supervised, up to 512 anchors per sequence, block 16. Every step is `dflash.trainer.train_step`.
+supervised, up to 512 anchors per sequence, block 16. Every step is `dflash.train_step.train_step`.
 
 Modes:
   peer     exactly 8,192 source tokens (one 8,192-token sequence) and 512 anchors x 16 per
@@ -15,7 +15,7 @@ Modes:
 After a warm-up over every distinct step (compile, autotune), N steps are timed with CUDA
 events. Reported: ms/step, source tokens/s, anchor-slots/s, MFU by the issue-5 formula,
 peak memory; `--profile DIR` adds a torch.profiler trace and counts host-device syncs;
-`--loader` writes a small synthetic store with dflash.store and measures the DataLoader's
+`--loader` writes a small synthetic store with dflash/store_writer.py and measures the DataLoader's
 own throughput against what the trainer consumes; `--fed-epochs N` then trains N epochs over
 that store fed by the loader, as stage two's loop does, and reports the data-wait fraction.
 `--loader-only --stand-in-tokens-per-s R` does the same on any machine with a stand-in step that
@@ -72,7 +72,7 @@ def build_trainer(config, dist):
     from dflash.drafter import drafter_args
     from dflash.loss import default_gamma, gamma_weights
     from dflash.masks import default_backend
-    from dflash.trainer import TrainContext, apply_parallelism, build_model, build_optimizer
+    from dflash.train_step import TrainContext, apply_parallelism, build_model, build_optimizer
 
     device = dist.device
     # The named size's own mask token (the config's -1 means "the store's choice"; there is no store here).
@@ -203,7 +203,7 @@ def step_flops(args_drafter, source_tokens: int, anchors: int) -> float:
 
 
 def run_step(wrapped, ctx, optimizer, step: list[dict], config):
-    from dflash.trainer import to_device, train_step
+    from dflash.train_step import to_device, train_step
 
     micro_batches = [to_device(batch, ctx.device) for batch in step]
     return train_step(wrapped, ctx, micro_batches, optimizer, config.train.lr, config.train.clip)
@@ -437,7 +437,7 @@ def warning_sites(fn, match: str, depth: int = 12) -> dict:
 
 def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, num_tokens: int, seed: int) -> None:
     """A store of the real row shape (fp8, n x H per token) holding about `num_tokens` tokens."""
-    from dflash import plan, store
+    from dflash import plan, store_format, store_writer
 
     edges = config.store.bucket_edges
     high = min(4096, config.data.max_length)
@@ -445,16 +445,16 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
     lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), num_tokens)) + 1]
     row_ids = np.arange(len(lengths), dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(edges), config.store.shard_tokens)
-    attrs = {"schema_version": store.SCHEMA_VERSION, "codec": "fp8", "hidden_size": args_drafter.hidden_size,
+    attrs = {"schema_version": store_format.SCHEMA_VERSION, "codec": "fp8", "hidden_size": args_drafter.hidden_size,
              "target_layer_ids": list(args_drafter.target_layer_ids), "bucket_edges": list(edges),
              "max_length": high, "target": {"vocab_size": args_drafter.vocab_size}, "config_hash": "bench",
              "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
                          "num_tokens": s.num_tokens} for s in shards]}
-    group = store.create_or_open_store(str(path), attrs, overwrite=True)
+    group = store_writer.create_or_open_store(str(path), attrs, overwrite=True)
     rng = np.random.default_rng(seed)
     rows_per_chunk = config.extract.rows_per_chunk
     for shard in shards:
-        writer = store.ShardWriter(group, shard, lengths, row_ids, codec="fp8",
+        writer = store_writer.ShardWriter(group, shard, lengths, row_ids, codec="fp8",
                                    num_layers=len(args_drafter.target_layer_ids), hidden_size=args_drafter.hidden_size,
                                    rows_per_chunk=rows_per_chunk,
                                    rows_per_zarr_shard=rows_per_chunk * config.extract.chunks_per_file)
@@ -471,24 +471,23 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
 def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     """The trainer's DataLoader (dataset, schedule, collate) over `epochs` epochs of the store, in one loader."""
     from dflash.batch import StoreDataset, build_loader
-    from dflash.dist import DistState
-    from dflash.store import StoreReader
-    from dflash.trainer import pad_multiple, schedule_for
+    from dflash.padding import micro_batch_multiple
+    from dflash.sampler import schedule_for
+    from dflash.store_reader import StoreReader
 
     reader = StoreReader(str(store_dir))
-    dist = DistState(rank=0, world_size=1, local_rank=0, device=ctx.device)
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
     batches = []
     for epoch in range(epochs):
-        schedule = schedule_for(config, reader, np.arange(len(reader)), dist, epoch)
+        schedule = schedule_for(config, reader, np.arange(len(reader)), epoch, 1, config.train.accum_steps)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
-    loader = build_loader(dataset, batches, pad_multiple=pad_multiple(ctx), block_size=ctx.args.block_size,
-                          num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
+    loader = build_loader(dataset, batches, pad_multiple=micro_batch_multiple(ctx.backend),
+                          block_size=ctx.args.block_size, num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
     return reader, batches, loader
 
 
 def measure_fed(config, ctx, store_dir: Path, epochs: int, step_fn, warm_steps: int = 2) -> dict:
-    """Optimizer steps fed by the real loader, as dflash/training.py's loop runs them: `step_fn(micro_batches)`
+    """Optimizer steps fed by the real loader, as dflash/train_loop.py's loop runs them: `step_fn(micro_batches)`
     is the step. The data-wait fraction is the host time blocked in `next(loader)` over the wall
     time of the timed steps (the first `warm_steps` steps, worker start-up and new shapes, are not timed)."""
     _, batches, loader = loader_over_store(config, ctx, store_dir, epochs)
@@ -616,7 +615,7 @@ def run(args, argv, dist) -> int:
         print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
     model, optimizer, wrapped, ctx = build_trainer(config, dist)
     from dflash.drafter import count_parameters
-    from dflash.trainer import pad_multiple
+    from dflash.padding import micro_batch_multiple
 
     say = print if dist.is_main else (lambda *a, **k: None)
     say(f"drafter {config.drafter.size}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
@@ -634,7 +633,7 @@ def run(args, argv, dist) -> int:
         if mode == "peer":
             steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed))
         elif mode == "default":
-            steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, pad_multiple(ctx)))
+            steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, micro_batch_multiple(ctx.backend)))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
@@ -657,7 +656,7 @@ def run(args, argv, dist) -> int:
         measure_loading(args, config, ctx, pool, results, step_fn, args.fed_epochs, say)
     if args.profile and dist.is_main:
         write_results(args.out, results)
-        steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, pad_multiple(ctx)))
+        steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, micro_batch_multiple(ctx.backend)))
         results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
                                            1 if args.quick else 2)
     if dist.is_main:
@@ -750,14 +749,14 @@ def report(args, results: dict) -> None:
         consumed = consumed or results.get("fed", {}).get("stand_in_tokens_per_s", 0.0)
         loader["trainer_tokens_per_s"] = consumed
         loader["headroom"] = loader["tokens_per_s"] / consumed if consumed else None
-        print_table("loader (dflash.trainer.epoch_loader over a synthetic fp8 store)",
+        print_table("loader (dflash.batch.epoch_loader over a synthetic fp8 store)",
                     ["workers", "micro-batches", "tokens/s", "trainer consumes tokens/s", "headroom"],
                     [[loader["num_workers"], loader["micro_batches"], loader["tokens_per_s"], consumed,
                       loader["headroom"] if loader["headroom"] is not None else "n/a"]])
     if "fed" in results:
         fed = results["fed"]
         stand_in = fed.get("stand_in_tokens_per_s")
-        print_table("steps fed by the loader (dflash.training's loop: next(loader), to_device, train_step)"
+        print_table("steps fed by the loader (dflash.train_loop's loop: next(loader), to_device, train_step)"
                     + (f"; stand-in step at {stand_in:,.0f} tokens/s" if stand_in else ""),
                     ["workers", "timed steps", "ms/step", "tokens/s", "data wait"],
                     [[fed["num_workers"], fed["timed_steps"], fed["ms_per_step"], fed["tokens_per_s"],

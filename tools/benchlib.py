@@ -75,8 +75,10 @@ def qwen35_27b_config():
     """The text config of Qwen3.5/3.6-27B (64 layers, [linear x3, full] x16, hidden 5120)."""
     from transformers import Qwen3_5TextConfig
 
+    from dflash.recipe import VOCAB_SIZE
+
     return Qwen3_5TextConfig(
-        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        vocab_size=VOCAB_SIZE, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
         num_attention_heads=24, num_key_value_heads=4, head_dim=256,
         linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
         linear_num_key_heads=16, linear_num_value_heads=48,

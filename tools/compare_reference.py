@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash import evaluation  # noqa: E402
 from dflash.config import load_config  # noqa: E402
+from dflash.dist import resolve_device  # noqa: E402
 from dflash.modeling_dflash import speculative_generate  # noqa: E402
 from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype  # noqa: E402
 from dflash.tokenizer import load_target_tokenizer  # noqa: E402
@@ -108,7 +109,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     config = load_config(args.config, args.overrides)
-    device = evaluation.resolve_device(args.device)
+    device = resolve_device(args.device)
     dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)

@@ -8,7 +8,7 @@ LOGS=${LOGS:-/tmp/dflash-logs}
 WORK=${WORK:-/tmp/dflash-work}
 mkdir -p "$LOGS" "$WORK"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True WANDB_MODE=offline
-dflash=(python3 -m dflash.cli)
+dflash=(python3 -m stages.cli)
 tiny=(--set data.cache_dir="\"$WORK/tiny/cache\"" --set store.path="\"$WORK/tiny/store\"")
 timeout 240 "${dflash[@]}" stage1-extract "${tiny[@]}" 2>&1 | tr '\r' '\n' | grep -v '^extract' > "$LOGS/tiny-stage1.log"
 timeout 300 "${dflash[@]}" stage2-train "${tiny[@]}" --set train.out_dir="\"$WORK/tiny/run\"" --set train.max_steps=60 \

@@ -40,7 +40,7 @@ GENERATE_TIMEOUT=${GENERATE_TIMEOUT:-240}
 STATIC=${STATIC:-auto}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 mkdir -p "$WORK/logs" "$WORK/results" "$LOGS"
-dflash=(python3 -m dflash.cli)
+dflash=(python3 -m stages.cli)
 read -ra extra <<< "${EXTRA:-}"
 common=(-c configs/smollm2-135m.toml --set "target.path=${GGUF:-}"
         --set data.max_length=2048 --set data.num_workers=8 --set "data.cache_dir=$WORK/cache"

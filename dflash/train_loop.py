@@ -1,10 +1,10 @@
-"""A stage-two run: its state and the loop over optimizer steps around `dflash.trainer.train_step`,
-with metrics windows, held-out evaluation, checkpoints (every `train.save_every` steps, at the
-end, on SIGTERM and before stopping on an unreadable sample) and resume. Only logging steps move
-numbers to the host, in one transfer. `stages/train.py` builds the parts and calls `loop`.
+"""A stage-two run: its state and the loop over optimizer steps around dflash/train_step.py's
+`train_step`, with metrics windows (dflash/metrics.py), held-out evaluation, and checkpoints
+(dflash/resume.py; every `train.save_every` steps, at the end, on SIGTERM and before stopping
+on an unreadable sample). Only logging steps move numbers to the host, in one transfer.
+`stages/train.py` builds the parts and calls `loop`.
 """
 
-import dataclasses
 import functools
 import os
 import signal
@@ -16,19 +16,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash.batch import StoreDataset, collate_packed
-from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, read_state, restore_rng_states,
-                               save_checkpoint)
+from dflash.batch import StoreDataset, collate_packed, epoch_loader
 from dflash.compile_cache import artifacts_path, save_compile_artifacts
-from dflash.config import Config, ConfigError, replace
+from dflash.config import Config, ConfigError
 from dflash.dist import DistState
-from dflash.export import require_finite
 from dflash.follow import FollowStopped, FollowTimeout, StoreFollower
-from dflash.metrics import MetricsLogger
-from dflash.sampler import DataCursor, build_epoch_schedule, pack_bucket
-from dflash.store import CorruptShardError, StoreReader
-from dflash.trainer import (StepStats, TrainContext, anchor_counts, epoch_loader, forward_loss, learning_rate,
-                            pad_multiple, to_device, train_step)
+from dflash.metrics import MetricsLogger, StepStats
+from dflash.padding import micro_batch_multiple
+from dflash.resume import save_run
+from dflash.sampler import DataCursor, held_out_micro_batches
+from dflash.store_format import CorruptShardError
+from dflash.store_reader import StoreReader
+from dflash.train_step import TrainContext, evaluate, learning_rate, to_device, train_step
 
 
 @dataclass
@@ -134,7 +133,7 @@ def loop(state: TrainState) -> None:
     config, dist, ctx, result, stop = state.config, state.dist, state.ctx, state.result, state.stop
     reader = state.reader
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
-    loader_options = {"pad_multiple": pad_multiple(ctx), "block_size": ctx.args.block_size}
+    loader_options = {"pad_multiple": micro_batch_multiple(ctx.backend), "block_size": ctx.args.block_size}
     collate = functools.partial(collate_packed, **loader_options)
     eval_micro_batches = {}  # by held-out set size: a following run's set only grows
     bar = tqdm(total=state.total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,
@@ -157,7 +156,8 @@ def loop(state: TrainState) -> None:
         if schedule.num_steps == 0:
             raise ConfigError(f"epoch {state.cursor.epoch} has no optimizer step: too few samples for "
                               f"train.accum_steps x world size micro-batches")
-        iterator = iter(epoch_loader(config, dataset, loader_options, schedule, dist, state.cursor))
+        iterator = iter(epoch_loader(dataset, schedule, dist.rank, state.cursor.step, **loader_options,
+                                     num_workers=config.train.num_workers, pin_memory=dist.device.type == "cuda"))
         for step_in_epoch in range(state.cursor.step, schedule.num_steps):
             if not keep_going(state):
                 break
@@ -187,8 +187,8 @@ def loop(state: TrainState) -> None:
                 window = StepStats(ctx.args.block_size, ctx.device)
             if state.eval_indices.size and (step % config.train.eval_every == 0 or step == state.total_steps):
                 if state.eval_indices.size not in eval_micro_batches:
-                    eval_micro_batches[state.eval_indices.size] = held_out_micro_batches(config, dist, reader,
-                                                                                         state.eval_indices)
+                    eval_micro_batches[state.eval_indices.size] = held_out_micro_batches(
+                        config, reader, state.eval_indices, dist.rank, dist.world_size)
                 try:
                     result.eval_metrics = evaluate(dist, state.wrapped, ctx, dataset, collate,
                                                    eval_micro_batches[state.eval_indices.size])
@@ -196,14 +196,12 @@ def loop(state: TrainState) -> None:
                     raise corrupt_stop(error, state, window) from None
                 state.logger.log(step, {f"eval/{k}": v for k, v in result.eval_metrics.items()})
             if step % config.train.save_every == 0 and step < state.total_steps:
-                window.check_finite(dist)
-                save(state)
+                save(state, window)
             if moved:
                 break
     bar.close()
-    window.check_finite(dist)
     step = state.step
-    result.checkpoint = str(save(state))
+    result.checkpoint = str(save(state, window))
     result.steps = step
     result.losses = torch.stack(losses).tolist() if losses else []  # sync: end of run
     if stop.requested and dist.is_main:
@@ -248,8 +246,7 @@ def follow_stop(error: FollowTimeout, state: TrainState, window: StepStats) -> F
     """Stage one stopped writing: save the steps trained, then stop with what to do."""
     if state.step == state.first_step:
         return error
-    window.check_finite(state.dist)
-    saved = save(state)
+    saved = save(state, window)
     return FollowTimeout(f"{error}. Saved {saved} at step {state.step}")
 
 
@@ -259,8 +256,7 @@ def corrupt_stop(error, state: TrainState, window: StepStats) -> CorruptShardErr
     message = str(error).strip().splitlines()[-1]  # from a DataLoader worker: its traceback, then the error
     message = message.split("CorruptShardError: ", 1)[-1]
     if state.step > state.first_step:
-        window.check_finite(state.dist)
-        saved = save(state)
+        saved = save(state, window)
         message += f". Training stopped before step {state.step + 1}; saved {saved} (continue with --resume)"
     return CorruptShardError(message)
 
@@ -309,99 +305,12 @@ def log_window(config, dist, window: StepStats, lr, timer, logger, step, bar, re
     timer.update(start=time.perf_counter(), wait=0.0)
 
 
-def held_out_micro_batches(config, dist: DistState, reader, eval_indices) -> list:
-    """This rank's share of the first eval_batches held-out micro-batches, fixed for the run."""
-    if not eval_indices.size:
-        return []
-    anchors = anchor_counts(config, reader)
-    try:
-        # world 1, accum 2: only the packing and order matter here (eval never steps).
-        micro_batches = build_epoch_schedule(reader.index["length"], reader.index["bucket"], config.train.token_budget,
-                                             1, 2, config.train.seed, 0, sample_indices=eval_indices,
-                                             anchors=anchors, anchor_budget=config.train.anchor_budget).micro_batches
-    except ValueError:
-        # Too few held-out samples for mixed steps (one sample, or all in one bucket but one): pack them plainly.
-        buckets = reader.index["bucket"][eval_indices]
-        micro_batches = [micro_batch for bucket in np.unique(buckets)
-                         for micro_batch in pack_bucket(eval_indices[buckets == bucket], reader.index["length"],
-                                                        config.train.token_budget, anchors,
-                                                        config.train.anchor_budget)]
-    return micro_batches[dist.rank::dist.world_size][:config.train.eval_batches]
-
-
-@torch.no_grad()
-def evaluate(dist, wrapped, ctx, dataset, collate, micro_batches) -> dict:
-    """Held-out loss, accuracy and tau (epoch 0 anchors, so every evaluation sees the same blocks)."""
-    stats = StepStats(ctx.args.block_size, ctx.device)
-    wrapped.eval()
-    for micro_batch in micro_batches:
-        batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
-        if batch.get("empty"):
-            continue
-        out, valid_AB = forward_loss(wrapped, ctx, batch)
-        stats.add(out, valid_AB, batch)
-    wrapped.train()
-    return stats.summarize(dist, with_grad_norm=False)
-
-
-def save(state: TrainState) -> Path:
-    config, step = state.config, state.step
-    model_state = {k: v.detach() for k, v in state.model.state_dict().items()}  # fp32 master weights
-    require_finite(model_state, f"checkpoint of step {step}")  # sync: save steps only
-    scheduler_state = {"step": step, "tokens_seen": state.result.tokens_seen, "world_size": state.dist.world_size}
-    if state.follower is not None:
-        scheduler_state["follow"] = state.follower.to_dict()
-    return save_checkpoint(config.train.out_dir, step, model_state, state.optimizer.state_dict(), scheduler_state,
-                           state.cursor.to_dict(), capture_rng_states(), config.to_dict(), config.train.keep_last,
-                           is_writer=state.dist.is_main, drafter_args=dataclasses.asdict(state.model.args))
-
-
-def resolve_resume(config: Config, resume: str | None) -> Path | None:
-    if resume is None:
-        return None
-    if resume == "latest":
-        path = latest_checkpoint(config.train.out_dir)
-        if path is None:
-            raise ConfigError(f"--resume: no complete checkpoint in train.out_dir ({config.train.out_dir})")
-        return path
-    return Path(resume)
-
-
-def resume_config(config: Config, path: Path, dist: DistState) -> Config:
-    """The config that resumes `path` on this many ranks with the run's global schedule.
-
-    An optimizer step is world size x `train.accum_steps` micro-batches, and the epoch's schedule
-    (which samples, packed how, mixed in which step) depends on that product alone; the ranks
-    only split each step's micro-batches. So a run written on N ranks resumes on M ranks with
-    `train.accum_steps` = N x accum / M: the same samples in the same optimizer steps, the same
-    learning rates, and losses equal up to the order of the gradient reductions."""
-    state = read_state(path)
-    saved_world = state["scheduler"].get("world_size")
-    saved_accum = state["config"]["train"]["accum_steps"]
-    if saved_world is None:  # checkpoints from before the world size was saved
-        return config
-    step_size = saved_world * saved_accum
-    if dist.world_size * config.train.accum_steps == step_size:
-        return config
-    if step_size % dist.world_size:
-        raise ConfigError(f"--resume {path}: its optimizer steps hold {step_size} micro-batches ({saved_world} ranks x "
-                          f"train.accum_steps {saved_accum}), which {dist.world_size} ranks cannot split evenly; "
-                          f"resume on a number of ranks that divides {step_size}")
-    accum = step_size // dist.world_size
-    if dist.is_main:
-        print(f"resuming a {saved_world}-rank run on {dist.world_size} rank(s): train.accum_steps {config.train.accum_steps} "
-              f"-> {accum}, so every optimizer step keeps its {step_size} micro-batches")
-    return replace(config, train={"accum_steps": accum})
-
-
-def restore(path: Path, model, optimizer, dist: DistState) -> tuple[DataCursor, int, int]:
-    checkpoint = load_checkpoint(path)
-    model.load_state_dict(checkpoint.model_state)
-    optimizer.load_state_dict(checkpoint.optimizer_state)
-    restore_rng_states(checkpoint.rng_states)
-    if dist.is_main:
-        print(f"resumed from {path} at step {checkpoint.step}")
-    return DataCursor.from_dict(checkpoint.data_cursor), checkpoint.step, checkpoint.scheduler_state.get("tokens_seen", 0)
+def save(state: TrainState, window: StepStats) -> Path:
+    """A checkpoint of the run, once no step of the unlogged window was non-finite."""
+    window.check_finite(state.dist)
+    follow_state = state.follower.to_dict() if state.follower is not None else None
+    return save_run(state.config, state.dist, state.model, state.optimizer, state.step, state.cursor,
+                    state.result.tokens_seen, follow_state)
 
 
 def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step,

@@ -1,7 +1,8 @@
 """The `dflash` command line: parses options, loads the config and calls a stage's `run`.
 
 Every command that takes a config reads TOML (`-c`; the embedded tiny default without it)
-and accepts any number of `--set section.key=value` overrides.
+and accepts any number of `--set section.key=value` overrides. It lives beside the stages it
+calls, so the library (dflash/) never imports them; `python -m stages.cli` runs it too.
 """
 
 import errno
@@ -48,7 +49,7 @@ def relaunch_without_gpus(gpus: str) -> None:
             skip = True
         elif not arg.startswith("--gpus="):
             args.append(arg)
-    sys.exit(launch_on_gpus(gpus, args))
+    sys.exit(launch_on_gpus(gpus, "stages.cli", args))
 
 
 def under_torchrun() -> bool:
@@ -180,9 +181,9 @@ def export(checkpoint, out_dir):
     OUT_DIR gets config.json (Qwen3 config with dflash_config) and model.safetensors.
     """
     writes(out_dir)
-    from dflash.export import export_checkpoint
+    from stages import export as export_stage
 
-    path = export_checkpoint(checkpoint, out_dir)
+    path = export_stage.run(checkpoint, out_dir)
     click.echo(f"exported {checkpoint} -> {path}")
 
 

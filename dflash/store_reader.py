@@ -1,0 +1,197 @@
+"""Reading the store: `StoreReader` indexes every complete shard once and reads one sample at a
+time (zarr arrays opened lazily in each process, so the reader can go to DataLoader workers).
+The format is dflash/store_format.py's.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from dflash.store_format import (ATTRS_KEY, COMPLETE_KEY, CorruptShardError, StoreMismatchError, bits_to_bf16,
+                                 check_schema_version, has_target_labels, open_shard, row_array_names, shard_names)
+
+
+def open_existing(path: Any) -> zarr.Group:
+    """The store at `path` for reading; a missing local store is named with what writes it."""
+    if isinstance(path, (str, os.PathLike)) and "://" not in str(path) and not os.path.exists(path):
+        raise FileNotFoundError(f"store.path: there is no store at {path}; `dflash stage1-extract` writes it")
+    return zarr.open_group(path, mode="r")
+
+
+def _read_root_attrs(root: zarr.Group, path: Any) -> dict:
+    attrs = root.attrs.get(ATTRS_KEY)
+    if attrs is None:
+        raise StoreMismatchError(f"{path} has no '{ATTRS_KEY}' attributes: not a dflash store")
+    check_schema_version(attrs, path)
+    return attrs
+
+
+def _shard_index(shard: zarr.Group, codec: str, labels: bool) -> dict[str, np.ndarray]:
+    """Per-sample index of one complete shard; raises if its arrays cannot be opened or read."""
+    names = row_array_names(codec, labels) + ["offsets", "row_ids"]
+    arrays = {name: shard[name] for name in names}
+    offsets = np.asarray(arrays["offsets"][:], dtype=np.int64)
+    row_ids = np.asarray(arrays["row_ids"][:], dtype=np.int64)
+    loss_mask = np.asarray(arrays["loss_mask"][:], dtype=np.int64)
+    lengths = np.diff(offsets)
+    if len(offsets) != len(row_ids) + 1 or offsets[0] != 0 or offsets[-1] != arrays["hidden"].shape[0] \
+            or np.any(lengths <= 0) or len(loss_mask) != offsets[-1]:
+        raise ValueError(f"offsets inconsistent with arrays (offsets[-1]={offsets[-1]}, "
+                         f"hidden rows={arrays['hidden'].shape[0]}, samples={len(row_ids)})")
+    supervised = np.add.reduceat(loss_mask, offsets[:-1]) if len(row_ids) else np.zeros(0, np.int64)
+    return {"start": offsets[:-1], "length": lengths, "row_id": row_ids, "num_supervised": supervised}
+
+
+class StoreReader:
+    """Random access to the samples of every complete shard of a store.
+
+    The sample index (numpy arrays `sample_*`) is built once; zarr arrays are opened lazily
+    in each process and not pickled, so the reader can go to DataLoader workers.
+    `on_corrupt="skip"` skips shards that cannot be opened and records them in `skipped_shards`.
+    `shards` indexes exactly those shards, in that order (a following run's arrival order);
+    `refresh()` appends shards completed since, keeping every earlier sample index.
+    """
+
+    def __init__(self, path: Any, on_corrupt: str = "raise", shards: list[str] | None = None):
+        if on_corrupt not in ("raise", "skip"):
+            raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
+        self.path = path
+        self.on_corrupt = on_corrupt
+        root = open_existing(path)
+        self.attrs = _read_root_attrs(root, path)
+        self.codec: str = self.attrs["codec"]
+        self.hidden_size: int = int(self.attrs["hidden_size"])
+        self.num_layers: int = len(self.attrs["target_layer_ids"])
+        self.has_labels: bool = has_target_labels(self.attrs)
+        self.incomplete_shards: list[str] = []
+        self.skipped_shards: dict[str, str] = {}
+        self.shard_names: list[str] = []
+        self.shard_buckets: list[int] = []
+        self._parts: list[dict] = []
+        self._append(root, shard_names(root) if shards is None else shards, required=shards is not None)
+        self._root: zarr.Group | None = None
+        self._arrays: dict[str, dict[str, Any]] = {}
+
+    @property
+    def planned_shards(self) -> list[str]:
+        """The shard names stage one planned (root attribute `shards`)."""
+        return [entry["name"] for entry in self.attrs.get("shards", [])]
+
+    @property
+    def finished(self) -> bool:
+        """Every planned shard is indexed (or skipped as corrupt): stage one wrote the whole store."""
+        done = set(self.shard_names) | set(self.skipped_shards)
+        return all(name in done for name in self.planned_shards)
+
+    def refresh(self, names: list[str] | None = None) -> list[str]:
+        """Append the shards completed since the index was built (all of `names`, in that order,
+        when given: what another rank found); returns the names appended."""
+        root = open_existing(self.path)
+        known = set(self.shard_names) | set(self.skipped_shards)
+        before = len(self.shard_names)
+        self.incomplete_shards = []
+        self._append(root, [name for name in (shard_names(root) if names is None else names) if name not in known],
+                     required=names is not None)
+        return self.shard_names[before:]
+
+    def _append(self, root: zarr.Group, names: list[str], required: bool = False) -> None:
+        parts = [self._index_shard(root, name, required) for name in names]
+        self._parts += [part for part in parts if part is not None]
+        self._build_index(self._parts)
+
+    def _index_shard(self, root: zarr.Group, name: str, required: bool = False) -> dict | None:
+        try:
+            shard = open_shard(root, name)
+            complete = shard is not None and COMPLETE_KEY in shard.attrs
+            if complete:
+                index = _shard_index(shard, self.codec, self.has_labels)
+                bucket = int(shard.attrs[COMPLETE_KEY]["bucket"])
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if self.on_corrupt == "raise":
+                raise CorruptShardError(f"shard {name} cannot be opened: {reason}") from exc
+            self.skipped_shards[name] = reason
+            return None
+        if not complete:
+            if required:
+                raise CorruptShardError(f"shard {name} is not complete, but this run's checkpoint trained on it")
+            self.incomplete_shards.append(name)
+            return None
+        index["shard"] = np.full(len(index["start"]), len(self.shard_names), dtype=np.int64)
+        index["bucket"] = np.full(len(index["start"]), bucket, dtype=np.int64)
+        self.shard_names.append(name)
+        self.shard_buckets.append(bucket)
+        return index
+
+    def _build_index(self, parts: list[dict]) -> None:
+        def gather(key: str) -> np.ndarray:
+            return np.concatenate([p[key] for p in parts]).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+        self.sample_shard = gather("shard")
+        self.sample_start = gather("start")  # first row of the sample inside its shard
+        self.sample_length = gather("length")
+        self.sample_bucket = gather("bucket")
+        self.sample_num_supervised = gather("num_supervised")
+        self.sample_row_id = gather("row_id")
+        self.sample_local = np.concatenate([np.arange(len(p["start"])) for p in parts]) if parts else np.zeros(0, np.int64)
+        # The per-sample table stage two schedules from (dflash.sampler, dflash.batch).
+        self.index = {"length": self.sample_length, "bucket": self.sample_bucket,
+                      "num_supervised": self.sample_num_supervised, "row_id": self.sample_row_id}
+
+    def __len__(self) -> int:
+        return len(self.sample_length)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_root"], state["_arrays"] = None, {}  # zarr handles are reopened per process
+        state["_parts"] = []  # only refresh() needs them; DataLoader workers read, never refresh
+        return state
+
+    def _shard_arrays(self, name: str) -> dict[str, Any]:
+        if name not in self._arrays:
+            if self._root is None:
+                self._root = zarr.open_group(self.path, mode="r")
+            shard = self._root["shards"][name]
+            self._arrays[name] = {key: shard[key] for key in row_array_names(self.codec, self.has_labels)}
+        return self._arrays[name]
+
+    def read_sample(self, i: int) -> dict:
+        """Sample i: hidden (len, n*H) uint16|uint8, scale (len, n) float32 or None,
+        input_ids int64, loss_mask bool, labels int64 (the target's, or None in a store of data
+        labels), row_id."""
+        name = self.shard_names[self.sample_shard[i]]
+        start = int(self.sample_start[i])
+        stop = start + int(self.sample_length[i])
+        try:
+            arrays = self._shard_arrays(name)
+            sample = {
+                "hidden": arrays["hidden"][start:stop],
+                "scale": arrays["scale"][start:stop] if "scale" in arrays else None,
+                "input_ids": arrays["input_ids"][start:stop].astype(np.int64),
+                "loss_mask": arrays["loss_mask"][start:stop].astype(bool),
+                "labels": arrays["labels"][start:stop].astype(np.int64) if "labels" in arrays else None,
+                "row_id": int(self.sample_row_id[i]),
+            }
+        except Exception as exc:
+            raise CorruptShardError(
+                f"shard {name}: cannot read sample {i} (row {int(self.sample_row_id[i]) + 1}): "
+                f"{type(exc).__name__}: {exc}. Repair: `dflash inspect-cache {self.path} --verify --repair` "
+                f"removes the bad shards, then stage one (same config) rewrites them; or set "
+                f"train.skip_corrupt_shards = true to skip unreadable samples"
+            ) from exc
+        return sample
+
+    def read_frozen_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(embed_tokens, lm_head) as bf16 tensors (vocab, hidden)."""
+        root = zarr.open_group(self.path, mode="r")
+        weights = []
+        for name in ("embed_tokens", "lm_head"):
+            if name not in root or not root[name].attrs.get(COMPLETE_KEY):
+                raise KeyError(f"store {self.path} has no complete '{name}' array")
+            weights.append(bits_to_bf16(root[name][:]))
+        return weights[0], weights[1]

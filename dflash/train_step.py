@@ -1,0 +1,180 @@
+"""Stage two's step and what it needs: the drafter and its context (frozen head, loss weights,
+attention backend), the optimizer and learning rate, parallelism, `forward_loss` on one packed
+micro-batch, `train_step` (forward, backward, clip, step) and `evaluate` on held-out batches.
+
+dflash/train_loop.py runs the loop around them (checkpoints, logging, evaluation); the metric
+sums and the non-finite guard they return are dflash/metrics.py's `StepStats`;
+tools/bench_stage2.py times `train_step` itself. Only logging steps move numbers to the host.
+"""
+
+import functools
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from dflash import codecs
+from dflash.config import Config
+from dflash.dist import DistState
+from dflash.drafter import DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers
+from dflash.export import load_exported
+from dflash.loss import block_labels, default_gamma, dflash_loss, gamma_weights
+from dflash.masks import build_masks, default_backend
+from dflash.metrics import StepStats
+
+
+@dataclass
+class TrainContext:
+    """What every step needs besides the model: frozen head, loss weights, backend."""
+
+    args: DrafterArgs
+    codec: str
+    embed_VH: torch.Tensor
+    lm_head_VH: torch.Tensor
+    weights_B: torch.Tensor
+    backend: str
+    loss_chunk: int
+    device: torch.device
+
+    @property
+    def autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+
+def build_model(config: Config, args: DrafterArgs, dist: DistState) -> DFlashDrafter:
+    """fp32 master weights on the device; a published drafter can be the starting point."""
+    model = DFlashDrafter(args)
+    if config.drafter.init_from:
+        _, state = load_exported(config.drafter.init_from)
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model.to(dist.device)
+
+
+def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
+    # Fused on every device (CPU too since torch 2.4): its step honours `found_inf` (train_step).
+    return torch.optim.AdamW(model.parameters(), lr=config.train.lr, betas=config.train.betas,
+                             weight_decay=config.train.weight_decay, fused=True)
+
+
+def learning_rate(config: Config, step: int, total_steps: int) -> float:
+    """Linear warm-up over warmup_ratio of the run, then cosine or linear decay."""
+    warmup = max(1, round(config.train.warmup_ratio * total_steps))
+    if step < warmup:
+        return config.train.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if config.train.decay == "cosine" else 1 - progress
+    floor = config.train.min_lr_ratio
+    return config.train.lr * (floor + (1 - floor) * shape)
+
+
+def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) -> TrainContext:
+    embed, lm_head = reader.read_frozen_weights()
+    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    backend = default_backend(dist.device) if config.train.attention == "auto" else config.train.attention
+    gamma = config.train.gamma or default_gamma(args.block_size)
+    return TrainContext(args=args, codec=reader.attrs["codec"], embed_VH=embed.to(dist.device, dtype),
+                        lm_head_VH=lm_head.to(dist.device, dtype),
+                        weights_B=gamma_weights(args.block_size, gamma, device=dist.device),
+                        backend=backend, loss_chunk=config.train.loss_chunk, device=dist.device)
+
+
+def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> torch.nn.Module:
+    """Activation checkpointing, compile and DDP are applied here, never in the model."""
+    if config.train.activation_checkpointing:
+        for layer in model.layers:
+            layer.forward = functools.partial(checkpointed_forward, layer.forward)
+    if config.train.compile and dist.device.type == "cuda":
+        # Regional compile of the two mask-free halves of a layer (all matmuls and elementwise
+        # ops), one graph shared by every layer; flex attention is compiled on its own
+        # (dflash.masks). Row counts vary per micro-batch: the second distinct shape compiles a
+        # shape-generic graph.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        compile_layers(model)
+    if not dist.is_distributed:
+        return model
+    device_ids = [dist.device.index] if dist.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def checkpointed_forward(forward, *inputs):
+    return torch.utils.checkpoint.checkpoint(forward, *inputs, use_reentrant=False)
+
+
+def forward_loss(model, ctx: TrainContext, batch: dict):
+    """One packed micro-batch: decode features on the device, run the drafter, chunked loss."""
+    args = ctx.args
+    feature_TF = codecs.decode(batch["hidden"], batch.get("scale"), ctx.codec, len(args.target_layer_ids),
+                               dtype=ctx.embed_VH.dtype)
+    embeds_QH = block_embeddings(ctx.embed_VH, batch["input_ids"], batch["anchor_index"], args.block_size,
+                                 args.mask_token_id)
+    masks = build_masks(batch, args.layer_types, args.sliding_window, block_size=args.block_size,
+                        backend=ctx.backend, device=ctx.device)
+    with ctx.autocast:
+        hidden_QH = model(feature_TF, embeds_QH, batch["position_ids"],
+                          block_positions(batch["anchor_pos"], args.block_size), masks)
+    # A store of target labels trains every slot against the target's greedy token there.
+    labels_AB, valid_AB = block_labels(batch.get("labels", batch["input_ids"]), batch["loss_mask"],
+                                       batch["doc_ids"], batch["anchor_index"], batch["anchor_valid"],
+                                       args.block_size)
+    # The final norm returns float32 under autocast; the loss casts the rows it uses to the head's dtype.
+    out = dflash_loss(hidden_QH, ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B, ctx.loss_chunk,
+                      rows_L=batch.get("label_rows"))
+    return out, valid_AB
+
+
+# Token- and anchor-axis tensors go to the device; per-sample bookkeeping (lengths, bucket,
+# counts) stays on the host so metrics never force a device sync.
+DEVICE_KEYS = ("hidden", "scale", "input_ids", "labels", "loss_mask", "position_ids", "doc_ids",
+               "anchor_pos", "anchor_doc", "anchor_index", "anchor_valid", "label_rows")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) if k in DEVICE_KEYS else v for k, v in batch.items()}
+
+
+def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer, lr: float, clip: float,
+               step: int = -1):
+    """Forward, backward over the accumulated micro-batches, clip, step (skipped on the device when
+    the loss or gradient is not finite). Returns device stats; `step` labels them."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    stats = StepStats(ctx.args.block_size, ctx.device)
+    micro_batches = [batch for batch in micro_batches if not batch.get("empty")]  # all samples skipped
+    if not micro_batches:
+        stats.record_step(torch.zeros(1, device=ctx.device), step)
+        return stats
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        sync_context = wrapped.no_sync() if hasattr(wrapped, "no_sync") and not last else nullcontext()
+        with sync_context:
+            out, valid_AB = forward_loss(wrapped, ctx, batch)
+            (out.loss / len(micro_batches)).backward()
+        stats.add(out, valid_AB, batch)
+    grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
+    finite = torch.isfinite(grad_norm) & ~stats.loss_flags().any()
+    # The fused AdamW skips its whole update on the device when `found_inf` is non-zero (the
+    # interface gradient scalers use): a NaN never reaches the weights, and nothing syncs here.
+    optimizer.found_inf = (~finite).float()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    stats.grad_norm = grad_norm.detach()
+    stats.record_step(torch.cat([stats.loss_flags(), (~finite).reshape(1)]).float(), step)
+    return stats
+
+
+@torch.no_grad()
+def evaluate(dist: DistState, wrapped, ctx: TrainContext, dataset, collate, micro_batches) -> dict:
+    """Held-out loss, accuracy and tau (epoch 0 anchors, so every evaluation sees the same blocks)."""
+    stats = StepStats(ctx.args.block_size, ctx.device)
+    wrapped.eval()
+    for micro_batch in micro_batches:
+        batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
+        if batch.get("empty"):
+            continue
+        out, valid_AB = forward_loss(wrapped, ctx, batch)
+        stats.add(out, valid_AB, batch)
+    wrapped.train()
+    return stats.summarize(dist, with_grad_norm=False)

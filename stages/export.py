@@ -1,0 +1,27 @@
+"""`dflash export`: a training checkpoint directory -> the inference export (dflash/export.py's
+format), with the drafter arguments the checkpoint saved (older checkpoints: from its config,
+a named size or the export it started from).
+"""
+
+from pathlib import Path
+
+from dflash.checkpoint import load_checkpoint
+from dflash.drafter import DrafterArgs, drafter_args
+from dflash.export import export_drafter, load_exported
+
+
+def run(checkpoint: str, out_dir: str) -> Path:
+    """Export `checkpoint` to `out_dir`; returns the export directory."""
+    loaded = load_checkpoint(checkpoint)
+    if loaded.drafter_args is not None:
+        fields = dict(loaded.drafter_args)
+        fields.update(layer_types=tuple(fields["layer_types"]), target_layer_ids=tuple(fields["target_layer_ids"]))
+        return export_drafter(loaded.model_state, DrafterArgs(**fields), out_dir)
+    # Checkpoints from before the drafter arguments were saved: a named size or an export.
+    config = loaded.config
+    if config["drafter"].get("init_from"):
+        args, _ = load_exported(config["drafter"]["init_from"])
+    else:
+        args = drafter_args(config["drafter"]["size"], block_size=config["drafter"]["block_size"],
+                            mask_token_id=config["drafter"]["mask_token_id"])
+    return export_drafter(loaded.model_state, args, out_dir)

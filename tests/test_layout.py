@@ -1,0 +1,94 @@
+"""The package's shape: no import cycle between modules, the library (dflash/) never imports the
+stages, and the command line (stages/cli.py) is what the `dflash` script and `python -m dflash.cli`
+run. Imports are read from the source (every `import`, at the top or inside a function)."""
+
+import ast
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every module of dflash/ and stages/ -> the modules of both that it imports."""
+    paths = {module_name(path): path for folder in ("dflash", "stages") for path in (ROOT / folder).rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module)
+                imported.update(f"{node.module}.{alias.name}" for alias in node.names)  # `from dflash import data`
+        graph[name] = {other for other in imported if other in paths and other != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    assert cycles(import_graph()) == []
+
+
+def test_the_library_never_imports_the_stages():
+    """Only an entry script (`__main__.py`, run and never imported) may start a stage from dflash/."""
+    graph = import_graph()
+    upward = {(name, other) for name, imported in graph.items() if name.startswith("dflash")
+              for other in imported if other.split(".")[0] == "stages" and not name.endswith(".__main__")}
+    assert upward == set()
+    entry_scripts = {name for name in graph if name.endswith(".__main__")}
+    assert not any(graph[name] & entry_scripts for name in graph)
+
+
+def test_the_dflash_command_is_the_stages_command_line():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"dflash": "stages.cli:main"}
+    for module in ("stages.cli", "dflash.cli"):
+        result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT)
+        assert result.returncode == 0, result.stderr
+        assert "stage2-train" in result.stdout
+
+
+def test_test_files_share_helpers_through_support_or_conftest_only():
+    tests = ROOT / "tests"
+    test_modules = {path.stem for path in tests.glob("test_*.py")}
+    imported = {(path.name, alias) for path in tests.glob("*.py")
+                for node in ast.walk(ast.parse(path.read_text(), str(path)))
+                for alias in ([a.name for a in node.names] if isinstance(node, ast.Import)
+                              else [node.module] if isinstance(node, ast.ImportFrom) else [])
+                if alias in test_modules}
+    assert imported == set()
