@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from dflash.codecs import CODECS
-from dflash.data import OVERLONG_POLICIES
+from dflash.data.samples import OVERLONG_POLICIES
 from dflash.errors import DflashError
-from dflash.masks import BACKENDS as ATTENTION_BACKENDS
-from dflash.metrics import WANDB_MODES
+from dflash.model.masks import BACKENDS as ATTENTION_BACKENDS
 from dflash.recipe import BLOCK_SIZE
-from dflash.store_format import LABEL_CHOICES
+from dflash.store.codecs import CODECS
+from dflash.store.schema import LABEL_CHOICES
+from dflash.train.metrics import WANDB_MODES
 
 DEFAULT_ROOT = "/data/dflash"
 
@@ -143,7 +143,7 @@ class TrainConfig:
     skip_corrupt_shards: bool = setting(False, "skip (and count) shards and samples that cannot be read instead "
                                         "of stopping")
     log_grad_norm: bool = setting(False, "log the gradient norm (one more reduction per logging step)")
-    follow: bool = setting(False, "train on a store that stage one is still writing (dflash/follow.py): new shards "
+    follow: bool = setting(False, "train on a store that stage one is still writing (dflash/train/follow.py): new shards "
                            "join the first epoch at fixed points, every step still mixes lengths (waiting for "
                            "shards when it cannot), later epochs start once the store is finished "
                            "(stage2-train --follow)")

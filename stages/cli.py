@@ -211,7 +211,7 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new
 
     The target is the config's target.path (checkpoint directory, .gguf file or embedded:tiny).
     For every prompt the target decodes once plainly and once with the drafter (the loop in
-    dflash/modeling_dflash.py that exports carry). Prints the acceptance length tau (tokens
+    dflash/model/modeling_dflash.py that exports carry). Prints the acceptance length tau (tokens
     committed per target forward), its histogram, per-slot acceptance, the speedup over
     plain greedy decoding, and whether the outputs are identical (temperature 0; where they
     differ, the target's logits there tell a rounding near-tie of a bf16 target from a real

@@ -3,14 +3,14 @@
 `run(config, options)` loads the target (`target.path`: a checkpoint directory, a GGUF file or
 the embedded tiny target) and one or more exports, takes prompts (the held-out split of the
 config's store, or any data source), and for each prompt decodes plainly once (greedy, the
-baseline) and then speculatively with each drafter through `dflash.modeling_dflash` (the class
+baseline) and then speculatively with each drafter through `dflash.model.modeling_dflash` (the class
 and loop an export serves). Several drafters (checkpoints of one run, or rival runs) share the
 prompts and the baseline. For each it reports the acceptance
 length tau (tokens committed per verifying target forward), its histogram over 1..B, the
 acceptance of each block slot, the wall-clock speedup over the baseline (on CUDA every loop
 decodes the first prompt once untimed first), and, at temperature 0, whether the speculative output equals
 the baseline token for token, telling rounding near-ties of a bf16 target apart from real
-mismatches. The decoding, results and report are `dflash.evaluation`'s.
+mismatches. The decoding, results and report are `dflash.serve.evaluation`'s.
 
 Prompts end where the answer starts: a held-out sample's tokens before its first supervised
 token (the chat template's generation prompt included), or a row's conversation before its
@@ -24,12 +24,13 @@ import torch
 from tqdm import tqdm
 
 from dflash.config import Config
+from dflash.data.tokenizer import load_target_tokenizer
 from dflash.dist import resolve_device
-from dflash.evaluation import (HELDOUT, EvalResult, decode_prompt, load_drafter, load_prompts, plot, print_report,
-                               summarize, timed, warm_up, write_json)
-from dflash.modeling_dflash import greedy_generate
-from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
-from dflash.tokenizer import load_target_tokenizer
+from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
+from dflash.model.modeling_dflash import greedy_generate
+from dflash.serve.evaluation import (HELDOUT, EvalResult, decode_prompt, load_drafter, load_prompts, plot, print_report,
+                                     summarize, timed, warm_up, write_json)
+
 
 @dataclass(frozen=True)
 class EvalOptions:

@@ -1,13 +1,13 @@
-"""`dflash export`: a training checkpoint directory -> the inference export (dflash/export.py's
+"""`dflash export`: a training checkpoint directory -> the inference export (dflash/model/export.py's
 format), with the drafter arguments the checkpoint saved (older checkpoints: from its config,
 a named size or the export it started from).
 """
 
 from pathlib import Path
 
-from dflash.checkpoint import load_checkpoint
-from dflash.drafter import DrafterArgs, drafter_args
-from dflash.export import export_drafter, load_exported
+from dflash.model.drafter import DrafterArgs, drafter_args
+from dflash.model.export import export_drafter, load_exported
+from dflash.train.checkpoint import load_checkpoint
 
 
 def run(checkpoint: str, out_dir: str) -> Path:

@@ -2,8 +2,8 @@
 
 `run(config)` wires the library together: tokenize (cached) -> plan buckets and shards ->
 create or check the store -> per rank, run the target over each missing shard in
-right-padded batches and commit the shard atomically (dflash/capture.py, whose writer
-processes in dflash/writers.py compress and write while the target runs).
+right-padded batches and commit the shard atomically (dflash/extract/capture.py, whose writer
+processes in dflash/extract/writers.py compress and write while the target runs).
 """
 
 import time
@@ -12,12 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash import codecs, data, plan, store_format, store_writer
-from dflash.capture import write_shards
 from dflash.config import Config
+from dflash.data import samples
+from dflash.data.tokenizer import choose_mask_token, load_target_tokenizer
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
-from dflash.target import compile_decoder_layers, load_target, prepare_checkpoint_in_order, target_dtype
-from dflash.tokenizer import choose_mask_token, load_target_tokenizer
+from dflash.extract import plan
+from dflash.extract.capture import write_shards
+from dflash.extract.target import compile_decoder_layers, load_target, prepare_checkpoint_in_order, target_dtype
+from dflash.store import codecs
+from dflash.store import schema as store_format
+from dflash.store import writer as store_writer
+
 
 @dataclass
 class ExtractResult:
@@ -80,10 +85,10 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     return result
 
 
-def tokenize_in_order(config: Config, tokenizer, dist: DistState) -> data.TokenizedData:
+def tokenize_in_order(config: Config, tokenizer, dist: DistState) -> samples.TokenizedData:
     """Rank 0 tokenizes (and fills the cache) first; the other ranks then read the cache."""
     def tokenize():
-        return data.tokenize_rows(
+        return samples.tokenize_rows(
             config.data.source, tokenizer, split=config.data.split,
             max_length=config.data.max_length, overlong=config.data.overlong,
             min_supervised=config.drafter.block_size, strict=config.data.strict,
@@ -103,12 +108,13 @@ def open_store_in_order(config: Config, attrs: dict, dist: DistState):
 
 def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) -> dict:
     """The store's root attributes: what stage one knows of the target and tokenizer, laid out by
-    the store's format (dflash/store_format.py)."""
+    the store's format (dflash/store/schema.py)."""
     from transformers import AutoConfig
 
-    from dflash.gguf import is_gguf
-    from dflash.target import default_layer_ids, describe_target_config, text_config_summary, weights_fingerprint
-    from dflash.tokenizer import tokenizer_identity
+    from dflash.data.tokenizer import tokenizer_identity
+    from dflash.extract.gguf import is_gguf
+    from dflash.extract.target import (default_layer_ids, describe_target_config, text_config_summary,
+                                       weights_fingerprint)
 
     target_config = AutoConfig.from_pretrained(str(target_path))
     target_info = describe_target_config(target_config, str(target_path))
@@ -123,7 +129,7 @@ def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) ->
         num_truncated=sum(sample.truncated for sample in samples), shards=shards)
 
 
-def report_data(tokenized: data.TokenizedData, num_shards: int, num_done: int, max_length: int) -> None:
+def report_data(tokenized: samples.TokenizedData, num_shards: int, num_done: int, max_length: int) -> None:
     kept = len(tokenized.samples)
     print(f"data: {tokenized.num_rows} rows, {kept} kept, {tokenized.num_rows - kept} skipped, "
           f"{tokenized.num_truncated} cut at data.max_length ({max_length} tokens)")

@@ -11,7 +11,7 @@ source, `sample` 0 the greedy answer and 1.. the sampled ones, `cut` says the an
 --max-new-tokens).
 
 The rows are planned first, in source order, into shards of `--rows-per-shard` prompts; the
-answers of every shard still to write stream through one engine (dflash/generation.py; the
+answers of every shard still to write stream through one engine (dflash/serve/generation.py; the
 slots engine takes them in windows of a few thousand, longest prompt first), and each shard is
 written atomically as `part-NNNNN.jsonl` once its answers are in, its rows in prompt and sample
 order, so a killed run resumes where it stopped (finished shards are kept) and writes the same
@@ -27,18 +27,17 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from dflash import data
 from dflash.config import Config, ConfigError
+from dflash.data import chat
+from dflash.data.tokenizer import load_target_tokenizer, tokenizer_identity
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
-from dflash.generation import (ENGINES, Answer, Generator, Job, Prompt, output_row, prepare_output, read_prompts,
-                               sample_indices, shard_path)
+from dflash.extract.target import (load_causal_lm, prepare_checkpoint_in_order, stop_token_ids, target_dtype,
+                                   weights_fingerprint)
 from dflash.outputs import write_text_atomic
-from dflash.target import (load_causal_lm, prepare_checkpoint_in_order, stop_token_ids, target_dtype,
-                           weights_fingerprint)
-from dflash.tokenizer import load_target_tokenizer, tokenizer_identity
+from dflash.serve.generation import (ENGINES, Answer, Generator, Job, Prompt, output_row, prepare_output, read_prompts,
+                                     sample_indices, shard_path)
 
 
 @dataclass(frozen=True)
@@ -173,7 +172,7 @@ def content_identity(config: Config, options: GenerateOptions, checkpoint: Path,
     """What the answers depend on: the rows, the target, its template and the decoding settings
     (not the batch size, device or number of processes)."""
     return {
-        "source": data.content_fingerprint(config.data.source, config.data.split),
+        "source": chat.content_fingerprint(config.data.source, config.data.split),
         "target_weights": weights_fingerprint(checkpoint),
         "tokenizer": tokenizer_identity(tokenizer)["hash"],
         "max_length": config.data.max_length,

@@ -1,7 +1,7 @@
 """`dflash inspect-cache`: print bucket and shard statistics of a store, verify it, plot lengths.
 
 `run` returns a plain dict (statistics, the verification report, `ok`); the CLI maps
-`ok == False` to exit code 1. Verification, statistics and the tables are dflash/inspection.py's.
+`ok == False` to exit code 1. Verification, statistics and the tables are dflash/store/inspection.py's.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dflash.inspection import plot_lengths, print_report, repair_store, store_stats, verify_store
+from dflash.store.inspection import plot_lengths, print_report, repair_store, store_stats, verify_store
 
 
 def run(store_path: Any, as_json: bool = False, verify: bool = False,

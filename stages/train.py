@@ -1,29 +1,29 @@
 """Stage two: train the DFlash drafter from a stage-one store.
 
 `run(config, resume)` wires the library together: open the store, size the drafter for it and
-refuse a store that does not match (dflash/sizing.py), build the drafter and its optimizer
-(dflash/train_step.py) and the per-epoch schedules of mixed-length micro-batches
-(dflash/sampler.py), restore a checkpoint on `--resume` (dflash/resume.py), and run the loop
-with metrics, held-out evaluation and checkpoints (dflash/train_loop.py). With `train.follow` the store may still be being written: the follower
-(dflash/follow.py) schedules the first epoch as shards arrive.
+refuse a store that does not match (dflash/train/sizing.py), build the drafter and its optimizer
+(dflash/train/step.py) and the per-epoch schedules of mixed-length micro-batches
+(dflash/train/sampler.py), restore a checkpoint on `--resume` (dflash/train/resume.py), and run the loop
+with metrics, held-out evaluation and checkpoints (dflash/train/loop.py). With `train.follow` the store may still be being written: the follower
+(dflash/train/follow.py) schedules the first epoch as shards arrive.
 """
 
 import os
 
 import torch
 
-from dflash.checkpoint import read_state
-from dflash.compile_cache import artifacts_to_load, load_compile_artifacts
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
-from dflash.follow import StoreFollower, wait_for_store
-from dflash.metrics import MetricsLogger
-from dflash.resume import resolve_resume, restore, resume_config
-from dflash.sampler import DataCursor, schedule_for, split_holdout
-from dflash.sizing import build_drafter_args, check_labels
-from dflash.store_reader import StoreReader
-from dflash.train_loop import StopFlag, TrainResult, TrainState, loop, print_plan
-from dflash.train_step import apply_parallelism, build_context, build_model, build_optimizer
+from dflash.store.reader import StoreReader
+from dflash.train.checkpoint import read_state
+from dflash.train.compile_cache import artifacts_to_load, load_compile_artifacts
+from dflash.train.follow import StoreFollower, wait_for_store
+from dflash.train.loop import StopFlag, TrainResult, TrainState, loop, print_plan
+from dflash.train.metrics import MetricsLogger
+from dflash.train.resume import resolve_resume, restore, resume_config
+from dflash.train.sampler import DataCursor, schedule_for, split_holdout
+from dflash.train.sizing import build_drafter_args, check_labels
+from dflash.train.step import apply_parallelism, build_context, build_model, build_optimizer
 
 
 def run(config: Config, resume: str | None = None) -> TrainResult:

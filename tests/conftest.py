@@ -24,15 +24,15 @@ def tokenizer_cache_dir() -> Path:
 @pytest.fixture(scope="session")
 def qwen_tokenizer(tokenizer_cache_dir):
     """The real Qwen3.5/3.6 tokenizer with our ChatML template, built once and cached across sessions."""
-    from dflash.tokenizer import build_qwen_tokenizer
+    from dflash.data.tokenizer import build_qwen_tokenizer
 
     return build_qwen_tokenizer(tokenizer_cache_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory, tokenizer_cache_dir):
-    """A tiny random Qwen3.5 checkpoint with our tokenizer (dflash.tiny_target.build_tiny_target), once per session."""
-    from dflash.tiny_target import build_tiny_target
+    """A tiny random Qwen3.5 checkpoint with our tokenizer (dflash.extract.tiny_target.build_tiny_target), once per session."""
+    from dflash.extract.tiny_target import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny-target") / "target", tokenizer_cache_dir)
 
@@ -40,7 +40,7 @@ def tiny_target_dir(tmp_path_factory, tokenizer_cache_dir):
 @pytest.fixture(scope="session")
 def embedded_cache_dir(tmp_path_factory, tokenizer_cache_dir) -> Path:
     """A `data.cache_dir` whose embedded tiny target (`target-tiny`) is built once per session."""
-    from dflash.tiny_target import build_tiny_target
+    from dflash.extract.tiny_target import build_tiny_target
 
     cache_dir = tmp_path_factory.mktemp("embedded-cache")
     build_tiny_target(cache_dir / "target-tiny", tokenizer_cache_dir)
@@ -53,7 +53,7 @@ def pipeline_config(embedded_cache_dir):
     folder; `extra_toml` adds the sections a test needs. Returns the config path."""
     import json
 
-    from dflash.embedded import code_chat_rows
+    from dflash.data.embedded import code_chat_rows
 
     def write(root: Path, first_rows: int, last_rows: int, extra_toml: str) -> Path:
         rows = code_chat_rows()

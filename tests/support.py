@@ -11,11 +11,11 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from dflash.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
-from dflash.loss import block_labels, dflash_loss, gamma_weights
-from dflash.masks import PADDING_DOC, build_masks
-from dflash.plan import ShardPlan
-from dflash.sampler import DataCursor, EpochSchedule, build_epoch_schedule
+from dflash.extract.plan import ShardPlan
+from dflash.model.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
+from dflash.model.loss import block_labels, dflash_loss, gamma_weights
+from dflash.model.masks import PADDING_DOC, build_masks
+from dflash.train.sampler import DataCursor, EpochSchedule, build_epoch_schedule
 
 
 def reference_dense_mask(ctx_doc, ctx_pos, anchor_doc, anchor_pos, block_size: int, window: int | None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from dflash.anchors import anchor_rng, eligible_anchors, sample_anchors
+from dflash.model.anchors import anchor_rng, eligible_anchors, sample_anchors
 
 
 def random_loss_mask(rng: np.random.Generator, length: int) -> np.ndarray:

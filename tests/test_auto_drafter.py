@@ -4,11 +4,11 @@ import pytest
 from transformers import LlamaConfig, Qwen3_5TextConfig
 
 from dflash.config import ConfigError, load_config
-from dflash.drafter import DFlashDrafter, auto_drafter_args, count_parameters
-from dflash.tiny_target import tiny_target_config
-from dflash.target import default_layer_ids, text_config_summary
-from dflash import sizing
-from dflash.store_format import StoreMismatchError
+from dflash.extract.target import default_layer_ids, text_config_summary
+from dflash.extract.tiny_target import tiny_target_config
+from dflash.model.drafter import DFlashDrafter, auto_drafter_args, count_parameters
+from dflash.store.schema import StoreMismatchError
+from dflash.train import sizing
 
 
 def smollm2_config() -> LlamaConfig:

@@ -1,13 +1,13 @@
-"""Tests for the stage-two dataset, packed collate and loader (dflash/batch.py)."""
+"""Tests for the stage-two dataset, packed collate and loader (dflash/train/batch.py)."""
 
 import numpy as np
 import pytest
 import torch
-
-from dflash.batch import StoreDataset, build_loader, collate_packed
-from dflash.loss import block_labels
-from dflash.sampler import DataCursor
 from support import MicroBatchSampler
+
+from dflash.model.loss import block_labels
+from dflash.train.batch import StoreDataset, build_loader, collate_packed
+from dflash.train.sampler import DataCursor
 
 NUM_LAYERS, HIDDEN = 2, 4
 BLOCK_SIZE = 4

@@ -6,17 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.checkpoint import (
-    capture_rng_states,
-    flatten_optimizer_state,
-    latest_checkpoint,
-    load_checkpoint,
-    restore_rng_states,
-    save_checkpoint,
-    unflatten_optimizer_state,
-)
-from dflash.drafter import DFlashDrafter, block_positions, drafter_args
-from dflash.masks import build_masks
+from dflash.model.drafter import DFlashDrafter, block_positions, drafter_args
+from dflash.model.masks import build_masks
+from dflash.train.checkpoint import (capture_rng_states, flatten_optimizer_state, latest_checkpoint, load_checkpoint,
+                                     restore_rng_states, save_checkpoint, unflatten_optimizer_state)
 
 
 def build_training(seed: int):
@@ -197,8 +190,8 @@ def test_checkpoints_and_exports_follow_the_umask(tmp_path):
     import os
     import stat
 
-    from dflash.drafter import DFlashDrafter, drafter_args
-    from dflash.export import export_drafter
+    from dflash.model.drafter import DFlashDrafter, drafter_args
+    from dflash.model.export import export_drafter
 
     previous = os.umask(0o022)
     try:

@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 
 from dflash import config as config_module
+from dflash.extract.writers import describe_failure
 from stages.cli import main, one_line
-from dflash.writers import describe_failure
 
 
 def invoke(*args, env=None):

@@ -11,10 +11,10 @@ import pytest
 import torch
 import zarr
 
-from dflash import codecs
 from dflash.config import load_config, replace
-from dflash.inspection import store_stats
-from dflash.store_reader import StoreReader
+from dflash.store import codecs
+from dflash.store.inspection import store_stats
+from dflash.store.reader import StoreReader
 from stages import extract, train
 
 pytestmark = pytest.mark.slow

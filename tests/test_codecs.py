@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dflash.codecs import CODECS, FP8_E4M3_MAX, bytes_per_token_raw, decode, encode
+from dflash.store.codecs import CODECS, FP8_E4M3_MAX, bytes_per_token_raw, decode, encode
 
 
 def activation_like(num_tokens, num_layers, hidden_size, seed):

@@ -1,9 +1,9 @@
-"""Compile artifacts kept with a run (dflash/compile_cache.py): written after a compile, loaded by a
+"""Compile artifacts kept with a run (dflash/train/compile_cache.py): written after a compile, loaded by a
 later process, a missing or unreadable file is no error (torch compiles as it would without it)."""
 
 import torch
 
-from dflash.compile_cache import artifacts_path, artifacts_to_load, load_compile_artifacts, save_compile_artifacts
+from dflash.train.compile_cache import artifacts_path, artifacts_to_load, load_compile_artifacts, save_compile_artifacts
 
 
 def test_artifacts_round_trip_and_a_bad_file_is_not_used(tmp_path, monkeypatch):

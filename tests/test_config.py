@@ -68,12 +68,17 @@ def test_unknown_section_and_malformed_override(tmp_path):
 def test_choices_and_rules_are_read_from_each_fields_own_setting():
     """A key's meaning, choices and positivity are written once, on its field; the choices are the
     owning modules' own tuples."""
-    from dflash import codecs, config, data, masks, metrics, store_format
+    from dflash import config
+    from dflash.data import samples
+    from dflash.model import masks
+    from dflash.store import codecs
+    from dflash.store import schema as store_format
+    from dflash.train import metrics
 
     fields = dict(config.key_fields(load_config()))
     assert fields["store.codec"].metadata["choices"] == codecs.CODECS
     assert fields["store.labels"].metadata["choices"] == store_format.LABEL_CHOICES
-    assert fields["data.overlong"].metadata["choices"] == data.OVERLONG_POLICIES
+    assert fields["data.overlong"].metadata["choices"] == samples.OVERLONG_POLICIES
     assert fields["train.wandb"].metadata["choices"] == metrics.WANDB_MODES
     assert fields["train.attention"].metadata["choices"] == ("auto", *masks.BACKENDS)
     with pytest.raises(ConfigError, match="store.codec must be one of bf16, fp8, got 'zstd'"):

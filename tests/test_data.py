@@ -9,26 +9,27 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash import data
-from dflash.data import BadRowError, read_rows, tokenize_rows
-from dflash.tokenizer import CHATML_TEMPLATE
+from dflash.data import chat, samples
+from dflash.data.chat import BadRowError, read_rows
+from dflash.data.samples import tokenize_rows
+from dflash.data.tokenizer import CHATML_TEMPLATE
 
 
-def chat(user: str, answer: str, system: str | None = None) -> dict:
+def conversation(user: str, answer: str, system: str | None = None) -> dict:
     messages = [{"role": "system", "content": system}] if system else []
     return {"messages": messages + [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
 
 
 LONG_ANSWER = " ".join(f"word{i}" for i in range(300))
-GOOD = chat("What is the capital of France?", "The capital of France is Paris, a city on the Seine.")
+GOOD = conversation("What is the capital of France?", "The capital of France is Paris, a city on the Seine.")
 # One row per bad-row reason, in the order they appear in BAD_ROWS.
 BAD_ROWS = {
-    data.BAD_INVALID_JSON: data.InvalidLine("rows.jsonl", 2, "Expecting value: line 1 column 1 (char 0)"),
-    data.BAD_MISSING_FIELDS: {"text": "just text, no conversation"},
-    data.BAD_EMPTY: {"messages": []},
-    data.BAD_NO_ASSISTANT_TURN: {"messages": [{"role": "user", "content": "anyone there?"}]},
-    data.BAD_TOO_FEW_SUPERVISED: chat("Say ok.", "ok"),
-    data.BAD_ROLE: {"messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42."}]},
+    chat.BAD_INVALID_JSON: chat.InvalidLine("rows.jsonl", 2, "Expecting value: line 1 column 1 (char 0)"),
+    chat.BAD_MISSING_FIELDS: {"text": "just text, no conversation"},
+    chat.BAD_EMPTY: {"messages": []},
+    chat.BAD_NO_ASSISTANT_TURN: {"messages": [{"role": "user", "content": "anyone there?"}]},
+    chat.BAD_TOO_FEW_SUPERVISED: conversation("Say ok.", "ok"),
+    chat.BAD_ROLE: {"messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "It is 42."}]},
 }
 
 
@@ -38,7 +39,7 @@ def tokenize(rows, tokenizer, **kwargs):
 
 
 def test_loss_mask_covers_assistant_tokens_and_their_end(qwen_tokenizer):
-    row = chat("Hi", "Hello there!", system="Be brief.")
+    row = conversation("Hi", "Hello there!", system="Be brief.")
     row["messages"] += [{"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye."}]
     (sample,) = tokenize([row], qwen_tokenizer).samples
     assert sample.input_ids.dtype == np.int32 and sample.loss_mask.dtype == np.uint8
@@ -52,10 +53,10 @@ def test_rendering_path_matches_generation_mask(qwen_tokenizer):
     """A template without {% generation %} (like a checkpoint's own) gives the same masks."""
     plain = copy.copy(qwen_tokenizer)
     plain.chat_template = re.sub(r"\{%-?\s*(end)?generation\s*-?%\}", "", CHATML_TEMPLATE)
-    assert not data.template_marks_generation(plain)
-    reasoning = chat("2+2?", "  4  ")
+    assert not samples.template_marks_generation(plain)
+    reasoning = conversation("2+2?", "  4  ")
     reasoning["messages"][-1]["reasoning_content"] = "two and two"
-    rows = [chat("Hi", "\nHello there!  ", system="Be brief."), reasoning, GOOD]
+    rows = [conversation("Hi", "\nHello there!  ", system="Be brief."), reasoning, GOOD]
     rows[0]["messages"] += [{"role": "user", "content": "more"}, {"role": "assistant", "content": "Sure: more."}]
     expected = tokenize(rows, qwen_tokenizer, min_supervised=1).samples
     derived = tokenize(rows, plain, min_supervised=1).samples
@@ -65,24 +66,24 @@ def test_rendering_path_matches_generation_mask(qwen_tokenizer):
 
 
 def test_every_bad_row_reason_is_counted(qwen_tokenizer):
-    rows = [GOOD] + list(BAD_ROWS.values()) + [chat("Tell me a story.", LONG_ANSWER), GOOD]
+    rows = [GOOD] + list(BAD_ROWS.values()) + [conversation("Tell me a story.", LONG_ANSWER), GOOD]
     result = tokenize(rows, qwen_tokenizer, overlong="drop")
     assert result.num_rows == len(rows)
     assert [s.row_id for s in result.samples] == [0, len(rows) - 1]
-    expected = {reason: 1 for reason in BAD_ROWS} | {data.BAD_OVERLONG: 1}
+    expected = {reason: 1 for reason in BAD_ROWS} | {chat.BAD_OVERLONG: 1}
     assert result.bad_rows == expected
-    assert set(expected) == set(data.BAD_ROW_REASONS)
-    assert result.examples[data.BAD_ROLE] == [1 + list(BAD_ROWS).index(data.BAD_ROLE)]
-    assert result.examples[data.BAD_OVERLONG] == [len(rows) - 2]
+    assert set(expected) == set(chat.BAD_ROW_REASONS)
+    assert result.examples[chat.BAD_ROLE] == [1 + list(BAD_ROWS).index(chat.BAD_ROLE)]
+    assert result.examples[chat.BAD_OVERLONG] == [len(rows) - 2]
 
 
 @pytest.mark.parametrize(
     "row,reason",
     [
-        ({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}, data.BAD_MISSING_FIELDS),
-        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "   "}]}, data.BAD_EMPTY),
-        ({"conversations": [{"from": "bing", "value": "hi"}, {"from": "gpt", "value": "hello"}]}, data.BAD_ROLE),
-        ({"prompt": "only a prompt"}, data.BAD_MISSING_FIELDS),
+        ({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}, chat.BAD_MISSING_FIELDS),
+        ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "   "}]}, chat.BAD_EMPTY),
+        ({"conversations": [{"from": "bing", "value": "hi"}, {"from": "gpt", "value": "hello"}]}, chat.BAD_ROLE),
+        ({"prompt": "only a prompt"}, chat.BAD_MISSING_FIELDS),
     ],
 )
 def test_more_bad_rows(qwen_tokenizer, row, reason):
@@ -90,30 +91,30 @@ def test_more_bad_rows(qwen_tokenizer, row, reason):
 
 
 def test_strict_mode_names_the_row(qwen_tokenizer):
-    rows = [GOOD, GOOD, BAD_ROWS[data.BAD_NO_ASSISTANT_TURN], BAD_ROWS[data.BAD_EMPTY]]
+    rows = [GOOD, GOOD, BAD_ROWS[chat.BAD_NO_ASSISTANT_TURN], BAD_ROWS[chat.BAD_EMPTY]]
     with pytest.raises(BadRowError, match=r"row 3: no_assistant_turn") as caught:  # rows count from 1
         tokenize(rows, qwen_tokenizer, strict=True)
-    assert (caught.value.row_id, caught.value.reason) == (2, data.BAD_NO_ASSISTANT_TURN)
+    assert (caught.value.row_id, caught.value.reason) == (2, chat.BAD_NO_ASSISTANT_TURN)
 
 
 def test_truncate_versus_drop(qwen_tokenizer):
-    rows = [chat("Tell me a story.", LONG_ANSWER)]
+    rows = [conversation("Tell me a story.", LONG_ANSWER)]
     (sample,) = tokenize(rows, qwen_tokenizer, max_length=32).samples
     (full,) = tokenize(rows, qwen_tokenizer, max_length=4096).samples
     assert len(sample) == 32 and len(full) > 32
     assert np.array_equal(sample.input_ids, full.input_ids[:32])
     assert np.array_equal(sample.loss_mask, full.loss_mask[:32])
     dropped = tokenize(rows, qwen_tokenizer, max_length=32, overlong="drop")
-    assert dropped.samples == [] and dropped.bad_rows == {data.BAD_OVERLONG: 1}
+    assert dropped.samples == [] and dropped.bad_rows == {chat.BAD_OVERLONG: 1}
     # Truncation that cuts away the supervised tokens makes the row too_few_supervised.
     cut = tokenize(rows, qwen_tokenizer, max_length=12, min_supervised=4)
-    assert cut.bad_rows == {data.BAD_TOO_FEW_SUPERVISED: 1}
+    assert cut.bad_rows == {chat.BAD_TOO_FEW_SUPERVISED: 1}
 
 
 def test_row_formats_give_the_same_tokens(qwen_tokenizer):
     system, prompt, answer = "You are helpful.", "Add 2 and 3.", "2 + 3 = 5."
     rows = [
-        chat(prompt, answer, system=system),
+        conversation(prompt, answer, system=system),
         {
             "conversations": [
                 {"from": "system", "value": system},
@@ -143,7 +144,7 @@ def write_files(directory, rows):
 
 
 def test_file_formats_and_directory_order(tmp_path):
-    rows = [chat(f"question {i}", f"answer {i}") for i in range(6)]
+    rows = [conversation(f"question {i}", f"answer {i}") for i in range(6)]
     write_files(tmp_path, rows)
     assert list(read_rows(str(tmp_path))) == list(enumerate(rows))
     assert [r for _, r in read_rows(str(tmp_path / "c" / "d.parquet"))] == rows[4:]
@@ -154,25 +155,25 @@ def test_file_formats_and_directory_order(tmp_path):
     broken.write_text(json.dumps(rows[0]) + "\n{not json\n")
     (_, first), (row_id, invalid) = read_rows(str(broken))  # a broken line takes a row's place
     assert first == rows[0] and row_id == 1
-    assert isinstance(invalid, data.InvalidLine) and invalid.line_number == 2 and invalid.path == str(broken)
+    assert isinstance(invalid, chat.InvalidLine) and invalid.line_number == 2 and invalid.path == str(broken)
     with pytest.raises(FileNotFoundError):
         list(read_rows(str(tmp_path / "missing.jsonl")))
 
 
 def test_source_string_and_row_pairs_agree(qwen_tokenizer, tmp_path):
-    rows = [chat(f"question {i}", f"answer number {i}.") for i in range(6)] + [BAD_ROWS[data.BAD_EMPTY]]
+    rows = [conversation(f"question {i}", f"answer number {i}.") for i in range(6)] + [BAD_ROWS[chat.BAD_EMPTY]]
     write_files(tmp_path, rows)
     from_source = tokenize(str(tmp_path), qwen_tokenizer, min_supervised=1)
     from_pairs = tokenize(rows, qwen_tokenizer, min_supervised=1)
     assert [s.row_id for s in from_source.samples] == list(range(6))
-    assert from_source.bad_rows == from_pairs.bad_rows == {data.BAD_EMPTY: 1}
+    assert from_source.bad_rows == from_pairs.bad_rows == {chat.BAD_EMPTY: 1}
     for left, right in zip(from_source.samples, from_pairs.samples, strict=True):
         assert np.array_equal(left.input_ids, right.input_ids)
 
 
 def test_parallel_equals_serial(qwen_tokenizer):
-    rows = [chat(f"q{i}", f"answer {i} " * (i % 7 + 1)) for i in range(150)]
-    rows[17], rows[90] = BAD_ROWS[data.BAD_ROLE], BAD_ROWS[data.BAD_EMPTY]
+    rows = [conversation(f"q{i}", f"answer {i} " * (i % 7 + 1)) for i in range(150)]
+    rows[17], rows[90] = BAD_ROWS[chat.BAD_ROLE], BAD_ROWS[chat.BAD_EMPTY]
     serial = tokenize(rows, qwen_tokenizer, min_supervised=1, num_workers=1)
     parallel = tokenize(rows, qwen_tokenizer, min_supervised=1, num_workers=2)
     assert serial.bad_rows == parallel.bad_rows and serial.examples == parallel.examples
@@ -190,21 +191,21 @@ def cached(source, tokenizer, cache_dir, **kwargs):
 
 def test_cache_reuses_and_invalidates(qwen_tokenizer, tmp_path, monkeypatch):
     source, cache_dir = tmp_path / "data.jsonl", tmp_path / "cache"
-    source.write_text(json.dumps(chat("q", "answer A")) + "\n" + json.dumps(BAD_ROWS[data.BAD_ROLE]) + "\n")
+    source.write_text(json.dumps(conversation("q", "answer A")) + "\n" + json.dumps(BAD_ROWS[chat.BAD_ROLE]) + "\n")
     first = cached(str(source), qwen_tokenizer, cache_dir)
     assert len(list(cache_dir.glob("*.npz"))) == 1
 
-    real_tokenize_all = data._tokenize_all
-    monkeypatch.setattr(data, "_tokenize_all", lambda *a, **k: pytest.fail("cache was not reused"))
+    real_tokenize_all = samples._tokenize_all
+    monkeypatch.setattr(samples, "_tokenize_all", lambda *a, **k: pytest.fail("cache was not reused"))
     again = cached(str(source), qwen_tokenizer, cache_dir)
-    assert again.bad_rows == first.bad_rows == {data.BAD_ROLE: 1} and again.num_rows == 2
+    assert again.bad_rows == first.bad_rows == {chat.BAD_ROLE: 1} and again.num_rows == 2
     assert np.array_equal(again.samples[0].input_ids, first.samples[0].input_ids)
     assert again.samples[0].loss_mask.dtype == np.uint8 and again.samples[0].input_ids.dtype == np.int32
     with pytest.raises(BadRowError, match="row 2: bad_role"):
         cached(str(source), qwen_tokenizer, cache_dir, strict=True)
 
     calls = []
-    monkeypatch.setattr(data, "_tokenize_all", lambda *a, **k: calls.append(1) or real_tokenize_all(*a, **k))
+    monkeypatch.setattr(samples, "_tokenize_all", lambda *a, **k: calls.append(1) or real_tokenize_all(*a, **k))
     # Same size, new content: must re-tokenize.
     source.write_text(source.read_text().replace("answer A", "answer B"))
     changed = cached(str(source), qwen_tokenizer, cache_dir)
@@ -214,26 +215,26 @@ def test_cache_reuses_and_invalidates(qwen_tokenizer, tmp_path, monkeypatch):
     other_template.chat_template = CHATML_TEMPLATE.replace("'<|im_start|>assistant\\n'", "'<|im_start|>model\\n'")
     cached(str(source), other_template, cache_dir)
     cached(str(source), qwen_tokenizer, cache_dir, overlong="drop")
-    cached([(0, chat("q", "answer A"))], qwen_tokenizer, cache_dir)
-    cached([(0, chat("q", "answer C"))], qwen_tokenizer, cache_dir)
+    cached([(0, conversation("q", "answer A"))], qwen_tokenizer, cache_dir)
+    cached([(0, conversation("q", "answer C"))], qwen_tokenizer, cache_dir)
     assert len(calls) == 6
-    cached([(0, chat("q", "answer C"))], qwen_tokenizer, cache_dir)
+    cached([(0, conversation("q", "answer C"))], qwen_tokenizer, cache_dir)
     assert len(calls) == 6
 
 
 def test_embedded_source_reads(qwen_tokenizer):
-    first_id, first_row = next(read_rows(data.EMBEDDED_CODE_CHAT))
+    first_id, first_row = next(read_rows(chat.EMBEDDED_CODE_CHAT))
     assert first_id == 0 and first_row["messages"][1]["role"] == "assistant"
 
 
 def test_a_line_that_is_not_json_is_a_counted_bad_row(qwen_tokenizer, tmp_path):
     source = tmp_path / "rows.jsonl"
-    lines = [json.dumps(GOOD), json.dumps(BAD_ROWS[data.BAD_ROLE]), "{not json", "", json.dumps(GOOD)]
+    lines = [json.dumps(GOOD), json.dumps(BAD_ROWS[chat.BAD_ROLE]), "{not json", "", json.dumps(GOOD)]
     source.write_text("\n".join(lines) + "\n")
     result = tokenize(str(source), qwen_tokenizer, min_supervised=1)
     assert result.num_rows == 4 and [s.row_id for s in result.samples] == [0, 3]
-    assert result.bad_rows == {data.BAD_ROLE: 1, data.BAD_INVALID_JSON: 1}
-    assert result.examples[data.BAD_INVALID_JSON] == [2]
+    assert result.bad_rows == {chat.BAD_ROLE: 1, chat.BAD_INVALID_JSON: 1}
+    assert result.examples[chat.BAD_INVALID_JSON] == [2]
     # Strict mode names the first bad row in file order (the bad role), then the broken line.
     with pytest.raises(BadRowError, match=r"^row 2: bad_role"):
         tokenize(str(source), qwen_tokenizer, min_supervised=1, strict=True)
@@ -243,6 +244,6 @@ def test_a_line_that_is_not_json_is_a_counted_bad_row(qwen_tokenizer, tmp_path):
 
 
 def test_cut_samples_are_counted(qwen_tokenizer):
-    rows = [chat("Tell me a story.", LONG_ANSWER), GOOD, chat("Again.", LONG_ANSWER)]
+    rows = [conversation("Tell me a story.", LONG_ANSWER), GOOD, conversation("Again.", LONG_ANSWER)]
     result = tokenize(rows, qwen_tokenizer, max_length=64, min_supervised=1)
     assert [s.truncated for s in result.samples] == [True, False, True] and result.num_truncated == 2

@@ -1,4 +1,4 @@
-"""The continuous-batching engine (dflash/decoding.py) against plain decoding, on fresh random
+"""The continuous-batching engine (dflash/serve/decoding.py) against plain decoding, on fresh random
 tiny targets of the families it serves: greedy answers token for token equal to one-at-a-time
 greedy decoding, sampled answers a function of their stream alone, and the sampling rule's
 distribution."""
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from dflash.decoding import Request, SlotDecoder, choose_tokens, stream_id, uniform_from, unsupported_reason
-from dflash.tiny_target import tiny_target_config
-from dflash.modeling_dflash import greedy_generate
+from dflash.extract.tiny_target import tiny_target_config
+from dflash.model.modeling_dflash import greedy_generate
+from dflash.serve.decoding import Request, SlotDecoder, choose_tokens, stream_id, uniform_from, unsupported_reason
 
 VOCAB = 512
 STOPS = [7, 9]
@@ -131,7 +131,7 @@ def test_cuda_graph_decoding_equals_plain_greedy_up_to_bf16_near_ties(family, at
     (`dflash eval`'s rule). Sampled answers draw the same random numbers in another batch
     composition; bf16 logits of another prefill shape may still round a draw across a boundary
     of the distribution, so most answers, not all, are identical."""
-    from dflash.generation import Answer, check_greedy
+    from dflash.serve.generation import Answer, check_greedy
 
     model = tiny(family, 3).to("cuda", torch.bfloat16)
     prompts = random_prompts(40, 3)

@@ -3,16 +3,10 @@
 import pytest
 import torch
 
-from dflash.drafter import (
-    DRAFTER_SIZES,
-    DFlashDrafter,
-    block_embeddings,
-    block_positions,
-    count_parameters,
-    drafter_args,
-)
-from dflash.tiny_target import tiny_target_config
-from dflash.masks import build_masks
+from dflash.extract.tiny_target import tiny_target_config
+from dflash.model.drafter import (DRAFTER_SIZES, DFlashDrafter, block_embeddings, block_positions, count_parameters,
+                                  drafter_args)
+from dflash.model.masks import build_masks
 
 
 def expected_export_keys(num_layers: int) -> set[str]:
@@ -94,7 +88,7 @@ def test_bad_args_are_named():
 def compiled_graph_count(num_layers: int) -> int:
     """Graphs torch.compile makes for `compile_layers` over two input shapes; also checks that the
     compiled drafter equals the eager one, outputs and gradients."""
-    from dflash.drafter import compile_layers
+    from dflash.model.drafter import compile_layers
 
     graphs = []
 

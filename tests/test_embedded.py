@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash import data
-from dflash.embedded import STDLIB_MODULES, code_chat_rows
-from dflash.tiny_target import CHECKPOINT_FILES, build_tiny_target, tiny_target_config
-from dflash.tokenizer import CHATML_TEMPLATE, tokenizer_identity
+from dflash.data import chat, samples
+from dflash.data.embedded import STDLIB_MODULES, code_chat_rows
+from dflash.data.tokenizer import CHATML_TEMPLATE, tokenizer_identity
+from dflash.extract.tiny_target import CHECKPOINT_FILES, build_tiny_target, tiny_target_config
 
 
 def test_code_chat_rows_are_real_and_deterministic():
@@ -27,8 +27,8 @@ def test_code_chat_rows_are_real_and_deterministic():
 
 
 def test_code_chat_rows_tokenize_with_a_spread_of_lengths(qwen_tokenizer):
-    result = data.tokenize_rows(
-        data.EMBEDDED_CODE_CHAT, qwen_tokenizer, max_length=100_000, overlong="truncate",
+    result = samples.tokenize_rows(
+        chat.EMBEDDED_CODE_CHAT, qwen_tokenizer, max_length=100_000, overlong="truncate",
         min_supervised=16, strict=True, num_workers=1, cache_dir=None,
     )
     lengths = np.array([len(sample) for sample in result.samples])

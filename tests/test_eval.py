@@ -16,15 +16,15 @@ import sys
 
 import pytest
 import torch
+from support import VOCAB, packed_training_logits, random_packed_batch, tiny_setup
 from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
 
 from dflash.config import load_config
-from dflash.drafter import DFlashDrafter, drafter_args
-from dflash.evaluation import EvalResult, decode_prompt, lossless_verdict, summarize
-from dflash.export import AUTO_MAP, MODELING_NAME, export_drafter
-from dflash.modeling_dflash import DFlashDraftModel, accept, greedy_generate, speculative_generate
+from dflash.model.drafter import DFlashDrafter, drafter_args
+from dflash.model.export import AUTO_MAP, MODELING_NAME, export_drafter
+from dflash.model.modeling_dflash import DFlashDraftModel, accept, greedy_generate, speculative_generate
+from dflash.serve.evaluation import EvalResult, decode_prompt, lossless_verdict, summarize
 from stages import extract, train
-from support import VOCAB, packed_training_logits, random_packed_batch, tiny_setup
 
 
 def served_logits(draft, embed, lm_head, batch, block_size: int, mask_token_id: int) -> torch.Tensor:
@@ -167,7 +167,7 @@ def test_a_mismatch_at_a_rounding_tie_is_told_apart_from_a_real_one():
 
 
 def test_spec_generate_equals_greedy_on_llama_and_qwen35(tmp_path, tiny_target_dir):
-    from dflash.target import load_causal_lm
+    from dflash.extract.target import load_causal_lm
 
     # On a GPU machine flash-linear-attention serves Qwen3.5 only on the GPU (conftest keeps it away on CPU-only ones).
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -9,9 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, Qwen3Config
 
-from dflash.drafter import DFlashDrafter, block_positions, count_parameters, drafter_args
-from dflash.export import ExportFormatError, drafter_config_dict, expected_shapes, export_drafter, load_exported
-from dflash.masks import build_masks
+from dflash.model.drafter import DFlashDrafter, block_positions, count_parameters, drafter_args
+from dflash.model.export import ExportFormatError, drafter_config_dict, expected_shapes, export_drafter, load_exported
+from dflash.model.masks import build_masks
 
 
 def tiny_drafter(seed: int = 0) -> DFlashDrafter:

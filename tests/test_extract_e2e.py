@@ -17,9 +17,9 @@ import pytest
 import zarr
 
 from dflash.config import load_config
-from dflash.inspection import verify_store
-from dflash.store_format import StoreMismatchError, completed_shards
-from dflash.store_reader import StoreReader
+from dflash.store.inspection import verify_store
+from dflash.store.reader import StoreReader
+from dflash.store.schema import StoreMismatchError, completed_shards
 from stages import extract
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Stage two following a store that stage one is still writing (`train.follow`, dflash/follow.py).
+"""Stage two following a store that stage one is still writing (`train.follow`, dflash/train/follow.py).
 
 Stage one writes the store once; each test copies it and takes the completion mark off the
 shards that have "not arrived yet", then gives them back in stage one's write order
@@ -19,12 +19,13 @@ import torch
 import zarr
 from safetensors.torch import load_file
 
-from dflash import follow, plan
-from dflash.checkpoint import latest_checkpoint, read_state
 from dflash.config import load_config
 from dflash.dist import DistState
-from dflash.store_format import COMPLETE_KEY
-from dflash.store_reader import StoreReader
+from dflash.extract import plan
+from dflash.store.reader import StoreReader
+from dflash.store.schema import COMPLETE_KEY
+from dflash.train import follow
+from dflash.train.checkpoint import latest_checkpoint, read_state
 from stages import extract, train
 
 pytestmark = pytest.mark.slow

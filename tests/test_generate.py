@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 
-from dflash import data, generation
 from dflash.config import ConfigError, load_config
-from dflash.modeling_dflash import greedy_generate
+from dflash.data import chat, samples
+from dflash.model.modeling_dflash import greedy_generate
+from dflash.serve import generation
 from stages import generate
 
 pytestmark = pytest.mark.slow
@@ -59,8 +60,8 @@ def read_parts(out) -> list[dict]:
 
 def plain_greedy(config, row, max_new_tokens):
     """The answer of plain one-at-a-time greedy decoding to `row`'s prompt, and whether it was cut."""
-    from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids
-    from dflash.tokenizer import load_target_tokenizer
+    from dflash.data.tokenizer import load_target_tokenizer
+    from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids
 
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
     tokenizer = load_target_tokenizer(checkpoint)
@@ -92,7 +93,7 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
         capsys.readouterr().out
     assert (result.num_rows, result.num_prompts, result.answers) == (6, 3, 3)
     assert {reason: rows for reason, rows in result.bad_rows.items()} == {
-        data.BAD_INVALID_JSON: [1], data.BAD_EMPTY: [3], generation.BAD_PROMPT_TOO_LONG: [5]}
+        chat.BAD_INVALID_JSON: [1], chat.BAD_EMPTY: [3], generation.BAD_PROMPT_TOO_LONG: [5]}
     written = read_parts(out)
     assert [row["source_row"] for row in written] == [1, 3, 5]
     assert [row["sample"] for row in written] == [0, 0, 0]
@@ -103,12 +104,12 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
     for row in written:
         assert (row["messages"][-1]["content"], row["cut"]) == plain_greedy(config, row, 6)
 
-    from dflash.target import prepare_checkpoint
-    from dflash.tokenizer import load_target_tokenizer
+    from dflash.data.tokenizer import load_target_tokenizer
+    from dflash.extract.target import prepare_checkpoint
 
     tokenizer = load_target_tokenizer(prepare_checkpoint(config.target.path, config.data.cache_dir))
     # The output is a data source stage one reads: every answer is a supervised assistant turn.
-    tokenized = data.tokenize_rows(str(out), tokenizer, max_length=512)
+    tokenized = samples.tokenize_rows(str(out), tokenizer, max_length=512)
     assert len(tokenized.samples) + sum(tokenized.bad_rows.values()) == 3
 
     # Other decoding settings are refused, --overwrite replaces.
@@ -122,7 +123,7 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
 def test_a_killed_run_resumes_to_the_same_output(tmp_path, embedded_cache_dir, llama_target_dir, engine):
     """transformers' generate on the Qwen3.5 tiny target (greedy), and the engine on the Llama one
     (two sampled answers and the greedy one per prompt)."""
-    from dflash.embedded import code_chat_rows
+    from dflash.data.embedded import code_chat_rows
 
     target = "embedded:tiny" if engine == "generate" else str(llama_target_dir)
     config = write_config(tmp_path, embedded_cache_dir, code_chat_rows()[:12], target)
@@ -153,7 +154,7 @@ def test_a_killed_run_resumes_to_the_same_output(tmp_path, embedded_cache_dir, l
 
 
 def test_several_sampled_answers_beside_the_greedy_one(tmp_path, embedded_cache_dir, llama_target_dir, capsys):
-    from dflash.embedded import code_chat_rows
+    from dflash.data.embedded import code_chat_rows
 
     rows = code_chat_rows()[:5]
     config = load_config(write_config(tmp_path, embedded_cache_dir, rows, str(llama_target_dir)))

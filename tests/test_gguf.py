@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from dflash import gguf as dflash_gguf
-from dflash.target import load_target, pad_batch, prepare_checkpoint
-from dflash.tokenizer import choose_mask_token, load_target_tokenizer
+from dflash.data.tokenizer import choose_mask_token, load_target_tokenizer
+from dflash.extract import gguf as dflash_gguf
+from dflash.extract.target import load_target, pad_batch, prepare_checkpoint
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.batch import StoreDataset, collate_packed
-from dflash.drafter import DFlashDrafter, compile_layers, drafter_args
-from dflash.loss import gamma_weights
-from dflash.train_step import TrainContext, forward_loss, to_device, train_step
+from dflash.model.drafter import DFlashDrafter, compile_layers, drafter_args
+from dflash.model.loss import gamma_weights
+from dflash.train.batch import StoreDataset, collate_packed
+from dflash.train.step import TrainContext, forward_loss, to_device, train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -126,11 +126,11 @@ def test_compiled_layers_equal_eager_over_one_optimizer_step():
 def test_fp8_capture_on_the_gpu_equals_the_cpu_encode_and_labels_equal_the_argmax(tiny_target_dir):
     from transformers import AutoModelForCausalLM
 
-    from dflash import codecs
-    from dflash.capture import capture_batch
+    from dflash.data.samples import Sample
+    from dflash.extract.capture import capture_batch
+    from dflash.extract.target import load_target, pad_batch
     from dflash.padding import target_batch_multiple
-    from dflash.data import Sample
-    from dflash.target import load_target, pad_batch
+    from dflash.store import codecs
 
     device = torch.device("cuda")
     target = load_target(str(tiny_target_dir), device, dtype=torch.float32, layer_ids=[1, 3, 5],
@@ -159,8 +159,8 @@ def test_fp8_capture_on_the_gpu_equals_the_cpu_encode_and_labels_equal_the_argma
 def test_compiled_decoder_layers_capture_what_eager_captures(tiny_target_dir):
     """Stage one's regional compile (`compile_decoder_layers`) against the eager layers, on
     batches of two shapes (the second compiles the shape-generic graph), every real row."""
+    from dflash.extract.target import compile_decoder_layers, load_target, pad_batch
     from dflash.padding import target_batch_multiple
-    from dflash.target import compile_decoder_layers, load_target, pad_batch
 
     device = torch.device("cuda")
     target = load_target(str(tiny_target_dir), device, dtype=torch.float32, layer_ids=[1, 3, 5])

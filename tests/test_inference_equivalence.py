@@ -1,6 +1,6 @@
 """Train-vs-inference: the packed training forward gives the logits an inference engine gets.
 
-The "engine" below is written independently of dflash.drafter and dflash.masks: it serves
+The "engine" below is written independently of dflash.model.drafter and dflash.model.masks: it serves
 one anchor at a time, from the exported weights (state-dict keys), with the accepted
 context only (positions < anchor of that sequence), a block of anchor token + mask tokens,
 RoPE tables from transformers' Qwen3 rotary embedding (what engines load from the exported
@@ -10,11 +10,11 @@ positions, leaked across sequences, or treated a sliding layer as full, the logi
 
 import pytest
 import torch
+from support import packed_training_logits, random_packed_batch, tiny_setup
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from dflash.masks import build_masks
-from support import packed_training_logits, random_packed_batch, tiny_setup
+from dflash.model.masks import build_masks
 
 
 def rms_norm(x, weight, eps):

@@ -13,10 +13,11 @@ import pytest
 import torch
 import zarr
 
-from dflash import sizing, train_step
 from dflash.config import load_config
-from dflash.inspection import verify_store
-from dflash.store_reader import StoreReader
+from dflash.store.inspection import verify_store
+from dflash.store.reader import StoreReader
+from dflash.train import sizing
+from dflash.train import step as train_step
 from stages import extract, inspect, train
 
 pytestmark = pytest.mark.slow
@@ -119,7 +120,7 @@ def test_stage_two_trains_against_the_target_labels(labelled, tmp_path):
 
 def test_the_loss_reads_the_stored_labels_not_the_data_tokens(labelled):
     """The same micro-batch with its labels replaced by the data tokens gives another loss."""
-    from dflash.batch import StoreDataset, collate_packed
+    from dflash.train.batch import StoreDataset, collate_packed
 
     root, config_path = labelled
     reader = StoreReader(root / "store")

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.loss import (IGNORE_LABEL, block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights,
-                         label_rows)
+from dflash.model.loss import (IGNORE_LABEL, block_labels, block_metrics, default_gamma, dflash_loss, gamma_weights,
+                               label_rows)
 
 
 def test_gamma_weights_and_defaults():
@@ -150,7 +150,7 @@ def test_block_metrics_by_hand():
 def test_compiled_ce_pass_equals_eager_on_two_row_counts():
     """CUDA runs the fused, compiled CE pass; inductor on the CPU checks the same function
     (the second row count is the shape-generic recompile the last loss chunk triggers)."""
-    from dflash.loss import _ce_and_grad
+    from dflash.model.loss import _ce_and_grad
 
     compiled = torch.compile(_ce_and_grad)
     generator = torch.Generator().manual_seed(3)

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
-
-from dflash.masks import attend, build_masks, default_backend
 from support import reference_dense_mask
+
+from dflash.model.masks import attend, build_masks, default_backend
 
 LAYER_TYPES = ["sliding_attention", "full_attention"]
 

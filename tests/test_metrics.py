@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from dflash.metrics import MetricsLogger
+from dflash.train.metrics import MetricsLogger
 
 
 def read_lines(run_dir):

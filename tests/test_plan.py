@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-
-from dflash.plan import ShardPlan, assign_bucket, assign_ranks, plan_shards
 from support import rank_imbalance, rank_token_counts
+
+from dflash.extract.plan import ShardPlan, assign_bucket, assign_ranks, plan_shards
 
 EDGES = [16, 64, 256, 1024]
 
@@ -89,7 +89,7 @@ def test_rank_assignment_lpt_example():
 
 
 def test_write_order_interleaves_buckets_and_keeps_each_bucket_in_name_order():
-    from dflash.plan import write_order
+    from dflash.extract.plan import write_order
 
     shards = [ShardPlan(f"b{b:02d}-{i:05d}", b, (), tokens) for b, count, tokens in [(0, 2, 100), (1, 6, 100), (2, 3, 200)]
               for i in range(count)]
@@ -109,7 +109,7 @@ def test_batches_of_a_shard_keep_its_order_and_fit_the_budget_once_padded(multip
     (its longest sample rounded up to the pad multiple, times its samples) within batch_tokens."""
     from types import SimpleNamespace
 
-    from dflash.capture import padded_batches
+    from dflash.extract.capture import padded_batches
 
     lengths, row_ids = _random_samples(4)
     plans = plan_shards(lengths, row_ids, EDGES, 4000)

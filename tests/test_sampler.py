@@ -1,18 +1,12 @@
-"""Tests for the per-epoch micro-batch schedule (dflash/sampler.py)."""
+"""Tests for the per-epoch micro-batch schedule (dflash/train/sampler.py)."""
 
 import itertools
 
 import numpy as np
 import pytest
-
-from dflash.sampler import (
-    DataCursor,
-    _assign_ranks,
-    build_epoch_schedule,
-    interleave_buckets,
-    split_holdout,
-)
 from support import MicroBatchSampler, bucket_counts
+
+from dflash.train.sampler import DataCursor, _assign_ranks, build_epoch_schedule, interleave_buckets, split_holdout
 
 BUCKET_EDGES = [64, 128, 256, 512]
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 import zarr
-
-from dflash.inspection import store_stats, verify_store
-from dflash.plan import plan_shards
-from dflash.store_format import (CorruptShardError, StoreMismatchError, bf16_to_bits, completed_shards, diff_attrs,
-                                 is_complete)
-from dflash.store_reader import StoreReader
-from dflash.store_writer import ShardWriter, create_or_open_store, shards_group, write_frozen_weights
 from support import EDGES, HIDDEN, N_LAYERS, root_attrs
+
+from dflash.extract.plan import plan_shards
+from dflash.store.inspection import store_stats, verify_store
+from dflash.store.reader import StoreReader
+from dflash.store.schema import (CorruptShardError, StoreMismatchError, bf16_to_bits, completed_shards, diff_attrs,
+                                 is_complete)
+from dflash.store.writer import ShardWriter, create_or_open_store, shards_group, write_frozen_weights
 
 
 def fake_sample(rng, length, codec):

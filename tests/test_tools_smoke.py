@@ -54,7 +54,7 @@ def test_stage2_flop_formula_matches_issue_5():
     sys.path.insert(0, str(REPO / "tools"))
     from bench_stage2 import step_flops
 
-    from dflash.drafter import drafter_args
+    from dflash.model.drafter import drafter_args
 
     assert step_flops(drafter_args("qwen3.6-27b"), 8192, 512) / 1e12 == pytest.approx(129.3, abs=0.1)
 

@@ -7,6 +7,7 @@ real CLI, schedule, loader, loss, optimizer and checkpoint code.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -17,13 +18,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash import sizing, train_loop
-from dflash.checkpoint import latest_checkpoint, load_checkpoint
 from dflash.config import load_config
-from dflash.export import load_exported
-from dflash.sampler import held_out_micro_batches
-from dflash.store_format import CorruptShardError, StoreMismatchError
-from dflash.metrics import NonFiniteError
+from dflash.model.export import load_exported
+from dflash.store.schema import CorruptShardError, StoreMismatchError
+from dflash.train import loop as train_loop
+from dflash.train import sizing
+from dflash.train.checkpoint import latest_checkpoint, load_checkpoint
+from dflash.train.metrics import NonFiniteError
+from dflash.train.sampler import held_out_micro_batches
 from stages import extract, train
 
 pytestmark = pytest.mark.slow
@@ -191,6 +193,13 @@ def test_export_cli_and_fine_tune_from_export(config_path, tmp_path):
                                                 f'drafter.init_from="{export_dir}"']))
     assert tuned.steps == 1
 
+    # Nothing persisted names a module path, so moving a module breaks no store, checkpoint or export.
+    store_dir = Path(load_config(config_path).store.path)
+    persisted = [p for root in (store_dir, checkpoint, export_dir) for p in root.rglob("*") if p.suffix == ".json"]
+    assert len(persisted) > 3
+    for path in persisted:
+        assert not re.search(r"\b(dflash|stages)\.[a-z_]+", path.read_text()), path
+
 
 def test_store_that_does_not_match_the_drafter_is_refused(config_path):
     config = load_config(config_path)
@@ -255,8 +264,8 @@ def test_a_nan_in_the_store_stops_training_and_nothing_non_finite_is_saved(confi
     import numpy as np
     import zarr
 
-    from dflash.drafter import DFlashDrafter, drafter_args
-    from dflash.export import ExportFormatError, export_drafter
+    from dflash.model.drafter import DFlashDrafter, drafter_args
+    from dflash.model.export import ExportFormatError, export_drafter
 
     config = load_config(config_path)
     store = tmp_path / "store"
@@ -296,7 +305,7 @@ def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, t
 
     import zarr
 
-    from dflash.store_format import COMPLETE_KEY
+    from dflash.store.schema import COMPLETE_KEY
 
     config = load_config(config_path)
     store = tmp_path / "store"
@@ -329,7 +338,7 @@ def test_a_corrupt_chunk_is_named_skipped_on_request_and_repaired(config_path, t
 
 
 def test_a_read_failure_saves_the_steps_trained_before_it(config_path, tmp_path, monkeypatch):
-    from dflash.store_reader import StoreReader
+    from dflash.store.reader import StoreReader
 
     config = load_config(config_path, [run_dir_override(tmp_path / "run"), "train.save_every=100"])
     reads = []

@@ -1,18 +1,18 @@
-"""Stage one's writer processes (dflash/writers.py): what they write equals the input, errors surface."""
+"""Stage one's writer processes (dflash/extract/writers.py): what they write equals the input, errors surface."""
 
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-
-from dflash.plan import plan_shards
-from dflash.store_format import bf16_to_bits
-from dflash.store_reader import StoreReader
-from dflash.store_writer import create_or_open_store
-from dflash.capture import CapturedBatch
-from dflash.writers import WriterError, WriterPool
 from support import EDGES, HIDDEN, N_LAYERS, root_attrs
+
+from dflash.extract.capture import CapturedBatch
+from dflash.extract.plan import plan_shards
+from dflash.extract.writers import WriterError, WriterPool
+from dflash.store.reader import StoreReader
+from dflash.store.schema import bf16_to_bits
+from dflash.store.writer import create_or_open_store
 
 OPTIONS = {"codec": "bf16", "num_layers": N_LAYERS, "hidden_size": HIDDEN, "rows_per_chunk": 8,
            "rows_per_zarr_shard": 32}
@@ -63,7 +63,7 @@ def write_store(path, rng, lengths, row_ids, processes, poison=None, batch_bytes
 def test_writer_processes_write_what_they_are_given(tmp_path, monkeypatch, slot_rows):
     """Batches travel in reused shared-memory slots, or in fresh shared tensors when larger than a
     slot (batches here hold 3 to 189 rows); either way every row lands as given."""
-    import dflash.writers as writers
+    import dflash.extract.writers as writers
 
     fresh = []
     monkeypatch.setattr(writers, "to_shared_memory",
@@ -113,7 +113,7 @@ def test_writer_process_error_names_the_row(tmp_path):
 
 
 def test_shared_memory_shortfall_is_announced(tmp_path):
-    from dflash.writers import check_shared_memory
+    from dflash.extract.writers import check_shared_memory
 
     assert check_shared_memory(4, 1 << 20, where=str(tmp_path))  # 16 MiB fits any test disk
     with pytest.warns(UserWarning, match=r"extract.writer_processes or extract.batch_tokens"):

@@ -1,6 +1,6 @@
 """Benchmark the store codecs: stored bytes/token and reconstruction error of each variant.
 
-Variants, each compressed exactly as dflash/store_writer.py writes the `hidden` array (its codec chain
+Variants, each compressed exactly as dflash/store/writer.py writes the `hidden` array (its codec chain
 from `store_format.hidden_compressors`, chunks of `extract.rows_per_chunk` rows):
   bf16 + zstd-1, bf16 byte planes (blosc byte shuffle + zstd-1), fp8 e4m3 per-token-per-layer
   scale + zstd-1 (plus its float32 `scale` array).
@@ -38,8 +38,8 @@ FP8_GOAL_BYTES_PER_TOKEN = 24_000  # issue 5, for the 27B shape
 
 def random_target_features(quick: bool, num_tokens: int, device: torch.device) -> tuple[str, torch.Tensor]:
     """`(T, n, H)` float32 layer outputs of a random-weight target over random token ids."""
-    from dflash.tiny_target import tiny_target_config
-    from dflash.target import TargetModel, default_layer_ids
+    from dflash.extract.target import TargetModel, default_layer_ids
+    from dflash.extract.tiny_target import tiny_target_config
 
     config = tiny_target_config() if quick else qwen35_27b_config()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -70,7 +70,7 @@ def minilm_directory() -> Path | None:
 
 
 def stdlib_texts():
-    from dflash.embedded import STDLIB_MODULES
+    from dflash.data.embedded import STDLIB_MODULES
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for name in STDLIB_MODULES:
@@ -123,7 +123,8 @@ def reconstruction_error(original_TnH: torch.Tensor, decoded_TnH: torch.Tensor) 
 
 
 def measure_variants(features_TnH: torch.Tensor, rows_per_chunk: int) -> list[dict]:
-    from dflash import codecs, store_format
+    from dflash.store import codecs
+    from dflash.store import schema as store_format
 
     num_tokens, num_layers, hidden = features_TnH.shape
     raw_bf16 = num_tokens * num_layers * hidden * 2

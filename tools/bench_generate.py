@@ -1,7 +1,7 @@
-"""Benchmark answer generation (`dflash generate`'s engines, dflash/generation.py) on one GPU.
+"""Benchmark answer generation (`dflash generate`'s engines, dflash/serve/generation.py) on one GPU.
 
 In one run, over the same prompts and the same target:
-- `slots`: the continuous-batching engine (dflash/decoding.py) at each of `--slots` and
+- `slots`: the continuous-batching engine (dflash/serve/decoding.py) at each of `--slots` and
   `--attention` (its decode attention: sdpa, flex), over all
   `--prompts` prompts; then `--check` of its greedy answers are held against plain one-at-a-time
   greedy decoding (equal, a bf16 near-tie by `dflash eval`'s rule, or a real difference);
@@ -33,30 +33,28 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import (  # noqa: E402
-    build_random_target, log_uniform_lengths, print_table, progress, qwen35_27b_config, run_metadata,
-    synchronize, write_results,
-)
+from benchlib import (build_random_target, log_uniform_lengths, print_table, progress, qwen35_27b_config,  # noqa: E402
+                      run_metadata, synchronize, write_results)
 
-from dflash.generation import Generator, Job, Prompt, check_greedy, describe_checks  # noqa: E402
+from dflash.serve.generation import Generator, Job, Prompt, check_greedy, describe_checks  # noqa: E402
 
 
 def real_prompts(config, count: int, source: str, device):
     """(target, tokenizer, stops, prompts) of the config's target over `source` (all rows when count is 0)."""
-    from dflash import data
-    from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
-    from dflash.tokenizer import load_target_tokenizer
+    from dflash.data import chat, samples
+    from dflash.data.tokenizer import load_target_tokenizer
+    from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
 
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
     target = load_causal_lm(str(checkpoint), target_dtype(config.target.dtype, device), device)
     prompts = []
-    for row_id, row in data.read_rows(source):
+    for row_id, row in chat.read_rows(source):
         try:
-            messages = data.prompt_messages(row)
-        except data.RowProblem:
+            messages = chat.prompt_messages(row)
+        except chat.RowProblem:
             continue
-        prompts.append(Prompt(row_id, messages, data.prompt_token_ids(messages, tokenizer)))
+        prompts.append(Prompt(row_id, messages, samples.prompt_token_ids(messages, tokenizer)))
         if len(prompts) == count:
             break
     return target, tokenizer, stop_token_ids(tokenizer, target), prompts

@@ -1,6 +1,6 @@
 """Benchmark stage one's hand-off: a captured batch's host tensors into shared memory for a writer.
 
-Runs `dflash.writers.WriterPool.to_slot` in a thread, as the pool's hand-off threads do, on
+Runs `dflash.extract.writers.WriterPool.to_slot` in a thread, as the pool's hand-off threads do, on
 batches of the real shape (32,768 rows of 5 x 5120 fp8 bits plus fp32 scales, about 840 MB),
 once with no slots (a fresh shared tensor per batch, the path before slots) and once with the
 pool's reused slots, while the main thread spins the way the target's kernel-launching thread
@@ -37,7 +37,7 @@ class AliveProcess:
 
 def hand_off_pool(batch_bytes: int, num_slots: int):
     """A WriterPool's hand-off state alone (no processes): `num_slots` slots of `batch_bytes`."""
-    from dflash.writers import WriterPool, make_slots, new_handoff_stats
+    from dflash.extract.writers import WriterPool, make_slots, new_handoff_stats
 
     pool = WriterPool.__new__(WriterPool)
     pool.handoff, pool.handoff_lock = new_handoff_stats(), threading.Lock()
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rows = min(args.rows, 1024)
-    from dflash.capture import CapturedBatch
+    from dflash.extract.capture import CapturedBatch
 
     num_layers, hidden = 5, 5120
     hidden_bits = torch.full((1, args.rows, num_layers * hidden), 7, dtype=torch.uint8)

@@ -10,7 +10,7 @@ length-bucketed batches through
      `codecs.encode` on the GPU + copy to host, nothing written,
   3. the writers alone: the same path fed with already captured batches (no forward), the
      ceiling of compression and writing,
-  4. the full stage-one path, per codec: `dflash.capture.write_shards` (writer processes,
+  4. the full stage-one path, per codec: `dflash.extract.capture.write_shards` (writer processes,
      `store_writer.ShardWriter`, zstd, zarr) into a local temporary store.
 The full path is also reported over its forward span alone, from the first batch's forward to
 the end of the last batch's device copies: starting the writer pool before it and the writers
@@ -47,10 +47,9 @@ import torch
 # Run as a script: make the repository root importable (dflash) without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import (  # noqa: E402
-    build_random_target, log_uniform_lengths, print_table, progress, qwen35_27b_config, run_metadata, synchronize,
-    write_results,
-)
+from benchlib import (build_random_target, log_uniform_lengths, print_table, progress, qwen35_27b_config,  # noqa: E402
+                      run_metadata, synchronize, write_results)
+
 from dflash.padding import round_up  # noqa: E402
 
 if not torch.cuda.is_available():
@@ -79,7 +78,7 @@ def mfu(flops: float, seconds: float) -> float:
 
 def make_samples(lengths: np.ndarray, vocab_size: int, seed: int) -> list:
     """Random-token samples; loss masks follow chat shape (prompt unsupervised, answer supervised)."""
-    from dflash.data import Sample
+    from dflash.data.samples import Sample
 
     rng = np.random.default_rng(seed)
     samples = []
@@ -94,8 +93,8 @@ def make_samples(lengths: np.ndarray, vocab_size: int, seed: int) -> list:
 def bucketed_batches(samples: list, bucket_edges, batch_tokens: int, shard_tokens: int) -> list[list]:
     """The batches stage one runs: the plan's shards (bucketed, each shortest first), each cut into
     right-padded batches of consecutive samples."""
-    from dflash.capture import padded_batches
-    from dflash.plan import plan_shards
+    from dflash.extract.capture import padded_batches
+    from dflash.extract.plan import plan_shards
 
     lengths = np.array([len(s) for s in samples])
     plans = plan_shards(lengths, np.array([s.row_id for s in samples]), bucket_edges, shard_tokens)
@@ -129,7 +128,7 @@ def attention_flops(config, layers_run: int, lengths) -> float:
 def time_bare_forward(model, batches, device, mask: bool = True) -> float:
     """Seconds for `model(..., logits_to_keep=1)` over every batch (with or without the padding
     mask); outputs are dropped."""
-    from dflash.target import pad_batch
+    from dflash.extract.target import pad_batch
 
     synchronize(device)
     start = time.perf_counter()
@@ -144,8 +143,8 @@ def time_bare_forward(model, batches, device, mask: bool = True) -> float:
 
 
 def time_capture_only(target, batches, codec: str, device) -> float:
-    """Seconds for capture + encode on the device + copy to host (dflash.capture.capture_batch)."""
-    from dflash.capture import capture_batch
+    """Seconds for capture + encode on the device + copy to host (dflash.extract.capture.capture_batch)."""
+    from dflash.extract.capture import capture_batch
 
     synchronize(device)
     start = time.perf_counter()
@@ -158,7 +157,7 @@ def time_capture_only(target, batches, codec: str, device) -> float:
 def compiled_capture(target, warmup, batches, codec: str, device) -> dict:
     """Compile the target's decoder layers (in place), warm them up, check their features against
     the eager ones on two batches (relative L2 over each batch), and time capture + encode + copy."""
-    from dflash.target import compile_decoder_layers, pad_batch
+    from dflash.extract.target import compile_decoder_layers, pad_batch
 
     def features(batch):
         input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0)
@@ -182,7 +181,7 @@ def compiled_capture(target, warmup, batches, codec: str, device) -> dict:
 
 def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
     """Encoded host rows `(R, ...)` of real captured batches, R >= the largest padded batch."""
-    from dflash.capture import capture_batch
+    from dflash.extract.capture import capture_batch
     from dflash.padding import target_batch_multiple
 
     multiple = target_batch_multiple(device)
@@ -200,7 +199,7 @@ def capture_pool(target, batches, codec: str, device) -> dict[str, np.ndarray]:
 
 def captures_from_pool(pool: dict[str, np.ndarray], device):
     """A capture function for `write_shards` that returns views of `pool` (no forward): the writers alone."""
-    from dflash.capture import CapturedBatch
+    from dflash.extract.capture import CapturedBatch
     from dflash.padding import target_batch_multiple
 
     multiple = target_batch_multiple(device)
@@ -220,10 +219,12 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
 
     With `pool` (from `capture_pool`) the target is not run: this measures the writers alone.
     """
-    from dflash import inspection, plan, store_writer
     from dflash.config import Config, replace
     from dflash.dist import DistState
-    from dflash.capture import capture_batch, write_shards
+    from dflash.extract import plan
+    from dflash.extract.capture import capture_batch, write_shards
+    from dflash.store import inspection
+    from dflash.store import writer as store_writer
 
     # A real run has thousands of shards spread over the writer processes; a short benchmark
     # with the default 262K-token shards would leave one process writing most of the data.
@@ -398,7 +399,7 @@ def profile_passes(target, batches, samples, bucket_edges, codec: str, args, dev
 
 
 def synthetic_store_attrs(target, codec: str, bucket_edges, shards) -> dict:
-    from dflash import store_format
+    from dflash.store import schema as store_format
 
     return {
         "schema_version": store_format.SCHEMA_VERSION, "package_version": "bench",
@@ -435,7 +436,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="only print the padding efficiency of stage one's batches for --tokens of the length mix "
                              "(no target, any machine)")
     parser.add_argument("--compile-layers", action="store_true",
-                        help="then compile the target's decoder layers regionally (dflash.target.compile_decoder_layers) "
+                        help="then compile the target's decoder layers regionally (dflash.extract.target.compile_decoder_layers) "
                              "and time capture and the full path again, checking the features against eager")
     parser.add_argument("--profile", default="", help="directory for profiler traces of the capture-only and full "
                                                       "passes, run once more after the timed ones")
@@ -446,7 +447,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build_target(args, device: torch.device):
-    from dflash.tiny_target import tiny_target_config
+    from dflash.extract.tiny_target import tiny_target_config
 
     config = tiny_target_config() if args.quick else qwen35_27b_config()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -464,11 +465,11 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     from dflash.config import StoreConfig
-    from dflash.target import TargetModel, default_layer_ids
+    from dflash.extract.target import TargetModel, default_layer_ids
 
     bucket_edges = StoreConfig().bucket_edges
     if args.padding_only:
-        from dflash.capture import padded_length
+        from dflash.extract.capture import padded_length
 
         samples = pick_samples(args, 1000)
         batches = bucketed_batches(samples, bucket_edges, args.batch_tokens, StoreConfig().shard_tokens)

@@ -1,21 +1,21 @@
 """Benchmark stage two: the real training step at the `qwen3.6-27b` drafter size on synthetic data.
 
-Builds the drafter with dflash/train_step.py's own pieces (`build_model`: fp32 master weights,
+Builds the drafter with dflash/train/step.py's own pieces (`build_model`: fp32 master weights,
 `build_optimizer`: fused AdamW, `apply_parallelism`: compiled layers), a frozen random
 248,320 x 5120 bf16 embedding and LM head, and synthetic packed micro-batches of the real
-shape made by `dflash.batch.collate_packed`: sequences from a log-uniform length mix over
+shape made by `dflash.train.batch.collate_packed`: sequences from a log-uniform length mix over
 64..4096, random fp8-encoded context features (5 x 5120 per token), loss masks ~70%
-supervised, up to 512 anchors per sequence, block 16. Every step is `dflash.train_step.train_step`.
+supervised, up to 512 anchors per sequence, block 16. Every step is `dflash.train.step.train_step`.
 
 Modes:
   peer     exactly 8,192 source tokens (one 8,192-token sequence) and 512 anchors x 16 per
            optimizer step, one micro-batch: the peers' step (speculators 310 ms, SpecForge 374 ms).
-  default  micro-batches packed by `dflash.sampler.build_epoch_schedule` under the config's
+  default  micro-batches packed by `dflash.train.sampler.build_epoch_schedule` under the config's
            train.token_budget, train.accum_steps micro-batches per optimizer step.
 After a warm-up over every distinct step (compile, autotune), N steps are timed with CUDA
 events. Reported: ms/step, source tokens/s, anchor-slots/s, MFU by the issue-5 formula,
 peak memory; `--profile DIR` adds a torch.profiler trace and counts host-device syncs;
-`--loader` writes a small synthetic store with dflash/store_writer.py and measures the DataLoader's
+`--loader` writes a small synthetic store with dflash/store/writer.py and measures the DataLoader's
 own throughput against what the trainer consumes; `--fed-epochs N` then trains N epochs over
 that store fed by the loader, as stage two's loop does, and reports the data-wait fraction.
 `--loader-only --stand-in-tokens-per-s R` does the same on any machine with a stand-in step that
@@ -69,10 +69,10 @@ def bench_config(args):
 
 def build_trainer(config, dist):
     """Model, optimizer, wrapped model (DDP under torchrun) and TrainContext as stage two builds them."""
-    from dflash.drafter import drafter_args
-    from dflash.loss import default_gamma, gamma_weights
-    from dflash.masks import default_backend
-    from dflash.train_step import TrainContext, apply_parallelism, build_model, build_optimizer
+    from dflash.model.drafter import drafter_args
+    from dflash.model.loss import default_gamma, gamma_weights
+    from dflash.model.masks import default_backend
+    from dflash.train.step import TrainContext, apply_parallelism, build_model, build_optimizer
 
     device = dist.device
     # The named size's own mask token (the config's -1 means "the store's choice"; there is no store here).
@@ -99,7 +99,7 @@ class FeaturePool:
     """A pool of random fp8-encoded context-feature rows; samples take consecutive rows from it."""
 
     def __init__(self, num_rows: int, num_layers: int, hidden_size: int, device: torch.device, seed: int):
-        from dflash import codecs
+        from dflash.store import codecs
 
         generator = torch.Generator(device=device).manual_seed(seed)
         hidden, scale = [], []
@@ -126,7 +126,7 @@ def synthetic_item(pool: FeaturePool, length: int, row_id: int, bucket: int, max
                    vocab_size: int, rng: np.random.Generator, num_anchors: int | None = None,
                    start: int | None = None) -> dict:
     """One `StoreDataset`-shaped item: prompt unsupervised, answer (from `start`) supervised, sorted anchors."""
-    from dflash.anchors import eligible_anchors, sample_anchors
+    from dflash.model.anchors import eligible_anchors, sample_anchors
 
     loss_mask = np.zeros(length, dtype=bool)
     loss_mask[supervised_start(length, rng) if start is None else start:] = True
@@ -142,7 +142,7 @@ def synthetic_item(pool: FeaturePool, length: int, row_id: int, bucket: int, max
 
 def peer_steps(pool, args_drafter, num_distinct: int, seed: int) -> list[list[dict]]:
     """Steps of one micro-batch: one 8,192-token sequence with exactly 512 anchors."""
-    from dflash.batch import collate_packed
+    from dflash.train.batch import collate_packed
 
     rng = np.random.default_rng(seed)
     steps = []
@@ -154,9 +154,9 @@ def peer_steps(pool, args_drafter, num_distinct: int, seed: int) -> list[list[di
 
 def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_multiple: int) -> list[list[dict]]:
     """Steps as the sampler builds them: bucketed packing under token_budget, accum_steps each."""
-    from dflash.batch import collate_packed
-    from dflash.plan import assign_bucket
-    from dflash.sampler import build_epoch_schedule
+    from dflash.extract.plan import assign_bucket
+    from dflash.train.batch import collate_packed
+    from dflash.train.sampler import build_epoch_schedule
 
     edges = config.store.bucket_edges
     high = min(4096, config.data.max_length)
@@ -191,7 +191,7 @@ def pin(steps: list[list[dict]]) -> list[list[dict]]:
 
 def step_flops(args_drafter, source_tokens: int, anchors: int) -> float:
     """Issue 5's per-step FLOP count: dense drafter + fc + context K/V projections + LM head."""
-    from dflash.drafter import count_parameters
+    from dflash.model.drafter import count_parameters
 
     fc_params = args_drafter.context_feature_size * args_drafter.hidden_size
     non_fc = count_parameters(args_drafter) - fc_params
@@ -203,7 +203,7 @@ def step_flops(args_drafter, source_tokens: int, anchors: int) -> float:
 
 
 def run_step(wrapped, ctx, optimizer, step: list[dict], config):
-    from dflash.train_step import to_device, train_step
+    from dflash.train.step import to_device, train_step
 
     micro_batches = [to_device(batch, ctx.device) for batch in step]
     return train_step(wrapped, ctx, micro_batches, optimizer, config.train.lr, config.train.clip)
@@ -437,7 +437,9 @@ def warning_sites(fn, match: str, depth: int = 12) -> dict:
 
 def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, num_tokens: int, seed: int) -> None:
     """A store of the real row shape (fp8, n x H per token) holding about `num_tokens` tokens."""
-    from dflash import plan, store_format, store_writer
+    from dflash.extract import plan
+    from dflash.store import schema as store_format
+    from dflash.store import writer as store_writer
 
     edges = config.store.bucket_edges
     high = min(4096, config.data.max_length)
@@ -470,10 +472,10 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
 
 def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     """The trainer's DataLoader (dataset, schedule, collate) over `epochs` epochs of the store, in one loader."""
-    from dflash.batch import StoreDataset, build_loader
     from dflash.padding import micro_batch_multiple
-    from dflash.sampler import schedule_for
-    from dflash.store_reader import StoreReader
+    from dflash.store.reader import StoreReader
+    from dflash.train.batch import StoreDataset, build_loader
+    from dflash.train.sampler import schedule_for
 
     reader = StoreReader(str(store_dir))
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed)
@@ -487,7 +489,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
 
 
 def measure_fed(config, ctx, store_dir: Path, epochs: int, step_fn, warm_steps: int = 2) -> dict:
-    """Optimizer steps fed by the real loader, as dflash/train_loop.py's loop runs them: `step_fn(micro_batches)`
+    """Optimizer steps fed by the real loader, as dflash/train/loop.py's loop runs them: `step_fn(micro_batches)`
     is the step. The data-wait fraction is the host time blocked in `next(loader)` over the wall
     time of the timed steps (the first `warm_steps` steps, worker start-up and new shapes, are not timed)."""
     _, batches, loader = loader_over_store(config, ctx, store_dir, epochs)
@@ -577,7 +579,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "as a trainer at this rate (e.g. a measured GPU rate) and report the data wait")
     parser.add_argument("--compile-artifacts", default="",
                         help="load torch's compile artifacts from this file before the warm-up (when it exists) and "
-                             "save them there after each mode (dflash/compile_cache.py: the cold start of a second "
+                             "save them there after each mode (dflash/train/compile_cache.py: the cold start of a second "
                              "process); a DDP rank on cuda:N uses STEM.cudaN.SUFFIX beside it, loading PATH while that does not exist")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -609,12 +611,12 @@ def run(args, argv, dist) -> int:
     if args.loader_only:
         return run_loader_only(args, argv, config, device)
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
-        from dflash.compile_cache import load_compile_artifacts, own_or_first
+        from dflash.train.compile_cache import load_compile_artifacts, own_or_first
 
         path = own_or_first(args.compile_artifacts, dist.device.index or 0)
         print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
     model, optimizer, wrapped, ctx = build_trainer(config, dist)
-    from dflash.drafter import count_parameters
+    from dflash.model.drafter import count_parameters
     from dflash.padding import micro_batch_multiple
 
     say = print if dist.is_main else (lambda *a, **k: None)
@@ -638,7 +640,7 @@ def run(args, argv, dist) -> int:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
         if args.compile_artifacts and dist.device.type == "cuda":  # every rank its device's kernels
-            from dflash.compile_cache import device_file, save_compile_artifacts
+            from dflash.train.compile_cache import device_file, save_compile_artifacts
 
             numbers["compile_artifacts_bytes"] = save_compile_artifacts(
                 device_file(args.compile_artifacts, dist.device.index or 0))
@@ -668,8 +670,8 @@ def run_loader_only(args, argv, config, device) -> int:
     """The loader at the drafter's real row shape with no model (runs on a CPU machine too)."""
     from types import SimpleNamespace
 
-    from dflash.drafter import drafter_args
-    from dflash.masks import default_backend
+    from dflash.model.drafter import drafter_args
+    from dflash.model.masks import default_backend
 
     drafter = drafter_args(config.drafter.size)
     ctx = SimpleNamespace(args=drafter, device=device, backend=default_backend(device))
@@ -749,14 +751,14 @@ def report(args, results: dict) -> None:
         consumed = consumed or results.get("fed", {}).get("stand_in_tokens_per_s", 0.0)
         loader["trainer_tokens_per_s"] = consumed
         loader["headroom"] = loader["tokens_per_s"] / consumed if consumed else None
-        print_table("loader (dflash.batch.epoch_loader over a synthetic fp8 store)",
+        print_table("loader (dflash.train.batch.epoch_loader over a synthetic fp8 store)",
                     ["workers", "micro-batches", "tokens/s", "trainer consumes tokens/s", "headroom"],
                     [[loader["num_workers"], loader["micro_batches"], loader["tokens_per_s"], consumed,
                       loader["headroom"] if loader["headroom"] is not None else "n/a"]])
     if "fed" in results:
         fed = results["fed"]
         stand_in = fed.get("stand_in_tokens_per_s")
-        print_table("steps fed by the loader (dflash.train_loop's loop: next(loader), to_device, train_step)"
+        print_table("steps fed by the loader (dflash.train.loop's loop: next(loader), to_device, train_step)"
                     + (f"; stand-in step at {stand_in:,.0f} tokens/s" if stand_in else ""),
                     ["workers", "timed steps", "ms/step", "tokens/s", "data wait"],
                     [[fed["num_workers"], fed["timed_steps"], fed["ms_per_step"], fed["tokens_per_s"],

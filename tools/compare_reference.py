@@ -33,12 +33,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash import evaluation  # noqa: E402
 from dflash.config import load_config  # noqa: E402
+from dflash.data.tokenizer import load_target_tokenizer  # noqa: E402
 from dflash.dist import resolve_device  # noqa: E402
-from dflash.modeling_dflash import speculative_generate  # noqa: E402
-from dflash.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype  # noqa: E402
-from dflash.tokenizer import load_target_tokenizer  # noqa: E402
+from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype  # noqa: E402
+from dflash.model.modeling_dflash import speculative_generate  # noqa: E402
+from dflash.serve import evaluation  # noqa: E402
 
 
 def load_reference(checkout: Path, attention: str):
@@ -81,7 +81,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
 
 def cache_renaming(target):
     """A callable target that takes `past_key_values` and hands it to a forward that calls it `cache`."""
-    from dflash.modeling_dflash import cache_keyword
+    from dflash.model.modeling_dflash import cache_keyword
 
     if cache_keyword(target) == "past_key_values":
         return target

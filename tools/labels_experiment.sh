@@ -71,10 +71,10 @@ timed() {  # label, command...: wall seconds into results/timing.tsv
 split_source() {
   python3 - "$SOURCE" "$WORK" <<'PY'
 import json, sys
-from dflash import data
+from dflash.data import chat, samples
 source, work = sys.argv[1:]
 with open(f"{work}/train.jsonl", "w") as train, open(f"{work}/heldout.jsonl", "w") as heldout:
-    for row_id, row in data.read_rows(source):
+    for row_id, row in chat.read_rows(source):
         (heldout if row_id % 20 == 19 else train).write(json.dumps(row) + "\n")
 PY
 }
@@ -98,12 +98,12 @@ quartile_edges() {  # source -> bucket edges at the quartiles of its lengths (ev
   python3 - "$1" "$WORK" "$GGUF" <<'PY'
 import sys
 import numpy as np
-from dflash import data
-from dflash.target import prepare_checkpoint
-from dflash.tokenizer import load_target_tokenizer
+from dflash.data import chat, samples
+from dflash.extract.target import prepare_checkpoint
+from dflash.data.tokenizer import load_target_tokenizer
 source, work, gguf = sys.argv[1:]
 tokenizer = load_target_tokenizer(prepare_checkpoint(gguf, f"{work}/cache"))
-tokenized = data.tokenize_rows(source, tokenizer, max_length=2048, min_supervised=16, num_workers=8,
+tokenized = samples.tokenize_rows(source, tokenizer, max_length=2048, min_supervised=16, num_workers=8,
                                cache_dir=f"{work}/cache")
 quartiles = np.percentile([len(s) for s in tokenized.samples], [25, 50, 75])
 print([64, *sorted({int(-(-q // 16) * 16) for q in quartiles if 64 < q < 2048}), 2048])

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchlib import build_random_target, qwen35_27b_config  # noqa: E402
 
-from dflash.tokenizer import build_qwen_tokenizer  # noqa: E402
+from dflash.data.tokenizer import build_qwen_tokenizer  # noqa: E402
 
 
 def main() -> None:

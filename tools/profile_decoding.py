@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dflash.decoding import Request, SlotDecoder  # noqa: E402
+from dflash.serve.decoding import Request, SlotDecoder  # noqa: E402
 
 
 def random_smollm2(device, count: int):

@@ -3,8 +3,8 @@ encodings of its arrays (codec chains, bf16 bits, non-finite checks) and the lay
 writer and reader share (which shards exist, which are complete).
 
 Layout and attributes follow docs/INTERNALS.md. A shard group `shards/<name>` is written by one
-process (dflash/store_writer.py) and carries the group attribute `complete` last, so a crash
-never leaves a shard that looks complete; dflash/store_reader.py reads the complete ones. Every
+process (dflash/store/writer.py) and carries the group attribute `complete` last, so a crash
+never leaves a shard that looks complete; dflash/store/reader.py reads the complete ones. Every
 chunk carries a crc32c checksum (the codec chain's last step), and the sharding index carries
 its own. Only public zarr API is used, so the modules run on zarr 3.1 and 3.4.
 """
@@ -20,7 +20,7 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from dflash import __version__
-from dflash.data import content_fingerprint
+from dflash.data.chat import content_fingerprint
 from dflash.errors import DflashError
 
 SCHEMA_VERSION = 1

@@ -171,7 +171,7 @@ def load_target_tokenizer(checkpoint_dir: str | Path, chat_template: str = ""):
         tokenizer.chat_template = template_path.read_text() if is_file else chat_template
     if not tokenizer.chat_template:
         raise ValueError(f"target {checkpoint_dir}: the tokenizer has no chat template; set target.chat_template "
-                         f"to a Jinja template or a file holding one (e.g. dflash.tokenizer.CHATML_TEMPLATE)")
+                         f"to a Jinja template or a file holding one (e.g. dflash.data.tokenizer.CHATML_TEMPLATE)")
     return tokenizer
 
 

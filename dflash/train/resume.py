@@ -1,7 +1,7 @@
 """Saving a stage-two run and resuming it: which checkpoint `--resume` means, the config that
 resumes it on this many ranks, restoring model, optimizer, RNG and data cursor, and writing a
 checkpoint of the run, refused when its weights are not finite. The checkpoint's own format,
-and the finite guard that exports apply too, are dflash/checkpoint.py's.
+and the finite guard that exports apply too, are dflash/train/checkpoint.py's.
 """
 
 import dataclasses
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from dflash.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, read_state, require_finite,
-                               restore_rng_states, save_checkpoint)
 from dflash.config import Config, ConfigError, replace
 from dflash.dist import DistState
-from dflash.sampler import DataCursor
+from dflash.train.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, read_state, require_finite,
+                                     restore_rng_states, save_checkpoint)
+from dflash.train.sampler import DataCursor
 
 
 def save_run(config: Config, dist: DistState, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int,

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from dflash.dist import DistState
 from dflash.errors import DflashError
-from dflash.loss import block_metrics
+from dflash.model.loss import block_metrics
 
 METRICS_NAME = "metrics.jsonl"
 WANDB_MODES = ("offline", "online", "disabled")

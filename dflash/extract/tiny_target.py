@@ -49,7 +49,7 @@ def _write_tiny_target(directory: Path, tokenizer_cache_dir: str | Path | None) 
     import torch
     from transformers import Qwen3_5ForCausalLM
 
-    from dflash.tokenizer import build_qwen_tokenizer
+    from dflash.data.tokenizer import build_qwen_tokenizer
 
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(tiny_target_config())

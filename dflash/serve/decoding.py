@@ -28,7 +28,7 @@ busy instead:
 The forward is written here over the model's own modules (embedding, norms, projections,
 rotary embedding, MLP, LM head), so it serves the decoder families whose layers are plain
 full attention (Llama, Mistral, Qwen2, Qwen3); `unsupported_reason` says why another model
-cannot be served, and `dflash.generation` then falls back to transformers' `generate`.
+cannot be served, and `dflash.serve.generation` then falls back to transformers' `generate`.
 """
 
 from __future__ import annotations

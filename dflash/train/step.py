@@ -2,8 +2,8 @@
 attention backend), the optimizer and learning rate, parallelism, `forward_loss` on one packed
 micro-batch, `train_step` (forward, backward, clip, step) and `evaluate` on held-out batches.
 
-dflash/train_loop.py runs the loop around them (checkpoints, logging, evaluation); the metric
-sums and the non-finite guard they return are dflash/metrics.py's `StepStats`;
+dflash/train/loop.py runs the loop around them (checkpoints, logging, evaluation); the metric
+sums and the non-finite guard they return are dflash/train/metrics.py's `StepStats`;
 tools/bench_stage2.py times `train_step` itself. Only logging steps move numbers to the host.
 """
 
@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash import codecs
 from dflash.config import Config
 from dflash.dist import DistState
-from dflash.drafter import DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers
-from dflash.export import load_exported
-from dflash.loss import block_labels, default_gamma, dflash_loss, gamma_weights
-from dflash.masks import build_masks, default_backend
-from dflash.metrics import StepStats
+from dflash.model.drafter import DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers
+from dflash.model.export import load_exported
+from dflash.model.loss import block_labels, default_gamma, dflash_loss, gamma_weights
+from dflash.model.masks import build_masks, default_backend
+from dflash.store import codecs
+from dflash.train.metrics import StepStats
 
 
 @dataclass
@@ -89,7 +89,7 @@ def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> 
     if config.train.compile and dist.device.type == "cuda":
         # Regional compile of the two mask-free halves of a layer (all matmuls and elementwise
         # ops), one graph shared by every layer; flex attention is compiled on its own
-        # (dflash.masks). Row counts vary per micro-batch: the second distinct shape compiles a
+        # (dflash.model.masks). Row counts vary per micro-batch: the second distinct shape compiles a
         # shape-generic graph.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         compile_layers(model)

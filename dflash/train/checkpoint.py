@@ -13,7 +13,7 @@ A checkpoint is written into a hidden temp dir beside its final place and rename
 place, so a crash never leaves a `step-*` dir that looks complete; older ones are pruned to
 `keep_last`. Under DDP every rank holds the full state and only the writer (rank 0) saves;
 every rank reads it on resume, whatever the number of ranks (the schedule of an optimizer
-step does not depend on it, see dflash/resume.py's `resume_config`). Weights holding NaN/Inf
+step does not depend on it, see dflash/train/resume.py's `resume_config`). Weights holding NaN/Inf
 are never written (`require_finite`, which exports apply too).
 """
 

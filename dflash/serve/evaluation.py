@@ -1,5 +1,5 @@
 """Served acceptance, measured: one prompt decoded plainly (greedy, the baseline) and then
-speculatively by each drafter through `dflash.modeling_dflash` (the class and loop an export
+speculatively by each drafter through `dflash.model.modeling_dflash` (the class and loop an export
 serves), the results per prompt and per drafter, the report, its JSON and its plot. The engine
 of `dflash eval` (stages/evaluate.py) and of tools/compare_reference.py, with the drafters it
 loads (checked against the target) and the prompts it decodes.
@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash import data
 from dflash.config import Config, ConfigError
-from dflash.data import row_label
-from dflash.modeling_dflash import DFlashDraftModel, greedy_generate, speculative_generate
-from dflash.target import find_decoder_layers
-from dflash.tokenizer import tokenizer_identity
+from dflash.data import chat, samples
+from dflash.data.chat import row_label
+from dflash.data.tokenizer import tokenizer_identity
+from dflash.extract.target import find_decoder_layers
+from dflash.model.modeling_dflash import DFlashDraftModel, greedy_generate, speculative_generate
 
 HELDOUT = "heldout"  # --prompts: the samples stage two holds out of the config's store
 TIE_ULPS = 4  # a logit gap within this many rounding steps of the dtype is a near-tie
@@ -110,8 +110,8 @@ def load_prompts(config: Config, source: str, num_prompts: int, tokenizer) -> li
 
 def heldout_prompts(config: Config, tokenizer, num_prompts: int) -> list[tuple[str, np.ndarray]]:
     """Prompts of the samples stage two holds out of training (same store, fraction and seed)."""
-    from dflash.sampler import split_holdout
-    from dflash.store_reader import StoreReader
+    from dflash.store.reader import StoreReader
+    from dflash.train.sampler import split_holdout
 
     reader = StoreReader(config.store.path)
     stored = reader.attrs["tokenizer"]["hash"]
@@ -134,13 +134,13 @@ def heldout_prompts(config: Config, tokenizer, num_prompts: int) -> list[tuple[s
 def source_prompts(source: str, split: str, tokenizer, num_prompts: int) -> list[tuple[str, np.ndarray]]:
     """The first `num_prompts` usable rows of a data source, rendered up to their last answer."""
     prompts, skipped = [], 0
-    for row_id, row in data.read_rows(source, split):
+    for row_id, row in chat.read_rows(source, split):
         try:
-            messages = data.prompt_messages(row)
-        except data.RowProblem:
+            messages = chat.prompt_messages(row)
+        except chat.RowProblem:
             skipped += 1
             continue
-        prompts.append((row_label(row_id), np.asarray(data.prompt_token_ids(messages, tokenizer), dtype=np.int64)))
+        prompts.append((row_label(row_id), np.asarray(samples.prompt_token_ids(messages, tokenizer), dtype=np.int64)))
         if len(prompts) == num_prompts:
             break
     if skipped:

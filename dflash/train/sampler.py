@@ -16,7 +16,7 @@ For one epoch, from `(seed, epoch)` alone:
 
 The data state is a `DataCursor(epoch, step)`: resuming rebuilds the epoch's schedule and
 starts at `step`, reading nothing that was skipped. A run that follows a store still being
-written (dflash/follow.py) schedules its first epoch in segments; `segment` says which.
+written (dflash/train/follow.py) schedules its first epoch in segments; `segment` says which.
 
 `schedule_for` and `held_out_micro_batches` build a run's schedules from its config and the
 store's index (lengths, buckets, supervised counts), reading no sample.

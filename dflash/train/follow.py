@@ -1,6 +1,6 @@
 """Stage two on a store that stage one is still writing (`train.follow`, `stage2-train --follow`).
 
-Stage one commits shards one at a time, buckets interleaved (`dflash.plan.write_order`), and
+Stage one commits shards one at a time, buckets interleaved (`dflash.extract.plan.write_order`), and
 its plan (root attribute `shards`) names every shard to come. A following run:
 
 - indexes the shards complete at its start and, at fixed points (every `train.follow_every`
@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash.dist import DistState, broadcast_object
-from dflash.sampler import EpochSchedule, schedule_for
-from dflash.store_format import frozen_weights_complete
-from dflash.store_reader import StoreReader, open_existing
+from dflash.store.reader import StoreReader, open_existing
+from dflash.store.schema import frozen_weights_complete
+from dflash.train.sampler import EpochSchedule, schedule_for
 
 _FOLLOW_HOLDOUT_STREAM = 0x464F4C4C  # "FOLL": the per-shard hold-out rng, apart from every other stream
 

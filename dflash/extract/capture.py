@@ -2,7 +2,7 @@
 device, hand them to the writer processes, and commit shards (`write_shards`).
 
 GPU work (capture, fp8 quantisation) overlaps compression and writing, which writer processes
-do from bounded queues (dflash/writers.py, one shard per process at a time). Nothing here waits
+do from bounded queues (dflash/extract/writers.py, one shard per process at a time). Nothing here waits
 for the device except the writers' hand-off threads.
 """
 
@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from dflash import codecs, store_format
+from dflash.extract.target import pad_batch
+from dflash.extract.writers import WriterPool
 from dflash.padding import round_up, target_batch_multiple
-from dflash.target import pad_batch
-from dflash.writers import WriterPool
+from dflash.store import codecs
+from dflash.store import schema as store_format
 
 
 @dataclass
@@ -33,7 +34,7 @@ class WriteStats:
 
 
 def write_shards(config, dist, target, samples, lengths, row_ids, shards, capture=None) -> WriteStats:
-    """Capture every shard on the device; writer processes (dflash/writers.py) compress and commit
+    """Capture every shard on the device; writer processes (dflash/extract/writers.py) compress and commit
     into the store at config.store.path, which must exist.
 
     `lengths` and `row_ids` are indexed like `samples` (the kept-sample list the plan uses).

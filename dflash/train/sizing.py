@@ -4,11 +4,11 @@
 """
 
 from dflash.config import Config, ConfigError
-from dflash.drafter import AUTO_SIZE, DrafterArgs, auto_drafter_args, drafter_args
-from dflash.export import load_exported
-from dflash.store_format import StoreMismatchError
+from dflash.data.tokenizer import TOKENIZER_NAME
+from dflash.model.drafter import AUTO_SIZE, DrafterArgs, auto_drafter_args, drafter_args
+from dflash.model.export import load_exported
 from dflash.recipe import MASK_TOKEN_ID
-from dflash.tokenizer import TOKENIZER_NAME
+from dflash.store.schema import StoreMismatchError
 
 
 def check_labels(config: Config, attrs: dict) -> None:
@@ -77,7 +77,7 @@ def target_text_config(attrs: dict) -> dict:
         return attrs["target_text_config"]
     from transformers import AutoConfig
 
-    from dflash.target import text_config_summary
+    from dflash.extract.target import text_config_summary
 
     path = attrs["target"]["path"]
     try:

@@ -302,7 +302,7 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
     os.nice(WRITER_NICENESS)
     import zarr
 
-    from dflash import store_writer
+    from dflash.store import writer as store_writer
 
     group = zarr.open_group(store_path, mode="r+")
     writers: dict[str, store_writer.ShardWriter] = {}

@@ -172,8 +172,8 @@ def stop_token_ids(tokenizer, model) -> list[int]:
 def prepare_checkpoint(path: str, cache_dir: str) -> Path:
     """The checkpoint directory for `target.path`: a directory as is, a `.gguf` file converted
     once into `cache_dir`, or the embedded tiny target built there."""
-    from dflash.tiny_target import EMBEDDED_TARGET, build_tiny_target
-    from dflash.gguf import converted_dir, is_gguf
+    from dflash.extract.gguf import converted_dir, is_gguf
+    from dflash.extract.tiny_target import EMBEDDED_TARGET, build_tiny_target
 
     if path == EMBEDDED_TARGET:
         return build_tiny_target(Path(cache_dir) / "target-tiny")

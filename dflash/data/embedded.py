@@ -2,7 +2,7 @@
 
 Nothing here downloads anything: the rows come from packages that ship real text (HumanEval
 problems, the Python standard library's own source; see docs/ENVIRONMENT.md). The embedded target
-they go with is dflash/tiny_target.py's.
+they go with is dflash/extract/tiny_target.py's.
 """
 
 import functools
@@ -10,7 +10,6 @@ import gzip
 import json
 import sysconfig
 from pathlib import Path
-
 
 # --------------------------------------------------------------------------- offline chat rows
 

@@ -9,7 +9,7 @@ halves (bf16) or quarters (fp8) the bytes that cross the host-device link compar
 
 Padding: the token axis T and the anchor axis A are padded up to a multiple of
 `pad_multiple` (a few fixed shapes bound flex-attention recompiles). Padded tokens and
-padded anchors carry doc id -1, which the mask rule (dflash/masks.py) never lets a real
+padded anchors carry doc id -1, which the mask rule (dflash/model/masks.py) never lets a real
 query see nor a padded query see any context; padded anchors are also `anchor_valid=False`
 so they carry no loss.
 """
@@ -22,12 +22,12 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from dflash.anchors import anchor_rng, sample_anchors
-from dflash.data import row_label
-from dflash.loss import label_rows
-from dflash.masks import PADDING_DOC
+from dflash.data.chat import row_label
+from dflash.model.anchors import anchor_rng, sample_anchors
+from dflash.model.loss import label_rows
+from dflash.model.masks import PADDING_DOC
 from dflash.padding import round_up
-from dflash.store_format import CorruptShardError
+from dflash.store.schema import CorruptShardError
 
 
 class StoreDataset(torch.utils.data.Dataset):
@@ -136,7 +136,7 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     `anchor_index`, `anchor_valid` `(A,)`; per sample `lengths`, `row_ids`, `sample_indices`
     `(D,)`; scalars `bucket` (-1 if the samples' buckets differ), `epoch`, `num_tokens` (T),
     `num_real_tokens`, `num_real_anchors`; with `block_size`, `label_rows (L,)`: the block rows
-    that carry a label (`dflash.loss.label_rows`, so the LM head skips the others); and, when some samples
+    that carry a label (`dflash.model.loss.label_rows`, so the LM head skips the others); and, when some samples
     could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
     whose every sample was skipped is `{"skipped": [...], "empty": True}`.
     """

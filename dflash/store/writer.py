@@ -1,6 +1,6 @@
 """Writing the store: creating it (or continuing one of the same content), the frozen weights,
 and `ShardWriter`, which fills one planned shard in zarr-shard-aligned row ranges and marks it
-complete last. The format is dflash/store_format.py's.
+complete last. The format is dflash/store/schema.py's.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch
 import zarr
 from zarr.codecs import BytesCodec
 
+from dflash.extract.plan import ShardPlan
 from dflash.padding import round_up
-from dflash.plan import ShardPlan
-from dflash.store_format import (ATTRS_KEY, COMPLETE_KEY, DEFAULT_BF16_COMPRESSION, FROZEN_WEIGHT_NAMES, HIDDEN_DTYPES,
-                                 StoreMismatchError, json_normalized, plain_compressors, bf16_to_bits,
-                                 count_nonfinite, diff_attrs, hidden_compressors, is_complete, row_array_names)
+from dflash.store.schema import (ATTRS_KEY, COMPLETE_KEY, DEFAULT_BF16_COMPRESSION, FROZEN_WEIGHT_NAMES, HIDDEN_DTYPES,
+                                 StoreMismatchError, bf16_to_bits, count_nonfinite, diff_attrs, hidden_compressors,
+                                 is_complete, json_normalized, plain_compressors, row_array_names)
 
 # Row arrays are never all fill value: skip zarr's per-chunk emptiness test.
 WRITE_EVERY_CHUNK = {"write_empty_chunks": True}

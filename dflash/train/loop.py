@@ -1,6 +1,6 @@
-"""A stage-two run: its state and the loop over optimizer steps around dflash/train_step.py's
-`train_step`, with metrics windows (dflash/metrics.py), held-out evaluation, and checkpoints
-(dflash/resume.py; every `train.save_every` steps, at the end, on SIGTERM and before stopping
+"""A stage-two run: its state and the loop over optimizer steps around dflash/train/step.py's
+`train_step`, with metrics windows (dflash/train/metrics.py), held-out evaluation, and checkpoints
+(dflash/train/resume.py; every `train.save_every` steps, at the end, on SIGTERM and before stopping
 on an unreadable sample). Only logging steps move numbers to the host, in one transfer.
 `stages/train.py` builds the parts and calls `loop`.
 """
@@ -16,18 +16,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash.batch import StoreDataset, collate_packed, epoch_loader
-from dflash.compile_cache import artifacts_path, save_compile_artifacts
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState
-from dflash.follow import FollowStopped, FollowTimeout, StoreFollower
-from dflash.metrics import MetricsLogger, StepStats
 from dflash.padding import micro_batch_multiple
-from dflash.resume import save_run
-from dflash.sampler import DataCursor, held_out_micro_batches
-from dflash.store_format import CorruptShardError
-from dflash.store_reader import StoreReader
-from dflash.train_step import TrainContext, evaluate, learning_rate, to_device, train_step
+from dflash.store.reader import StoreReader
+from dflash.store.schema import CorruptShardError
+from dflash.train.batch import StoreDataset, collate_packed, epoch_loader
+from dflash.train.compile_cache import artifacts_path, save_compile_artifacts
+from dflash.train.follow import FollowStopped, FollowTimeout, StoreFollower
+from dflash.train.metrics import MetricsLogger, StepStats
+from dflash.train.resume import save_run
+from dflash.train.sampler import DataCursor, held_out_micro_batches
+from dflash.train.step import TrainContext, evaluate, learning_rate, to_device, train_step
 
 
 @dataclass
@@ -231,7 +231,7 @@ def advance_cursor(state: TrainState, schedule, step_in_epoch: int, bar, timer, 
 
 def keep_compile_artifacts(state: TrainState, say) -> None:
     """Each rank saves its compiled kernels beside the checkpoints, one file per device index
-    (dflash/compile_cache.py); rank 0 says so."""
+    (dflash/train/compile_cache.py); rank 0 says so."""
     device = state.dist.device
     if device.type != "cuda":
         return

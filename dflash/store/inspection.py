@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 import zarr
 
-from dflash.store_format import (ATTRS_KEY, COMPLETE_KEY, FROZEN_WEIGHT_NAMES, HIDDEN_DTYPES, StoreMismatchError,
+from dflash.store.reader import StoreReader
+from dflash.store.schema import (ATTRS_KEY, COMPLETE_KEY, FROZEN_WEIGHT_NAMES, HIDDEN_DTYPES, StoreMismatchError,
                                  check_schema_version, count_nonfinite, has_target_labels, open_shard, shard_names)
-from dflash.store_reader import StoreReader
-
 
 # ---------------------------------------------------------------- verification
 

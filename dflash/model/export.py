@@ -2,8 +2,8 @@
 
 An export is a directory with `config.json` (a Qwen3 config plus DFlash fields, the layout
 inference engines load as `DFlashDraftModel`), `model.safetensors` holding exactly the
-drafter keys of docs/ARCHITECTURE.md, and `modeling_dflash.py` (a copy of
-`dflash/modeling_dflash.py`, named by the config's `auto_map`), so that
+drafter keys of docs/ARCHITECTURE.md, and `model/modeling_dflash.py` (a copy of
+`dflash/model/modeling_dflash.py`, named by the config's `auto_map`), so that
 `AutoModel.from_pretrained(dir, trust_remote_code=True)` returns the drafter with its
 speculative-decoding loop. The frozen embedding and LM head are the target's and are not
 part of it. `load_exported` reads such a directory back into `DrafterArgs` and a state
@@ -18,10 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash.checkpoint import require_finite
 from dflash.errors import DflashError
 from dflash.outputs import atomic_dir
 from dflash.recipe import BLOCK_SIZE, MASK_TOKEN_ID
+from dflash.train.checkpoint import require_finite
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -183,7 +183,7 @@ def export_drafter(
 
 def args_from_config(config: dict, source: str):
     """Build `DrafterArgs` from an export's config.json (ours or an older DFlash one)."""
-    from dflash.drafter import DrafterArgs  # deferred: keeps export importable on its own
+    from dflash.model.drafter import DrafterArgs  # deferred: keeps export importable on its own
 
     def require(key: str):
         if key not in config:

@@ -1,6 +1,6 @@
 """Reading the store: `StoreReader` indexes every complete shard once and reads one sample at a
 time (zarr arrays opened lazily in each process, so the reader can go to DataLoader workers).
-The format is dflash/store_format.py's.
+The format is dflash/store/schema.py's.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import zarr
 
-from dflash.store_format import (ATTRS_KEY, COMPLETE_KEY, CorruptShardError, StoreMismatchError, bits_to_bf16,
+from dflash.store.schema import (ATTRS_KEY, COMPLETE_KEY, CorruptShardError, StoreMismatchError, bits_to_bf16,
                                  check_schema_version, has_target_labels, open_shard, row_array_names, shard_names)
 
 
@@ -139,7 +139,7 @@ class StoreReader:
         self.sample_num_supervised = gather("num_supervised")
         self.sample_row_id = gather("row_id")
         self.sample_local = np.concatenate([np.arange(len(p["start"])) for p in parts]) if parts else np.zeros(0, np.int64)
-        # The per-sample table stage two schedules from (dflash.sampler, dflash.batch).
+        # The per-sample table stage two schedules from (dflash.train.sampler, dflash.train.batch).
         self.index = {"length": self.sample_length, "bucket": self.sample_bucket,
                       "num_supervised": self.sample_num_supervised, "row_id": self.sample_row_id}
 

@@ -4,7 +4,7 @@ of tools/bench_generate.py.
 Each `Job` is one answer to make: a prompt, its sample index (0 greedy, 1.. sampled) and the
 output shard it belongs to. Two paths make them:
 
-- `slots` (`dflash.decoding.SlotDecoder`): continuous batching with a KV cache allocated once
+- `slots` (`dflash.serve.decoding.SlotDecoder`): continuous batching with a KV cache allocated once
   and CUDA-graph decode steps, for full-attention targets (Llama, Mistral, Qwen2, Qwen3). Every
   sampled answer draws from its own stream (seed, source row, sample index), so it is the same
   in whatever batch or run it is decoded.
@@ -28,11 +28,11 @@ from typing import Callable
 
 import torch
 
-from dflash import data
-from dflash.decoding import Request, SlotDecoder, stream_id, unsupported_reason
+from dflash.data import chat, samples
 from dflash.errors import DflashError
 from dflash.outputs import write_text_atomic
 from dflash.padding import round_up
+from dflash.serve.decoding import Request, SlotDecoder, stream_id, unsupported_reason
 
 PAD_WIDTH = 64
 MANIFEST = "generate-manifest.txt"
@@ -86,7 +86,7 @@ class Generator:
         """`batch_size` 0: the engine's slots fill half the free GPU memory (at most `SLOTS_MAX`),
         transformers' batches are 256 prompts; on the CPU 8. `static_cache` auto: on CUDA
         (transformers' path only). `engine` auto: the slots engine where the target allows it;
-        `decode_attention` its decode step's attention (`dflash.decoding.ATTENTIONS`)."""
+        `decode_attention` its decode step's attention (`dflash.serve.decoding.ATTENTIONS`)."""
         self.target, self.tokenizer, self.device = target, tokenizer, device
         self.stops = list(stop_ids)
         pad = getattr(tokenizer, "pad_token_id", None)
@@ -211,17 +211,17 @@ def read_prompts(source: str, split: str, tokenizer, max_length: int, strict: bo
     `limit` if positive), and the number of rows read; unusable rows go into `bad_rows` per
     reason (with `strict`, the first one in file order stops the run)."""
     prompts, num_rows = [], 0
-    for row_id, row in data.read_rows(source, split):
+    for row_id, row in chat.read_rows(source, split):
         num_rows += 1
         try:
-            messages = data.prompt_messages(row)
-            input_ids = data.prompt_token_ids(messages, tokenizer)
+            messages = chat.prompt_messages(row)
+            input_ids = samples.prompt_token_ids(messages, tokenizer)
             if len(input_ids) >= max_length:
-                raise data.RowProblem(BAD_PROMPT_TOO_LONG, f"prompt of {len(input_ids)} tokens, data.max_length "
+                raise chat.RowProblem(BAD_PROMPT_TOO_LONG, f"prompt of {len(input_ids)} tokens, data.max_length "
                                                            f"is {max_length}")
-        except data.RowProblem as problem:
+        except chat.RowProblem as problem:
             if strict:
-                raise data.BadRowError(row_id, problem.reason, str(problem)) from None
+                raise chat.BadRowError(row_id, problem.reason, str(problem)) from None
             bad_rows.setdefault(problem.reason, []).append(row_id)
             continue
         prompts.append(Prompt(row_id, messages, input_ids))
@@ -283,8 +283,8 @@ def check_greedy(target, prompt_ids: list[list[int]], answers: list[Answer], sto
     they differ, the target's logit gap of the two tokens at the first difference (an answer
     that ended there stands for its most likely end token), so that a rounding near-tie is told
     apart from a wrong answer by `dflash eval`'s rule (`TIE_ULPS` rounding steps)."""
-    from dflash.evaluation import TIE_ULPS
-    from dflash.modeling_dflash import greedy_generate
+    from dflash.model.modeling_dflash import greedy_generate
+    from dflash.serve.evaluation import TIE_ULPS
 
     device = target.get_input_embeddings().weight.device
     checks = []

@@ -6,7 +6,7 @@ context token. The block tokens (slot 0 = anchor token, slots 1.. = mask token, 
 the target's frozen embedding) are the only queries; in every layer keys and values are
 `[proj(context) ; proj(block)]`, with k_norm on all keys and plain RoPE on queries (block
 positions `anchor + j`) and keys (context positions, then block positions). Which key each
-query may see is decided by the per-layer-type masks from `dflash.masks`.
+query may see is decided by the per-layer-type masks from `dflash.model.masks`.
 
 Parameter names equal the inference export keys (`layers.{i}.self_attn.q_proj.weight`, ...,
 `norm.weight`, `fc.weight`, `hidden_norm.weight`); embedding and LM head are not part of
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.masks import LAYER_TYPES, attend
+from dflash.model.masks import LAYER_TYPES, attend
 # The served drafter's own norm and RoPE tables: training and serving share them.
-from dflash.modeling_dflash import RMSNorm, rms_norm, rope_tables
+from dflash.model.modeling_dflash import RMSNorm, rms_norm, rope_tables
 from dflash.recipe import BLOCK_SIZE, MASK_TOKEN_ID, VOCAB_SIZE
 
 INIT_STD = 0.02  # Qwen3 `initializer_range`
@@ -228,7 +228,7 @@ class DrafterMLP(nn.Module):
 
 # A layer is `attention_inputs` -> attention kernel -> `layer_output`. The two halves hold every
 # matmul and elementwise op and no mask, and take the weights as arguments: one function (and,
-# under torch.compile, one graph) serves every layer. dflash/train_step.py compiles them apart from
+# under torch.compile, one graph) serves every layer. dflash/train/step.py compiles them apart from
 # flex attention.
 
 
@@ -312,7 +312,7 @@ class DFlashDrafter(nn.Module):
     ) -> torch.Tensor:
         """Block hidden states `(Q, H)` after the final norm (feed them to the target's LM head).
 
-        `masks` maps each layer type to its mask from `dflash.masks.build_masks`, for keys laid
+        `masks` maps each layer type to its mask from `dflash.model.masks.build_masks`, for keys laid
         out as `[context (T) ; block (Q)]`.
         """
         args = self.args

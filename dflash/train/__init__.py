@@ -1,0 +1,1 @@
+"""Stage two's library: sizing, the data order (`sampler`, `batch`), the step (`step`), the loop (`loop`), resume and checkpoints, metrics, following a store being written (`follow`), compile artifacts."""
