@@ -20,9 +20,9 @@ from dflash.model.masks import BACKENDS as ATTENTION_BACKENDS
 from dflash.recipe import BLOCK_SIZE
 from dflash.store.codecs import CODECS
 from dflash.store.schema import LABEL_CHOICES
-from dflash.train.metrics import WANDB_MODES
 
 DEFAULT_ROOT = "/data/dflash"
+WANDB_MODES = ("offline", "online", "disabled")  # train.wandb; dflash.train.metrics opens the run
 
 
 class ConfigError(DflashError, ValueError):

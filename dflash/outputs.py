@@ -6,7 +6,8 @@ that way cannot be read by a serving process running as another user. `follow_um
 sets a file to 0666 and a directory (recursively, with its contents) to 0777, both masked by
 the umask, as `open()` and `mkdir()` would have. `atomic_file` and `atomic_dir` are the one
 temp-then-rename write of the package (files; directories such as checkpoints, exports and
-converted targets): whole or nothing, with those permissions.
+converted targets): whole or nothing, with those permissions. `require_finite` is the guard
+every checkpoint and export passes before its weights are written.
 """
 
 import contextlib
@@ -14,6 +15,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+import torch
+
+from dflash.errors import DflashError
 
 
 def current_umask() -> int:
@@ -94,3 +99,14 @@ def fsync_path(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class NonFiniteWeightsError(DflashError, ValueError):
+    """Weights about to be written hold NaN/Inf; the message names the first such key."""
+
+
+def require_finite(state: dict[str, torch.Tensor], what: str, error: type[Exception] = NonFiniteWeightsError) -> None:
+    """Refuse weights holding NaN/Inf, naming the first such key (no export or checkpoint of them)."""
+    for key, tensor in state.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise error(f"{what}: {key} holds non-finite values (NaN/Inf); refusing to write it")

@@ -16,10 +16,9 @@ from dflash.config import Config
 from dflash.data import samples
 from dflash.data.tokenizer import choose_mask_token, load_target_tokenizer
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
-from dflash.extract import plan
 from dflash.extract.capture import write_shards
 from dflash.extract.target import compile_decoder_layers, load_target, prepare_checkpoint_in_order, target_dtype
-from dflash.store import codecs
+from dflash.store import codecs, plan
 from dflash.store import schema as store_format
 from dflash.store import writer as store_writer
 

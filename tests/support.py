@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from dflash.extract.plan import ShardPlan
 from dflash.model.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
 from dflash.model.loss import block_labels, dflash_loss, gamma_weights
 from dflash.model.masks import PADDING_DOC, build_masks
+from dflash.store.plan import ShardPlan
 from dflash.train.sampler import DataCursor, EpochSchedule, build_epoch_schedule
 
 

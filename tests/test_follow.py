@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from dflash.config import load_config
 from dflash.dist import DistState
-from dflash.extract import plan
+from dflash.store import plan
 from dflash.store.reader import StoreReader
 from dflash.store.schema import COMPLETE_KEY
 from dflash.train import follow

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.extract.plan import plan_shards
 from dflash.store.inspection import format_bytes
+from dflash.store.plan import plan_shards
 from dflash.store.schema import SCHEMA_VERSION, bf16_to_bits
 from dflash.store.writer import ShardWriter, create_or_open_store
 from stages import inspect as inspect_stage

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from support import rank_imbalance, rank_token_counts
 
-from dflash.extract.plan import ShardPlan, assign_bucket, assign_ranks, plan_shards
+from dflash.store.plan import ShardPlan, assign_bucket, assign_ranks, plan_shards
 
 EDGES = [16, 64, 256, 1024]
 
@@ -89,7 +89,7 @@ def test_rank_assignment_lpt_example():
 
 
 def test_write_order_interleaves_buckets_and_keeps_each_bucket_in_name_order():
-    from dflash.extract.plan import write_order
+    from dflash.store.plan import write_order
 
     shards = [ShardPlan(f"b{b:02d}-{i:05d}", b, (), tokens) for b, count, tokens in [(0, 2, 100), (1, 6, 100), (2, 3, 200)]
               for i in range(count)]

@@ -11,8 +11,8 @@ import torch
 import zarr
 from support import EDGES, HIDDEN, N_LAYERS, root_attrs
 
-from dflash.extract.plan import plan_shards
 from dflash.store.inspection import store_stats, verify_store
+from dflash.store.plan import plan_shards
 from dflash.store.reader import StoreReader
 from dflash.store.schema import (CorruptShardError, StoreMismatchError, bf16_to_bits, completed_shards, diff_attrs,
                                  is_complete)

@@ -8,8 +8,8 @@ import torch
 from support import EDGES, HIDDEN, N_LAYERS, root_attrs
 
 from dflash.extract.capture import CapturedBatch
-from dflash.extract.plan import plan_shards
 from dflash.extract.writers import WriterError, WriterPool
+from dflash.store.plan import plan_shards
 from dflash.store.reader import StoreReader
 from dflash.store.schema import bf16_to_bits
 from dflash.store.writer import create_or_open_store

@@ -94,7 +94,7 @@ def bucketed_batches(samples: list, bucket_edges, batch_tokens: int, shard_token
     """The batches stage one runs: the plan's shards (bucketed, each shortest first), each cut into
     right-padded batches of consecutive samples."""
     from dflash.extract.capture import padded_batches
-    from dflash.extract.plan import plan_shards
+    from dflash.store.plan import plan_shards
 
     lengths = np.array([len(s) for s in samples])
     plans = plan_shards(lengths, np.array([s.row_id for s in samples]), bucket_edges, shard_tokens)
@@ -221,9 +221,8 @@ def run_full_path(target, samples, bucket_edges, codec: str, batch_tokens: int, 
     """
     from dflash.config import Config, replace
     from dflash.dist import DistState
-    from dflash.extract import plan
     from dflash.extract.capture import capture_batch, write_shards
-    from dflash.store import inspection
+    from dflash.store import inspection, plan
     from dflash.store import writer as store_writer
 
     # A real run has thousands of shards spread over the writer processes; a short benchmark

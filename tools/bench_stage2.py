@@ -154,7 +154,7 @@ def peer_steps(pool, args_drafter, num_distinct: int, seed: int) -> list[list[di
 
 def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_multiple: int) -> list[list[dict]]:
     """Steps as the sampler builds them: bucketed packing under token_budget, accum_steps each."""
-    from dflash.extract.plan import assign_bucket
+    from dflash.store.plan import assign_bucket
     from dflash.train.batch import collate_packed
     from dflash.train.sampler import build_epoch_schedule
 
@@ -437,7 +437,7 @@ def warning_sites(fn, match: str, depth: int = 12) -> dict:
 
 def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, num_tokens: int, seed: int) -> None:
     """A store of the real row shape (fp8, n x H per token) holding about `num_tokens` tokens."""
-    from dflash.extract import plan
+    from dflash.store import plan
     from dflash.store import schema as store_format
     from dflash.store import writer as store_writer
 

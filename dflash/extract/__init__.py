@@ -1,1 +1,1 @@
-"""Stage one's library: the target (`target`, `tiny_target`, `gguf`), the plan of buckets and shards (`plan`), the capture of layer outputs (`capture`) and the shard writers (`writers`)."""
+"""Stage one's library: the target (`target`, `tiny_target`, `gguf`), the capture of layer outputs (`capture`) and the shard writers (`writers`)."""

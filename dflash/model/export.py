@@ -19,9 +19,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash.errors import DflashError
-from dflash.outputs import atomic_dir
+from dflash.outputs import atomic_dir, require_finite
 from dflash.recipe import BLOCK_SIZE, MASK_TOKEN_ID
-from dflash.train.checkpoint import require_finite
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"

@@ -1,1 +1,1 @@
-"""The store, the contract between the stages: its schema and root attributes (`schema`), codecs (`codecs`), writer, reader and inspection."""
+"""The store, the contract between the stages: its schema and root attributes (`schema`), the plan of buckets and shards (`plan`), codecs (`codecs`), writer, reader and inspection."""

@@ -12,8 +12,8 @@ import torch
 import zarr
 from zarr.codecs import BytesCodec
 
-from dflash.extract.plan import ShardPlan
 from dflash.padding import round_up
+from dflash.store.plan import ShardPlan
 from dflash.store.schema import (ATTRS_KEY, COMPLETE_KEY, DEFAULT_BF16_COMPRESSION, FROZEN_WEIGHT_NAMES, HIDDEN_DTYPES,
                                  StoreMismatchError, bf16_to_bits, count_nonfinite, diff_attrs, hidden_compressors,
                                  is_complete, json_normalized, plain_compressors, row_array_names)

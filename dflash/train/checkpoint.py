@@ -14,7 +14,7 @@ place, so a crash never leaves a `step-*` dir that looks complete; older ones ar
 `keep_last`. Under DDP every rank holds the full state and only the writer (rank 0) saves;
 every rank reads it on resume, whatever the number of ranks (the schedule of an optimizer
 step does not depend on it, see dflash/train/resume.py's `resume_config`). Weights holding NaN/Inf
-are never written (`require_finite`, which exports apply too).
+are never written (`dflash.outputs.require_finite`, which exports apply too).
 """
 
 import json
@@ -29,7 +29,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash.errors import DflashError
 from dflash.outputs import atomic_dir
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -38,17 +37,6 @@ TEMP_PREFIX = ".tmp-step-"
 STATE_NAME = "state.json"  # written last: the completion mark
 OPTIMIZER_META_KEY = "dflash_optimizer"
 FORMAT_VERSION = 1
-
-
-class NonFiniteWeightsError(DflashError, ValueError):
-    """Weights about to be written hold NaN/Inf; the message names the first such key."""
-
-
-def require_finite(state: dict[str, torch.Tensor], what: str, error: type[Exception] = NonFiniteWeightsError) -> None:
-    """Refuse weights holding NaN/Inf, naming the first such key (no export or checkpoint of them)."""
-    for key, tensor in state.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise error(f"{what}: {key} holds non-finite values (NaN/Inf); refusing to write it")
 
 
 @dataclass

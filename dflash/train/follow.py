@@ -1,6 +1,6 @@
 """Stage two on a store that stage one is still writing (`train.follow`, `stage2-train --follow`).
 
-Stage one commits shards one at a time, buckets interleaved (`dflash.extract.plan.write_order`), and
+Stage one commits shards one at a time, buckets interleaved (`dflash.store.plan.write_order`), and
 its plan (root attribute `shards`) names every shard to come. A following run:
 
 - indexes the shards complete at its start and, at fixed points (every `train.follow_every`

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as torch_dist
 from tqdm import tqdm
 
+from dflash.config import WANDB_MODES
 from dflash.dist import DistState
 from dflash.errors import DflashError
 from dflash.model.loss import block_metrics
 
 METRICS_NAME = "metrics.jsonl"
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 class MetricsLogger:

@@ -11,7 +11,8 @@ import torch
 
 from dflash.config import Config, ConfigError, replace
 from dflash.dist import DistState
-from dflash.train.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, read_state, require_finite,
+from dflash.outputs import require_finite
+from dflash.train.checkpoint import (capture_rng_states, latest_checkpoint, load_checkpoint, read_state,
                                      restore_rng_states, save_checkpoint)
 from dflash.train.sampler import DataCursor
 
