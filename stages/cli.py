@@ -265,8 +265,8 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
     Each row is rendered up to its last assistant turn with the chat template stage one uses;
     the target writes that turn (greedy, or --num-samples sampled answers, with --with-greedy
     the greedy one beside them); earlier turns are kept. Rows go out in source order as JSONL
-    shards written atomically, so a killed run resumes (finished shards are kept). The summary
-    says which decoding path ran and its tokens/s. Point data.source at --out to build a store
+    shards written atomically, so a killed run resumes (finished shards are kept). It says which
+    decoding path runs, and its summary the tokens/s. Point data.source at --out to build a store
     from the answers (docs/generate.md).
     """
     if gpus and not under_torchrun():
