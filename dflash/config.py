@@ -23,6 +23,7 @@ from dflash.store.schema import LABEL_CHOICES
 
 DEFAULT_ROOT = "/data/dflash"
 WANDB_MODES = ("offline", "online", "disabled")  # train.wandb; dflash.train.metrics opens the run
+HOLDOUT_UNITS = ("prompt", "sample")  # train.holdout_by; dflash.train.sampler.split_holdout splits by them
 
 
 class ConfigError(DflashError, ValueError):
@@ -128,6 +129,10 @@ class TrainConfig:
     seed: int = setting(0, "seed of the data order, anchors, held-out split and initialisation")
     holdout_fraction: float = setting(0.01, "fraction of the store's samples held out of training (eval batches, "
                                       "dflash eval prompts)")
+    holdout_by: str = setting("prompt", "what the held-out split keeps apart: 'prompt' holds out every answer to a "
+                              "held-out prompt (several answers per prompt never reach both sides), 'sample' draws "
+                              "samples alone; a following run (train.follow) draws samples per shard",
+                              choices=HOLDOUT_UNITS)
     eval_every: int = setting(500, "steps between held-out evaluations", positive=True)
     eval_batches: int = setting(16, "held-out micro-batches per evaluation")
     log_every: int = setting(10, "steps between metric lines (the only steps that move numbers to the host)",

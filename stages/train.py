@@ -21,7 +21,7 @@ from dflash.train.follow import StoreFollower, wait_for_store
 from dflash.train.loop import StopFlag, TrainResult, TrainState, loop, print_plan
 from dflash.train.metrics import MetricsLogger
 from dflash.train.resume import resolve_resume, restore, resume_config
-from dflash.train.sampler import DataCursor, schedule_for, split_holdout
+from dflash.train.sampler import DataCursor, holdout_groups, schedule_for, split_holdout
 from dflash.train.sizing import build_drafter_args, check_labels
 from dflash.train.step import apply_parallelism, build_context, build_model, build_optimizer
 
@@ -60,7 +60,8 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         steps_per_epoch = [follower.segments[0].schedule.num_steps]
     else:
         follower = None
-        train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
+        train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed,
+                                                    holdout_groups(config, reader))
         # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
         schedules = [schedule_for(config, reader, train_indices, epoch, dist.world_size, config.train.accum_steps)
                      for epoch in range(config.train.epochs)]

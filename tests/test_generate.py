@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,7 +159,7 @@ def test_several_sampled_answers_beside_the_greedy_one(tmp_path, embedded_cache_
 
     rows = code_chat_rows()[:5]
     config = load_config(write_config(tmp_path, embedded_cache_dir, rows, str(llama_target_dir)))
-    options = generate.GenerateOptions(out=str(tmp_path / "out"), max_new_tokens=10, temperature=1.0, top_k=50,
+    options = generate.GenerateOptions(out=str(tmp_path / "out"), max_new_tokens=24, temperature=1.0, top_k=50,
                                        num_samples=3, with_greedy=True, rows_per_shard=2, batch_size=4)
     result = generate.run(config, options)
     assert "decoding: continuous batching over a preallocated KV cache" in capsys.readouterr().out
@@ -166,10 +167,27 @@ def test_several_sampled_answers_beside_the_greedy_one(tmp_path, embedded_cache_
     written = read_parts(tmp_path / "out")
     assert [(row["source_row"], row["sample"]) for row in written] == [(r, k) for r in range(1, 6) for k in range(4)]
     for row in written[::4]:  # sample 0 is the target's own greedy answer
-        assert (row["messages"][-1]["content"], row["cut"]) == plain_greedy(config, row, 10)
+        assert (row["messages"][-1]["content"], row["cut"]) == plain_greedy(config, row, 24)
     answers = [[row["messages"][-1]["content"] for row in written[i:i + 4]] for i in range(0, 20, 4)]
     assert all(len(set(per_prompt[1:])) > 1 for per_prompt in answers)  # samples differ from each other
     manifest = json.loads((tmp_path / "out" / generation.MANIFEST).read_text())["content"]
     assert (manifest["num_samples"], manifest["with_greedy"], manifest["top_k"]) == (3, True, 50)
     with pytest.raises(ConfigError, match="need --temperature > 0"):
         generate.run(config, generate.GenerateOptions(out=str(tmp_path / "x"), num_samples=2))
+
+    # A store of the answers holds each prompt's answers out together (train.holdout_by = "prompt").
+    from dflash.store.reader import StoreReader
+    from dflash.train.sampler import holdout_groups, split_holdout
+    from stages import extract
+
+    store_config = load_config(None, [f'target.path="{llama_target_dir}"', f'data.source="{tmp_path / "out"}"',
+                                      f'store.path="{tmp_path / "store"}"', f'data.cache_dir="{embedded_cache_dir}"',
+                                      "store.bucket_edges=[32, 64, 128, 512]", "data.max_length=512", "train.holdout_fraction=0.4",
+                                      "target.layer_ids=[0, 1]"])
+    extract.run(store_config)
+    reader = StoreReader(store_config.store.path)
+    groups = holdout_groups(store_config, reader)
+    source_rows = np.array([written[int(row)]["source_row"] for row in reader.sample_row_id])
+    assert len(set(groups)) == 5 and all(len(set(groups[source_rows == r])) == 1 for r in range(1, 6))
+    train_indices, eval_indices = split_holdout(len(reader), 0.4, 0, groups)
+    assert eval_indices.size and not set(source_rows[train_indices]) & set(source_rows[eval_indices])

@@ -192,6 +192,27 @@ def test_split_holdout_is_deterministic_and_partitions():
     assert len(split_holdout(10, 0.0, seed=0)[1]) == 0
 
 
+@pytest.mark.parametrize("num_samples,fraction", [(1000, 0.05), (7, 0.3), (2, 0.5), (10, 0.0)])
+def test_split_holdout_by_singleton_groups_is_the_split_by_sample(num_samples, fraction):
+    by_sample = split_holdout(num_samples, fraction, seed=5)
+    by_group = split_holdout(num_samples, fraction, seed=5, groups=np.arange(num_samples))
+    assert all(np.array_equal(a, b) for a, b in zip(by_sample, by_group))
+
+
+def test_split_holdout_keeps_every_answer_of_a_prompt_on_one_side():
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(1, 6, size=300)  # answers per prompt
+    groups = rng.permutation(np.repeat(np.arange(300), sizes))  # answers of one prompt spread over the store
+    _, first = np.unique(groups, return_index=True)  # renumber in order of first appearance
+    rank = np.empty(300, dtype=np.int64)
+    rank[np.argsort(first)] = np.arange(300)
+    groups = rank[groups]
+    train, held_out = split_holdout(len(groups), 0.1, seed=2, groups=groups)
+    assert not set(groups[train]) & set(groups[held_out])
+    assert np.array_equal(np.sort(np.concatenate([train, held_out])), np.arange(len(groups)))
+    assert round(0.1 * len(groups)) <= len(held_out) < round(0.1 * len(groups)) + 6
+
+
 def test_rank_batches_resume_gives_exactly_the_rest():
     lengths, buckets = make_store_index(600, [0.4, 0.3, 0.3], seed=10)
     schedule = build_epoch_schedule(lengths, buckets, 1024, 2, 3, seed=0, epoch=0)

@@ -109,16 +109,21 @@ def load_prompts(config: Config, source: str, num_prompts: int, tokenizer) -> li
 
 
 def heldout_prompts(config: Config, tokenizer, num_prompts: int) -> list[tuple[str, np.ndarray]]:
-    """Prompts of the samples stage two holds out of training (same store, fraction and seed)."""
+    """Prompts of the samples stage two holds out of training (same store, fraction, seed and
+    `train.holdout_by`), each prompt once."""
     from dflash.store.reader import StoreReader
-    from dflash.train.sampler import split_holdout
+    from dflash.train.sampler import holdout_groups, split_holdout
 
     reader = StoreReader(config.store.path)
     stored = reader.attrs["tokenizer"]["hash"]
     if stored != tokenizer_identity(tokenizer)["hash"]:
         raise ValueError(f"store {config.store.path} was tokenized with another tokenizer or chat template than "
                          f"target {config.target.path} has now; its prompts would not be what the target reads")
-    _, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed)
+    groups = holdout_groups(config, reader)
+    _, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed, groups)
+    if groups is not None:  # one prompt per held-out prompt group: its several answers share the prompt
+        _, first = np.unique(groups[eval_indices], return_index=True)
+        eval_indices = eval_indices[np.sort(first)]
     if not eval_indices.size:
         raise ConfigError("--prompts heldout: train.holdout_fraction is 0, so no sample was held out; "
                           "pass --prompts SOURCE")

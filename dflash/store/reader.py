@@ -5,6 +5,7 @@ The format is dflash/store/schema.py's.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -185,6 +186,27 @@ class StoreReader:
                 f"train.skip_corrupt_shards = true to skip unreadable samples"
             ) from exc
         return sample
+
+    def prompt_groups(self) -> np.ndarray:
+        """Per sample, the number of its prompt (the tokens before its first supervised one), equal
+        for samples with equal prompts and numbered in order of first appearance: several answers to
+        one prompt (`dflash generate --num-samples`) share a number. Reads every shard's ids and mask."""
+        keys = np.zeros(len(self), dtype=np.uint64)
+        for shard, name in enumerate(self.shard_names):
+            members = np.flatnonzero(self.sample_shard == shard)
+            if not members.size:
+                continue
+            arrays = self._shard_arrays(name)
+            ids, mask = arrays["input_ids"][:], arrays["loss_mask"][:]
+            for i in members:
+                start, stop = int(self.sample_start[i]), int(self.sample_start[i] + self.sample_length[i])
+                prompt = ids[start:start + int(np.argmax(mask[start:stop]))]
+                keys[i] = np.frombuffer(hashlib.blake2b(np.ascontiguousarray(prompt, dtype=np.int64).tobytes(),
+                                                        digest_size=8).digest(), dtype=np.uint64)[0]
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+        return rank[inverse]
 
     def read_frozen_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(embed_tokens, lm_head) as bf16 tensors (vocab, hidden)."""

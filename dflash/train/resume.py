@@ -51,6 +51,10 @@ def resume_config(config: Config, path: Path, dist: DistState) -> Config:
     `train.accum_steps` = N x accum / M: the same samples in the same optimizer steps, the same
     learning rates, and losses equal up to the order of the gradient reductions."""
     state = read_state(path)
+    if "holdout_by" not in state["config"]["train"] and config.train.holdout_by != "sample":
+        if dist.is_main:  # checkpoints from before the key split by sample: keep the run's split
+            print(f"resuming {path}: written before train.holdout_by, so its held-out split is by sample")
+        config = replace(config, train={"holdout_by": "sample"})
     saved_world = state["scheduler"].get("world_size")
     saved_accum = state["config"]["train"]["accum_steps"]
     if saved_world is None:  # checkpoints from before the world size was saved

@@ -59,22 +59,41 @@ class DataCursor:
         return cls(epoch=int(state["epoch"]), step=int(state["step"]), segment=int(state.get("segment", 0)))
 
 
-def split_holdout(num_samples: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def split_holdout(num_samples: int, fraction: float, seed: int,
+                  groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic train / eval split of sample indices `0..num_samples-1`.
 
     Returns `(train_indices, eval_indices)`, both sorted int64. The eval set has
     `round(fraction * num_samples)` samples, at least one when `fraction > 0`, and the
-    train set is never left empty.
+    train set is never left empty. With `groups` (per sample, numbered in order of first
+    appearance, e.g. `StoreReader.prompt_groups`), whole groups are held out, in the order of a
+    permutation of the groups, until the eval set has at least that many samples: the answers
+    to one prompt never fall on both sides. One sample per group gives the split without groups.
     """
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"split_holdout: fraction must be in [0, 1), got {fraction}")
     num_eval = int(round(fraction * num_samples))
     if fraction > 0 and num_samples > 1:
         num_eval = min(max(num_eval, 1), num_samples - 1)
-    order = np.random.default_rng([seed, _HOLDOUT_STREAM]).permutation(num_samples)
-    eval_indices = np.sort(order[:num_eval]).astype(np.int64)
-    train_indices = np.sort(order[num_eval:]).astype(np.int64)
-    return train_indices, eval_indices
+    rng = np.random.default_rng([seed, _HOLDOUT_STREAM])
+    if groups is None:
+        order = rng.permutation(num_samples)
+        return np.sort(order[num_eval:]).astype(np.int64), np.sort(order[:num_eval]).astype(np.int64)
+    groups = np.asarray(groups, dtype=np.int64)
+    sizes = np.bincount(groups)
+    order = rng.permutation(len(sizes))
+    taken = int(np.searchsorted(np.cumsum(sizes[order]), num_eval)) + 1 if num_eval else 0
+    held = np.zeros(len(sizes), dtype=bool)
+    held[order[:min(taken, len(sizes) - 1)]] = True  # at least one group trains
+    return np.flatnonzero(~held[groups]).astype(np.int64), np.flatnonzero(held[groups]).astype(np.int64)
+
+
+def holdout_groups(config, reader) -> np.ndarray | None:
+    """The groups `split_holdout` keeps together under `train.holdout_by`: the store's prompts, or
+    none (every sample alone)."""
+    if config.train.holdout_by == "prompt" and config.train.holdout_fraction > 0:
+        return reader.prompt_groups()
+    return None
 
 
 def pack_bucket(sample_indices: np.ndarray, lengths: np.ndarray, token_budget: int,
