@@ -17,6 +17,7 @@ TOOLS = {
                      "## stage two training step", ("modes", "loader", "fed", "profile")),
     "bench_codecs": (["--quick", "--sources", "random-target"], "## codecs", ("sources",)),
     "bench_handoff": (["--quick"], "## hand-off", ("fresh", "slots")),
+    "bench_generate": (["--quick"], "## generate", ("results",)),
 }
 
 

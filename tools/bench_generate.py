@@ -249,7 +249,8 @@ def main(argv: list[str]) -> int:
     for r in results:
         if "greedy_check" in r:
             print(f"greedy check ({r['engine']} batch {r['batch']}): {r['greedy_check']}")
-    write_results(args.out, {"meta": run_metadata(["tools/bench_generate.py", *argv]), "results": results})
+    write_results(args.out, {"meta": run_metadata(["tools/bench_generate.py", *argv]), "quick": args.quick,
+                             "results": results})
     return 0
 
 

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The real-target recipe end to end on one GPU (issue 24): on-policy answers -> store -> drafter ->
+# export -> served acceptance, with each part's wall time. Config: configs/smollm2-recipe.toml.
+#
+#   1. generate  `dflash generate`: greedy + $SAMPLES sampled answers (temperature $TEMPERATURE) to every
+#                prompt of $SOURCE, up to $NEW_TOKENS tokens each
+#   2. extract   `dflash stage1-extract` over the answers (target labels)
+#   3. train     `dflash stage2-train`: train.holdout_by = prompt, so the held-out prompts' answers are
+#                never trained on and its held-out tau is measured on the target's own answers
+#   4. export    `dflash export` of the last checkpoint
+#   5. eval      `dflash eval` at temperature 0 on the held-out prompts (--prompts heldout) and on
+#                $EVAL_SOURCE (HumanEval, never trained on), $EVAL_PROMPTS x $EVAL_TOKENS each; then
+#                temperature 1 on the held-out prompts
+# Results: $WORK/results/timing.tsv (part, seconds), eval-*.json, the training log's held-out tau
+# beside the served tau (summary.txt). All of it under $WORK; logs under $LOGS.
+#
+#   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf WORK=/tmp/recipe bash tools/recipe.sh run       # foreground
+#   GGUF=... WORK=/tmp/recipe bash tools/recipe.sh launch     # in the background (setsid), then:
+#   WORK=/tmp/recipe bash tools/recipe.sh status
+#   WORK=/tmp/recipe LOGS=$OUT bash tools/recipe.sh collect   # waits (at most $WAIT s), copies the results
+# EXTRA="--set ..." adds overrides to every dflash command (a CPU dry run: CONFIG=configs/tiny.toml and
+# small budgets); GENERATE_ARGS / EVAL_ARGS add options to those commands alone.
+set -uo pipefail
+command=${1:?usage: recipe.sh run|launch|status|collect}
+WORK=${WORK:-/tmp/dflash-recipe}
+LOGS=${LOGS:-$WORK/logs}
+CONFIG=${CONFIG:-configs/smollm2-recipe.toml}
+SOURCE=${SOURCE:-embedded:code-docs}
+SAMPLES=${SAMPLES:-3}
+TEMPERATURE=${TEMPERATURE:-0.8}
+NEW_TOKENS=${NEW_TOKENS:-512}
+EVAL_SOURCE=${EVAL_SOURCE:-embedded:humaneval}
+EVAL_PROMPTS=${EVAL_PROMPTS:-16}
+EVAL_TOKENS=${EVAL_TOKENS:-128}
+WAIT=${WAIT:-520}
+export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
+dflash=(python3 -m stages.cli)
+read -ra extra <<< "${EXTRA:-}"
+read -ra generate_args <<< "${GENERATE_ARGS:-}"
+read -ra eval_args <<< "${EVAL_ARGS:-}"
+common=(-c "$CONFIG" --set "data.cache_dir=$WORK/cache" --set "data.source=$WORK/answers"
+        --set "store.path=$WORK/store" --set "train.out_dir=$WORK/drafter" ${GGUF:+--set "target.path=$GGUF"} "${extra[@]}")
+
+part() {  # part NAME COMMAND...: run it, log it, record its wall seconds; stop the recipe if it fails
+  local name=$1; shift
+  local start=$SECONDS
+  echo "[$(date +%H:%M:%S)] $name: $*" | tee -a "$WORK/results/progress.txt"
+  "$@" > "$WORK/logs/$name.log" 2>&1
+  local rc=$?
+  printf '%s\t%d\t%d\n' "$name" $((SECONDS - start)) "$rc" >> "$WORK/results/timing.tsv"
+  echo "[$(date +%H:%M:%S)] $name: rc $rc after $((SECONDS - start)) s" | tee -a "$WORK/results/progress.txt"
+  [ "$rc" -eq 0 ] || { tail -n 30 "$WORK/logs/$name.log"; exit "$rc"; }
+}
+
+recipe() {
+  mkdir -p "$WORK/logs" "$WORK/results"
+  : > "$WORK/results/timing.tsv"
+  local start=$SECONDS
+  # the source rows go through `dflash generate` whole: the held-out split is made later, by prompt
+  part generate "${dflash[@]}" generate "${common[@]}" --set "data.source=$SOURCE" --out "$WORK/answers" \
+    --max-new-tokens "$NEW_TOKENS" --temperature "$TEMPERATURE" --num-samples "$SAMPLES" --with-greedy \
+    "${generate_args[@]}"
+  part extract "${dflash[@]}" stage1-extract "${common[@]}"
+  part train "${dflash[@]}" stage2-train "${common[@]}"
+  local checkpoint
+  checkpoint=$(ls -d "$WORK"/drafter/checkpoints/step-* | sort | tail -n 1)
+  part export "${dflash[@]}" export "$checkpoint" "$WORK/export"
+  part eval-heldout "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
+    --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-heldout.json" \
+    "${eval_args[@]}"
+  part eval-humaneval "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts "$EVAL_SOURCE" \
+    --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-humaneval.json" \
+    "${eval_args[@]}"
+  part eval-heldout-t1 "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
+    --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --temperature 1 \
+    --out "$WORK/results/eval-heldout-t1.json" "${eval_args[@]}"
+  summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"
+}
+
+summarize() {  # the parts' times, the last held-out teacher-forced tau and the served taus
+  echo "recipe: $1 s end to end"
+  awk -F'\t' '{printf "  %-16s %6d s  (rc %d)\n", $1, $2, $3}' "$WORK/results/timing.tsv"
+  python3 - "$WORK" <<'PY'
+import json, sys
+from pathlib import Path
+work = Path(sys.argv[1])
+lines = [json.loads(line) for line in (work / "drafter" / "metrics.jsonl").read_text().splitlines()]
+held = [line for line in lines if "eval/tau" in line]
+if held:
+    print(f"  teacher-forced held-out tau {held[-1]['eval/tau']:.3f} at step {held[-1]['step']}")
+for name in ("eval-heldout", "eval-humaneval", "eval-heldout-t1"):
+    path = work / "results" / f"{name}.json"
+    if path.exists():
+        result = json.loads(path.read_text())["results"][0]
+        print(f"  served tau ({name}, temperature {result['temperature']:g}): {result['tau']:.3f} over "
+              f"{result['num_prompts']} prompts, speedup {result['speedup']:.2f}x")
+PY
+}
+
+case $command in
+  run) recipe ;;
+  launch)
+    mkdir -p "$WORK/logs" "$WORK/results"
+    setsid nohup bash "$0" run > "$WORK/logs/recipe.log" 2>&1 < /dev/null &
+    echo "launched (pid $!); WORK=$WORK" ;;
+  status) cat "$WORK/results/progress.txt" 2>/dev/null; tail -c 2000 "$WORK/logs/recipe.log" 2>/dev/null ;;
+  collect)
+    deadline=$((SECONDS + WAIT))
+    while [ ! -f "$WORK/results/summary.txt" ] && [ $SECONDS -lt $deadline ] && pgrep -f "recipe.sh run" > /dev/null; do
+      sleep 10
+    done
+    mkdir -p "$LOGS"
+    cp "$WORK"/results/* "$LOGS"/ 2>/dev/null
+    tail -c 20000 "$WORK/logs/recipe.log" > "$LOGS/recipe.log" 2>/dev/null
+    cat "$WORK/results/progress.txt" "$WORK/results/summary.txt" 2>/dev/null ;;
+  *) echo "usage: recipe.sh run|launch|status|collect" >&2; exit 2 ;;
+esac
