@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_recipe_runs_every_part_and_summarizes(tmp_path, embedded_cache_dir):
+def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     work = tmp_path / "recipe"
     env = dict(os.environ, CONFIG="configs/tiny.toml", WORK=str(work), SAMPLES="1", NEW_TOKENS="24",
                EVAL_PROMPTS="2", EVAL_TOKENS="8", GENERATE_ARGS="--limit 16", OMP_NUM_THREADS="1",
