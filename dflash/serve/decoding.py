@@ -163,7 +163,8 @@ class SlotDecoder:
         self.check_every = max(1, check_every)
         self.max_context = round_up(max_context, ATTEND_MULTIPLE)
         self.use_graphs = self.device.type == "cuda" if use_graphs is None else use_graphs
-        self.stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=self.device)
+        self.stop_set = set(stop_ids)
+        self.stops = torch.tensor(sorted(self.stop_set), dtype=torch.long, device=self.device)
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
         self.attention = attention
@@ -407,10 +408,9 @@ class SlotDecoder:
         if not ended:
             return
         rows = self.out_SN[torch.tensor(ended, device=self.device)].tolist()
-        stops = set(self.stops.tolist())
         for slot, row in zip(ended, rows):
             tokens = row[:counts[slot]]
-            cut = not tokens or tokens[-1] not in stops
+            cut = not tokens or tokens[-1] not in self.stop_set
             on_finished(Finished(owner[slot].key, tokens if cut else tokens[:-1], cut))
             owner[slot] = None
             free.append(slot)
