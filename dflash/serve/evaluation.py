@@ -207,10 +207,13 @@ def logit_gap(target, input_ids: torch.Tensor, before: list[int], expected: int,
     dtype at the size of the largest logit."""
     context = torch.cat([input_ids, torch.tensor([before], dtype=torch.long, device=input_ids.device)], 1)
     logits = target(input_ids=context, logits_to_keep=1).logits[0, -1]
-    eps = torch.finfo(logits.dtype).eps
-    logits = logits.float()
-    tolerance = TIE_ULPS * eps * max(float(logits.abs().max()), 1.0)
-    return float(logits[expected] - logits[other]), tolerance
+    return float(logits[expected].float() - logits[other].float()), tie_tolerance(logits)
+
+
+def tie_tolerance(logits: torch.Tensor) -> float:
+    """The largest logit gap that is a rounding near-tie: `TIE_ULPS` rounding steps of the logits'
+    dtype at the size of the largest logit."""
+    return TIE_ULPS * torch.finfo(logits.dtype).eps * max(float(logits.float().abs().max()), 1.0)
 
 
 # ----------------------------------------------------------------------------- reporting

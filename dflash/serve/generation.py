@@ -282,9 +282,9 @@ def check_greedy(target, prompt_ids: list[list[int]], answers: list[Answer], sto
     """Each greedy answer against `greedy_generate` (batch 1, the KV cache of transformers); where
     they differ, the target's logit gap of the two tokens at the first difference (an answer
     that ended there stands for its most likely end token), so that a rounding near-tie is told
-    apart from a wrong answer by `dflash eval`'s rule (`TIE_ULPS` rounding steps)."""
+    apart from a wrong answer by `dflash eval`'s rule (`evaluation.tie_tolerance`)."""
     from dflash.model.modeling_dflash import greedy_generate
-    from dflash.serve.evaluation import TIE_ULPS
+    from dflash.serve.evaluation import tie_tolerance
 
     device = target.get_input_embeddings().weight.device
     checks = []
@@ -300,7 +300,7 @@ def check_greedy(target, prompt_ids: list[list[int]], answers: list[Answer], sto
         with torch.inference_mode():
             context = torch.tensor([ids + plain[:index]], device=device)
             logits = target(input_ids=context, logits_to_keep=1).logits[0, -1]
-        tolerance = TIE_ULPS * torch.finfo(logits.dtype).eps * max(float(logits.abs().max()), 1.0)
+        tolerance = tie_tolerance(logits)
         logits = logits.float()
         mine_token = mine[index] if index < len(mine) else max(stops, key=lambda stop: float(logits[stop]))
         plain_token = plain[index] if index < len(plain) else max(stops, key=lambda stop: float(logits[stop]))
