@@ -24,6 +24,8 @@ busies the main thread as long as a trainer at R tokens/s would (R from a GPU ru
     python tools/bench_stage2.py --out bench/stage2.json --loader --profile bench/trace   # H200
     python tools/bench_stage2.py --quick --loader --out /tmp/stage2.json                  # CPU
     torchrun --nproc-per-node 2 tools/bench_stage2.py --modes peer --out bench/ddp.json    # DDP, 2 GPUs
+    python tools/bench_stage2.py --target smollm2-135m --modes default --compile --token-budget 16384 \
+        --accum-steps 2 --out bench/small.json      # the SmolLM2-sized auto drafter (issue 24)
 """
 
 import argparse
@@ -67,16 +69,42 @@ def bench_config(args):
     return replace(Config(), drafter={"size": size}, train=train, data=data)
 
 
-def build_trainer(config, dist):
+# Targets whose `auto` drafter the bench can size without their checkpoint (`--target NAME`): the text
+# config summary stage one records in a store (dflash.extract.target.text_config_summary).
+TARGET_SHAPES = {
+    "smollm2-135m": {"model_type": "llama", "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
+                     "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192},
+}
+
+
+def bench_drafter_args(config, target: str):
+    """The named size's arguments, or (`--target`) the `auto` drafter of a target: a name of
+    TARGET_SHAPES or a checkpoint directory, whose config is read as stage one reads it."""
+    from dflash.extract.target import default_layer_ids, text_config_summary
+    from dflash.model.drafter import auto_drafter_args, drafter_args
+
+    if not target:
+        # The named size's own mask token (the config's -1 means "the store's choice"; there is no store here).
+        return drafter_args(config.drafter.size, block_size=config.drafter.block_size)
+    if target in TARGET_SHAPES:
+        summary = TARGET_SHAPES[target]
+    else:
+        from transformers import AutoConfig
+
+        summary = text_config_summary(AutoConfig.from_pretrained(target))
+    layer_ids = default_layer_ids(summary["num_hidden_layers"], 5)
+    return auto_drafter_args(summary, layer_ids, mask_token_id=0, block_size=config.drafter.block_size)
+
+
+def build_trainer(config, dist, target: str = ""):
     """Model, optimizer, wrapped model (DDP under torchrun) and TrainContext as stage two builds them."""
-    from dflash.model.drafter import drafter_args
     from dflash.model.loss import default_gamma, gamma_weights
     from dflash.model.masks import default_backend
     from dflash.train.step import TrainContext, apply_parallelism, build_model, build_optimizer
 
     device = dist.device
-    # The named size's own mask token (the config's -1 means "the store's choice"; there is no store here).
-    args = drafter_args(config.drafter.size, block_size=config.drafter.block_size)
+    args = bench_drafter_args(config, target)
     model = build_model(config, args, dist)
     optimizer = build_optimizer(model, config)
     wrapped = apply_parallelism(model, config, dist)
@@ -581,6 +609,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="load torch's compile artifacts from this file before the warm-up (when it exists) and "
                              "save them there after each mode (dflash/train/compile_cache.py: the cold start of a second "
                              "process); a DDP rank on cuda:N uses STEM.cudaN.SUFFIX beside it, loading PATH while that does not exist")
+    parser.add_argument("--target", default="",
+                        help="time the `auto` drafter of this target instead of the named size: "
+                             f"{', '.join(TARGET_SHAPES)} or a checkpoint directory")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -615,19 +646,20 @@ def run(args, argv, dist) -> int:
 
         path = own_or_first(args.compile_artifacts, dist.device.index or 0)
         print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
-    model, optimizer, wrapped, ctx = build_trainer(config, dist)
+    model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target)
     from dflash.model.drafter import count_parameters
     from dflash.padding import micro_batch_multiple
 
     say = print if dist.is_main else (lambda *a, **k: None)
-    say(f"drafter {config.drafter.size}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
+    drafter_name = f"auto ({args.target})" if args.target else config.drafter.size
+    say(f"drafter {drafter_name}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
         f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, device {device}, "
         f"world size {dist.world_size}")
     pool = FeaturePool(16_384 if not args.quick else 2_048, len(ctx.args.target_layer_ids), ctx.args.hidden_size,
                        device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
-               "drafter": config.drafter.size, "trainable_params": count_parameters(ctx.args),
+               "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
@@ -670,10 +702,9 @@ def run_loader_only(args, argv, config, device) -> int:
     """The loader at the drafter's real row shape with no model (runs on a CPU machine too)."""
     from types import SimpleNamespace
 
-    from dflash.model.drafter import drafter_args
     from dflash.model.masks import default_backend
 
-    drafter = drafter_args(config.drafter.size)
+    drafter = bench_drafter_args(config, args.target)
     ctx = SimpleNamespace(args=drafter, device=device, backend=default_backend(device))
     pool = FeaturePool(4_096, len(drafter.target_layer_ids), drafter.hidden_size, device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
