@@ -11,8 +11,9 @@
 #   5. eval      `dflash eval` at temperature 0 on the held-out prompts (--prompts heldout) and on
 #                $EVAL_SOURCE (HumanEval, never trained on), $EVAL_PROMPTS x $EVAL_TOKENS each; then
 #                temperature 1 on the held-out prompts
+#   6. curve     (CURVE=1, the default) every earlier checkpoint exported and served on the held-out prompts
 # Results: $WORK/results/timing.tsv (part, seconds), eval-*.json, the training log's held-out tau
-# beside the served tau (summary.txt). All of it under $WORK; logs under $LOGS.
+# beside the served tau and the served curve against tokens seen (summary.txt). All of it under $WORK; logs under $LOGS.
 #
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf WORK=/tmp/recipe bash tools/recipe.sh run       # foreground
 #   GGUF=... WORK=/tmp/recipe bash tools/recipe.sh launch     # in the background (setsid), then:
@@ -32,6 +33,7 @@ NEW_TOKENS=${NEW_TOKENS:-512}
 EVAL_SOURCE=${EVAL_SOURCE:-embedded:humaneval}
 EVAL_PROMPTS=${EVAL_PROMPTS:-16}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
+CURVE=${CURVE:-1}
 WAIT=${WAIT:-520}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 dflash=(python3 -m stages.cli)
@@ -74,12 +76,21 @@ recipe() {
   part eval-heldout-t1 "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
     --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --temperature 1 \
     --out "$WORK/results/eval-heldout-t1.json" "${eval_args[@]}"
+  if [ "$CURVE" = 1 ]; then  # the served curve: every earlier checkpoint on the held-out prompts
+    for earlier in $(ls -d "$WORK"/drafter/checkpoints/step-* | sort | head -n -1); do
+      local step=${earlier##*step-}
+      part "export-$step" "${dflash[@]}" export "$earlier" "$WORK/export-$step"
+      part "eval-step-$step" "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export-$step" --prompts heldout \
+        --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-step-$step.json" \
+        "${eval_args[@]}"
+    done
+  fi
   summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"
 }
 
 summarize() {  # the parts' times, the last held-out teacher-forced tau and the served taus
   echo "recipe: $1 s end to end"
-  awk -F'\t' '{printf "  %-16s %6d s  (rc %d)\n", $1, $2, $3}' "$WORK/results/timing.tsv"
+  awk -F'\t' '{printf "  %-20s %6d s  (rc %d)\n", $1, $2, $3}' "$WORK/results/timing.tsv"
   python3 - "$WORK" <<'PY'
 import json, sys
 from pathlib import Path
@@ -94,6 +105,17 @@ for name in ("eval-heldout", "eval-humaneval", "eval-heldout-t1"):
         result = json.loads(path.read_text())["results"][0]
         print(f"  served tau ({name}, temperature {result['temperature']:g}): {result['tau']:.3f} over "
               f"{result['num_prompts']} prompts, speedup {result['speedup']:.2f}x")
+seen = {line["step"]: line["tokens_seen"] for line in lines if "tokens_seen" in line}
+held_by_step = {line["step"]: line["eval/tau"] for line in held}
+curve = sorted(work.glob("results/eval-step-*.json"))
+if curve:
+    print("  served curve (held-out prompts, temperature 0): step, tokens seen, teacher-forced held-out tau, served tau")
+    for path in curve:
+        step = int(path.stem.split("-")[-1])
+        tau = json.loads(path.read_text())["results"][0]["tau"]
+        tokens = seen.get(max((s for s in seen if s <= step), default=0), 0)
+        tf = held_by_step.get(step)
+        print(f"    {step}, {tokens:,.0f}, {tf if tf is None else round(tf, 3)}, {tau:.3f}")
 PY
 }
 
