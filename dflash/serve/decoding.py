@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflash.extract.target import text_config_summary
 from dflash.padding import round_up
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -155,10 +156,9 @@ class SlotDecoder:
         self.model, self.base, self.layers = model, model.model, model.model.layers
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
-        config = model.config
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        sizes = text_config_summary(model.config)
+        self.num_heads, self.num_kv_heads = sizes["num_attention_heads"], sizes["num_key_value_heads"]
+        self.head_dim = sizes["head_dim"]
         self.slots, self.max_new_tokens, self.top_k, self.top_p = slots, max_new_tokens, top_k, top_p
         self.check_every = max(1, check_every)
         self.max_context = round_up(max_context, ATTEND_MULTIPLE)
@@ -177,10 +177,9 @@ class SlotDecoder:
 
     @staticmethod
     def cache_bytes_per_slot(model: nn.Module, max_context: int) -> int:
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        sizes = text_config_summary(model.config)
         context = round_up(max_context, ATTEND_MULTIPLE)
-        return (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * context
+        return (2 * sizes["num_hidden_layers"] * sizes["num_key_value_heads"] * sizes["head_dim"] * context
                 * model.lm_head.weight.element_size())
 
     def _allocate(self) -> None:
