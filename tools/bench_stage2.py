@@ -63,6 +63,8 @@ def bench_config(args):
         train["token_budget"] = args.token_budget
     if args.accum_steps:
         train["accum_steps"] = args.accum_steps
+    if args.anchor_budget:
+        train["anchor_budget"] = args.anchor_budget
     if args.workers:
         train["num_workers"] = args.workers
     data = {"max_length": min(4096, train.get("token_budget", Config().train.token_budget))}
@@ -180,16 +182,29 @@ def peer_steps(pool, args_drafter, num_distinct: int, seed: int) -> list[list[di
     return steps
 
 
-def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_multiple: int) -> list[list[dict]]:
+def length_range(config, lengths_arg: str = "") -> tuple[int, int]:
+    """The synthetic sequences' length range: `--lengths LOW,HIGH`, else 64..min(4096, max_length)."""
+    high = min(4096, config.data.max_length)
+    if not lengths_arg:
+        return min(64, high // 2), high
+    low, high = (int(x) for x in lengths_arg.split(","))
+    if not 2 <= low < high <= config.data.max_length + 1:
+        raise SystemExit(f"--lengths {lengths_arg}: need 2 <= LOW < HIGH <= data.max_length + 1 "
+                         f"({config.data.max_length + 1})")
+    return low, high
+
+
+def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_multiple: int,
+                  lengths_arg: str = "") -> list[list[dict]]:
     """Steps as the sampler builds them: bucketed packing under token_budget, accum_steps each."""
     from dflash.store.plan import assign_bucket
     from dflash.train.batch import collate_packed
     from dflash.train.sampler import build_epoch_schedule
 
     edges = config.store.bucket_edges
-    high = min(4096, config.data.max_length)
+    low, high = length_range(config, lengths_arg)
     lengths = log_uniform_lengths(num_distinct * config.train.accum_steps * config.train.token_budget // 200 + 64,
-                                  min(64, high // 2), high, seed)
+                                  low, high, seed)
     buckets = np.array([assign_bucket(int(n), edges) for n in lengths])
     rng = np.random.default_rng(seed)
     starts = np.array([supervised_start(int(n), rng) for n in lengths], dtype=np.int64)
@@ -248,12 +263,21 @@ def time_steps(wrapped, ctx, optimizer, steps, config, num_steps: int) -> list[f
             times.append((time.perf_counter() - start) * 1e3)
         return times
     events = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps + 1)]
+    host_ms = []
     events[0].record()
     for index in range(num_steps):
+        start = time.perf_counter()
         run_step(wrapped, ctx, optimizer, steps[index % len(steps)], config)
+        host_ms.append((time.perf_counter() - start) * 1e3)
         events[index + 1].record()
     torch.cuda.synchronize(device)  # sync: end of the timed loop
+    HOST_MS.extend(host_ms)
     return [events[i].elapsed_time(events[i + 1]) for i in range(num_steps)]
+
+
+# Host milliseconds each timed step took to enqueue (no sync inside a step: when this is close to
+# the step's GPU time, the step is bound by the host's Python and launches, not by the GPU).
+HOST_MS: list[float] = []
 
 
 COMPILE_PHASES = {  # torch._dynamo.utils.compile_times() keys -> what they time (seconds, summed)
@@ -315,8 +339,11 @@ def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -
         print(f"{name}: compile totals after warm-up: {describe_compile(compiled)}", flush=True)
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
+    HOST_MS.clear()
     times_ms = time_steps(wrapped, ctx, optimizer, steps, config, num_steps)
-    return summarize_mode(name, ctx, steps, times_ms, num_steps, warmup_s, compiled)
+    numbers = summarize_mode(name, ctx, steps, times_ms, num_steps, warmup_s, compiled)
+    numbers["host_ms_per_step_median"] = float(np.median(HOST_MS)) if HOST_MS else None
+    return numbers
 
 
 def warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s: list) -> None:
@@ -369,7 +396,13 @@ def profile_steps(wrapped, ctx, optimizer, steps, config, out_dir: Path, num_ste
     events = list(prof.events())
     step_ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name.startswith(STEP_LABEL)]
     counts = count_sync_events(events, step_ranges)
+    host_ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
     return {"trace": str(trace), "profiled_steps": num_steps, "kernel_time": kernel_time(events, num_steps),
+            "host_self_ms_per_step": {e.key[:90]: e.self_cpu_time_total / 1e3 / num_steps for e in host_ops},
+            "host_calls_per_step": {e.key[:90]: e.count / num_steps for e in host_ops},
+            "kernel_launches_per_step": sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                              "cudaLaunchKernelExC"))
+            / num_steps,
             "sync_events_per_step": {name: counts[name] / num_steps for name in SYNC_EVENT_NAMES},
             "sync_events_outside_steps": {name: n - counts[name] for name, n in count_sync_events(events, None).items()
                                           if n > counts[name]},
@@ -590,6 +623,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--distinct-steps", type=int, default=4, help="distinct synthetic steps cycled through")
     parser.add_argument("--token-budget", type=int, default=0, help="override train.token_budget")
     parser.add_argument("--accum-steps", type=int, default=0, help="override train.accum_steps")
+    parser.add_argument("--anchor-budget", type=int, default=0, help="override train.anchor_budget")
+    parser.add_argument("--lengths", default="",
+                        help="LOW,HIGH: the default mode's synthetic sequence lengths, log-uniform in [LOW, HIGH) "
+                             "(default 64,4096); short chat data such as code-docs: 100,1500")
     parser.add_argument("--compile", action="store_true", help="torch.compile the drafter layers (train.compile)")
     parser.add_argument("--profile", default="", help="directory for a profiler trace of two steps of the last mode "
                                                       "(kernel time by class, host-device syncs)")
@@ -667,7 +704,8 @@ def run(args, argv, dist) -> int:
         if mode == "peer":
             steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed))
         elif mode == "default":
-            steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, micro_batch_multiple(ctx.backend)))
+            steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, micro_batch_multiple(ctx.backend),
+                                       args.lengths))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
@@ -751,10 +789,11 @@ def report(args, results: dict) -> None:
         rows.append([mode, numbers["micro_batches_per_step"], numbers["source_tokens_per_step"],
                      numbers["anchors_per_step"], numbers["ms_per_step_median"], numbers["tokens_per_s"],
                      numbers["anchor_slots_per_s"], numbers["tflop_per_step"], numbers["mfu"],
-                     numbers["peak_allocated_gib"] if numbers["peak_allocated_gib"] is not None else "n/a"])
+                     numbers["peak_allocated_gib"] if numbers["peak_allocated_gib"] is not None else "n/a",
+                     numbers.get("host_ms_per_step_median") or "n/a"])
     print_table("stage two training step", ["mode", "micro-batches/step", "source tokens/step", "anchors/step",
                                             "ms/step (median)", "tokens/s", "anchor-slots/s", "TFLOP/step", "MFU",
-                                            "peak GiB"], rows)
+                                            "peak GiB", "host ms/step"], rows)
     if "profile" in results:
         profile = results["profile"]
         print_table("host-device syncs per step (profiler, inside the profiled steps)", ["event", "per step"],
@@ -765,6 +804,9 @@ def report(args, results: dict) -> None:
                     [[kind, ms, ms / max(kernels["total_ms_per_step"], 1e-9)]
                      for kind, ms in kernels["ms_per_step_by_class"].items()])
         print_table("longest kernels", ["kernel", "ms/step"], list(kernels["longest_kernels_ms_per_step"].items()))
+        print_table(f"host self time per step ({profile['kernel_launches_per_step']:.0f} kernel launches per step)",
+                    ["op", "ms/step", "calls/step"],
+                    [[op, ms, profile["host_calls_per_step"][op]] for op, ms in profile["host_self_ms_per_step"].items()])
         outside = profile.get("sync_events_outside_steps") or {}
         if outside:
             print("outside the profiled steps (expected: the bench's closing synchronize and torch.profiler's own "
