@@ -246,6 +246,9 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new
 @click.option("--engine", type=click.Choice(["auto", "slots", "generate"]), default="auto", show_default=True,
               help="slots: continuous batching with CUDA graphs (Llama, Mistral, Qwen2, Qwen3 targets); generate: "
                    "transformers' generate; auto: slots where the target allows it, else generate (says so).")
+@click.option("--decode-attention", type=click.Choice(["auto", "flex", "sdpa"]), default="auto", show_default=True,
+              help="The slots engine's decode attention: flex reads each slot's own keys (its decoding kernel), sdpa "
+                   "reads the cache up to the longest row in flight; auto: flex on CUDA, sdpa on the CPU.")
 @click.option("--batch-size", default=0, show_default=True,
               help="Rows decoded at once (0: as many slots as half the free GPU memory holds, at most 1024, with "
                    "the slots engine; 256 prompts per call with generate; 8 on the CPU).")
@@ -259,7 +262,7 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new
 @click.option("--gpus", help="Comma-separated GPU ids, one process each via torchrun (e.g. 0,1,2,3).")
 @click.option("--overwrite", is_flag=True, help="Replace answers generated with other settings in --out.")
 def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, top_k, num_samples, with_greedy, seed,
-             engine, batch_size, rows_per_shard, limit, static_cache, device, gpus, overwrite):
+             engine, decode_attention, batch_size, rows_per_shard, limit, static_cache, device, gpus, overwrite):
     """Regenerate the answers of data.source with the target, for training on what it would say.
 
     Each row is rendered up to its last assistant turn with the chat template stage one uses;
@@ -277,8 +280,8 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
 
     options = generate_stage.GenerateOptions(
         out=out, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        num_samples=num_samples, with_greedy=with_greedy, seed=seed, engine=engine, batch_size=batch_size,
-        rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache, overwrite=overwrite)
+        num_samples=num_samples, with_greedy=with_greedy, seed=seed, engine=engine, decode_attention=decode_attention,
+        batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache, overwrite=overwrite)
     generate_stage.run(config, options)
 
 

@@ -36,6 +36,7 @@ from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
 from dflash.extract.target import (load_causal_lm, prepare_checkpoint_in_order, stop_token_ids, target_dtype,
                                    weights_fingerprint)
 from dflash.outputs import write_text_atomic
+from dflash.serve.decoding import ATTENTIONS
 from dflash.serve.generation import (ENGINES, Answer, Generator, Job, Prompt, output_row, prepare_output, read_prompts,
                                      sample_indices, shard_path)
 
@@ -52,6 +53,7 @@ class GenerateOptions:
     seed: int = 0
     batch_size: int = 0  # 0: the engine's slots fill half the free GPU memory; 256 prompts per batch otherwise; CPU 8
     engine: str = "auto"  # "auto": the slots engine where the target allows it, "slots", "generate"
+    decode_attention: str = "auto"  # the slots engine's decode attention: "auto" (flex on CUDA), "flex", "sdpa"
     rows_per_shard: int = 1024
     limit: int = 0  # only the first N usable rows (0: all)
     device: str = "auto"
@@ -97,6 +99,8 @@ def check_options(options: GenerateOptions) -> None:
                           f"answer is the greedy one)")
     if options.engine not in ENGINES:
         raise ConfigError(f"--engine must be one of {', '.join(ENGINES)}, got {options.engine!r}")
+    if options.decode_attention not in ATTENTIONS:
+        raise ConfigError(f"--decode-attention must be one of {', '.join(ATTENTIONS)}, got {options.decode_attention!r}")
     if options.static_cache not in ("auto", "on", "off"):
         raise ConfigError(f"--static-cache must be auto, on or off, got {options.static_cache!r}")
 
@@ -126,7 +130,8 @@ def generate(config: Config, options: GenerateOptions, dist: DistState) -> Gener
         generator = Generator(target, tokenizer, stop_token_ids(tokenizer, target), dist.device,
                               batch_size=options.batch_size, engine=options.engine, static_cache=options.static_cache,
                               max_new_tokens=options.max_new_tokens, temperature=options.temperature,
-                              top_p=options.top_p, top_k=options.top_k, seed=options.seed)
+                              top_p=options.top_p, top_k=options.top_k, seed=options.seed,
+                              decode_attention=options.decode_attention)
         if dist.is_main:
             print(generator.describe())
         generate_shards(generator, {k: shards[k] for k in todo}, out, options, dist, result)

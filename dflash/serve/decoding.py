@@ -48,9 +48,17 @@ from dflash.padding import round_up
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTEND_MULTIPLE = 128  # the attended cache length rounds up to this: one CUDA graph per multiple
 KV_BLOCK = 128  # keys per block of the "flex" decode attention's block mask
-ATTENTIONS = ("sdpa", "flex")
+ATTENTIONS = ("auto", "flex", "sdpa")  # auto: flex on CUDA (1.6x sdpa on an H200, BENCHMARKS.md), sdpa elsewhere
 PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward at most
 MASK64 = (1 << 64) - 1
+
+
+def resolve_attention(attention: str, device: torch.device) -> str:
+    """`auto` is flex attention's decoding kernel on CUDA (it reads each slot's own keys; SDPA reads
+    the cache up to the longest row in flight) and SDPA elsewhere (flex runs its reference path there)."""
+    if attention != "auto":
+        return attention
+    return "flex" if torch.device(device).type == "cuda" else "sdpa"
 
 
 @dataclass
@@ -149,7 +157,7 @@ class SlotDecoder:
 
     def __init__(self, model: nn.Module, stop_ids: list[int], *, slots: int, max_new_tokens: int,
                  max_context: int, top_k: int = 0, top_p: float = 1.0, check_every: int = 8,
-                 use_graphs: bool | None = None, attention: str = "sdpa"):
+                 use_graphs: bool | None = None, attention: str = "auto"):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the decoding engine cannot serve this target: {reason}")
@@ -167,7 +175,7 @@ class SlotDecoder:
         self.stops = torch.tensor(sorted(self.stop_set), dtype=torch.long, device=self.device)
         if attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
-        self.attention = attention
+        self.attention = resolve_attention(attention, self.device)
         # flex attention is compiled on CUDA (its decoding kernel); the CPU runs its reference path
         self.flex = torch.compile(flex_attention, dynamic=False) if self.device.type == "cuda" else flex_attention
         self._allocate()

@@ -32,7 +32,7 @@ from dflash.data import chat, samples
 from dflash.errors import DflashError
 from dflash.outputs import write_text_atomic
 from dflash.padding import round_up
-from dflash.serve.decoding import Request, SlotDecoder, stream_id, unsupported_reason
+from dflash.serve.decoding import Request, SlotDecoder, resolve_attention, stream_id, unsupported_reason
 
 PAD_WIDTH = 64
 MANIFEST = "generate-manifest.txt"
@@ -82,7 +82,7 @@ class Generator:
     def __init__(self, target, tokenizer, stop_ids: list[int], device: torch.device, *, batch_size: int = 0,
                  engine: str = "auto", static_cache: str = "auto", max_new_tokens: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
-                 decode_attention: str = "sdpa"):
+                 decode_attention: str = "auto"):
         """`batch_size` 0: the engine's slots fill half the free GPU memory (at most `SLOTS_MAX`),
         transformers' batches are 256 prompts; on the CPU 8. `static_cache` auto: on CUDA
         (transformers' path only). `engine` auto: the slots engine where the target allows it;
@@ -109,8 +109,9 @@ class Generator:
     def describe(self) -> str:
         """One line: which path makes the answers, and why when it is the fallback."""
         if self.engine == "slots":
+            attention = resolve_attention(self.decode_attention, self.device)
             return "decoding: continuous batching over a preallocated KV cache" + (
-                ", CUDA graphs" if self.device.type == "cuda" else "")
+                ", CUDA graphs" if self.device.type == "cuda" else "") + f", {attention} decode attention"
         if self.fallback_reason:
             return (f"decoding: transformers' generate (the fast engine does not serve {self.fallback_reason}); "
                     "expect fewer tokens/s")
