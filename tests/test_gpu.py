@@ -1,7 +1,7 @@
 """The CUDA paths against their plain references, on fresh random inputs (skipped without CUDA).
 
-- flex attention with its compiled BlockMask vs the dense SDPA mask, through the training
-  forward and backward of a tiny drafter;
+- flex attention with its BlockMask (from the collate's tiles, or compiled create_block_mask) vs the
+  dense SDPA mask, through the training forward and backward of a tiny drafter;
 - the compiled drafter layers (`train.compile`) vs eager, one optimizer step each;
 - stage one's capture with the fp8 codec encoded on the GPU vs the same features encoded on
   the CPU, and target labels on the GPU vs the model's own argmax.
@@ -14,6 +14,7 @@ import torch
 
 from dflash.model.drafter import DFlashDrafter, compile_layers, drafter_args
 from dflash.model.loss import gamma_weights
+from dflash.model.masks import layer_windows
 from dflash.train.batch import StoreDataset, collate_packed
 from dflash.train.step import TrainContext, forward_loss, to_device, train_step
 
@@ -47,11 +48,15 @@ class RandomReader:
         return dict(self.samples[i])
 
 
-def micro_batch(seed: int, device) -> dict:
+def micro_batch(seed: int, device, tiles: bool = True) -> dict:
+    """A packed micro-batch; `tiles`: with the block-mask tiles the trainer's loader lays out (else the
+    masks come from create_block_mask)."""
     rng = np.random.default_rng(seed)
     reader = RandomReader(rng.integers(40, 400, 6).tolist(), seed)
     items = [StoreDataset(reader, max_anchors=32, seed=seed)[(0, i)] for i in range(len(reader))]
-    return to_device(collate_packed(items, pad_multiple=128, block_size=drafter_args("tiny").block_size), device)
+    args = drafter_args("tiny")
+    windows = layer_windows(args.layer_types, args.sliding_window) if tiles else None
+    return to_device(collate_packed(items, pad_multiple=128, block_size=args.block_size, mask_windows=windows), device)
 
 
 def context(backend: str, device, seed: int = 0) -> TrainContext:
@@ -69,10 +74,13 @@ def fresh_drafter(args, device) -> DFlashDrafter:
     return DFlashDrafter(args).to(device)
 
 
+@pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("seed", range(3))
-def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed):
+def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, tiles):
+    """Both ways of building the flex block masks (the collate's tiles, create_block_mask) give the dense mask's
+    loss and gradients."""
     device = torch.device("cuda")
-    batch = micro_batch(seed, device)
+    batch = micro_batch(seed, device, tiles)
     results = {}
     for backend in ("dense", "flex"):
         ctx = context(backend, device)

@@ -5,7 +5,10 @@ import pytest
 import torch
 from support import reference_dense_mask
 
-from dflash.model.masks import attend, build_masks, default_backend
+from torch.nn.attention.flex_attention import create_block_mask
+
+from dflash.model.masks import (TILE, attend, block_mask_from_layout, build_masks, default_backend, layer_windows,
+                                make_mask_mod, tile_layout, tiles_key)
 
 LAYER_TYPES = ["sliding_attention", "full_attention"]
 
@@ -104,3 +107,123 @@ def test_bad_inputs_are_named():
         build_masks(meta, ["linear_attention"], 8, block_size=4, backend="dense", device="cpu")
     with pytest.raises(KeyError, match="anchor_pos"):
         build_masks({k: v for k, v in meta.items() if k != "anchor_pos"}, LAYER_TYPES, 8, block_size=4, device="cpu")
+
+
+def tiled_packed_meta(rng: np.random.Generator, block_size: int) -> dict:
+    """A packed micro-batch as the collate lays it out for flex attention: sequences of random
+    lengths (some longer than a tile), sorted random anchors, T and A * B padded to the tile."""
+    lengths = rng.integers(1, 300, size=int(rng.integers(1, 6)))
+    doc_ids = np.repeat(np.arange(len(lengths)), lengths)
+    position_ids = np.concatenate([np.arange(n) for n in lengths])
+    anchor_doc, anchor_pos = [], []
+    for doc, length in enumerate(lengths):
+        count = int(rng.integers(0, min(length, 40) + 1))
+        chosen = np.sort(rng.choice(length, size=count, replace=False))
+        anchor_doc += [doc] * count
+        anchor_pos += chosen.tolist()
+    num_tokens = -(-len(doc_ids) // TILE) * TILE
+    anchors_per_tile = TILE // np.gcd(TILE, block_size)
+    num_anchors = max(anchors_per_tile, -(-len(anchor_doc) // anchors_per_tile) * anchors_per_tile)
+    pad = num_tokens - len(doc_ids)
+    return {"doc_ids": torch.tensor(np.r_[doc_ids, [-1] * pad]),
+            "position_ids": torch.tensor(np.r_[position_ids, [0] * pad]),
+            "anchor_doc": torch.tensor(anchor_doc + [-1] * (num_anchors - len(anchor_doc)), dtype=torch.long),
+            "anchor_pos": torch.tensor(anchor_pos + [0] * (num_anchors - len(anchor_pos)), dtype=torch.long)}
+
+
+def layout_of(meta: dict, block_size: int, window):
+    return tile_layout(*(meta[k].numpy() for k in ("doc_ids", "position_ids", "anchor_doc", "anchor_pos")),
+                       block_size, window)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("block_size", [16, 4])
+def test_tile_layout_equals_create_block_mask(seed, block_size):
+    """The tiles laid out from each row's key ranges are exactly the ones create_block_mask finds by
+    evaluating the rule on every (query, key) pair: the same partial and full tiles, in the same order."""
+    rng = np.random.default_rng(seed)
+    meta = tiled_packed_meta(rng, block_size)
+    num_queries = len(meta["anchor_doc"]) * block_size
+    num_keys = len(meta["doc_ids"]) + num_queries
+    for window in (int(rng.integers(block_size, 200)), None):
+        layout = layout_of(meta, block_size, window)
+        assert layout is not None
+        mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
+                                 block_size, window)
+        expected = create_block_mask(mask_mod, 1, 1, num_queries, num_keys, device="cpu")
+        for kind, (num, indices) in enumerate([(expected.kv_num_blocks, expected.kv_indices),
+                                               (expected.full_kv_num_blocks, expected.full_kv_indices)]):
+            num, indices = num[0, 0].numpy(), indices[0, 0].numpy()
+            assert np.array_equal(layout[kind, :, 0], num), f"window {window}: tile counts differ ({kind=})"
+            for tile, count in enumerate(num):
+                assert np.array_equal(layout[kind, tile, 1:1 + count], indices[tile, :count])
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("seed", range(3))
+def test_block_mask_from_tiles_attends_like_dense_sdpa(seed):
+    """The collate's tiles, through build_masks, give the attention of the dense mask."""
+    rng = np.random.default_rng(200 + seed)
+    block_size, window = 16, int(rng.integers(16, 120))
+    meta = tiled_packed_meta(rng, block_size)
+    windows = layer_windows(LAYER_TYPES, window)
+    tiled = dict(meta, **{tiles_key(t): torch.from_numpy(layout_of(meta, block_size, w)) for t, w in windows.items()})
+    flex = build_masks(tiled, LAYER_TYPES, window, block_size=block_size, backend="flex", device="cpu")
+    dense = build_masks(meta, LAYER_TYPES, window, block_size=block_size, backend="dense", device="cpu")
+    num_queries = len(meta["anchor_doc"]) * block_size
+    num_keys = len(meta["doc_ids"]) + num_queries
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, num_queries, 8, generator=generator)
+    k = torch.randn(1, 2, num_keys, 8, generator=generator)
+    v = torch.randn(1, 2, num_keys, 8, generator=generator)
+    for layer_type in LAYER_TYPES:
+        torch.testing.assert_close(attend(q, k, v, flex[layer_type]), attend(q, k, v, dense[layer_type]),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_tile_layout_declines_layouts_it_cannot_read():
+    """Not the collate's layout: None, and build_masks evaluates the rule (create_block_mask) instead."""
+    rng = np.random.default_rng(7)
+    meta = tiled_packed_meta(rng, 16)
+    arrays = {k: v.numpy().copy() for k, v in meta.items()}
+    assert tile_layout(arrays["doc_ids"][:-1], arrays["position_ids"][:-1], arrays["anchor_doc"],
+                       arrays["anchor_pos"], 16, None) is None  # T not a multiple of the tile
+    shifted = arrays["position_ids"].copy()
+    shifted[arrays["doc_ids"] == 0] += 1  # positions that do not start at 0
+    assert tile_layout(arrays["doc_ids"], shifted, arrays["anchor_doc"], arrays["anchor_pos"], 16, None) is None
+    split = arrays["doc_ids"].copy()
+    split[: TILE] = 0
+    split[1] = 1  # sequence 0 in two runs
+    assert tile_layout(split, arrays["position_ids"], arrays["anchor_doc"], arrays["anchor_pos"], 16, None) is None
+    beyond = arrays["anchor_pos"].copy()
+    beyond[0] = 10_000  # an anchor past its sequence's end
+    assert tile_layout(arrays["doc_ids"], arrays["position_ids"], arrays["anchor_doc"], beyond, 16, None) is None
+
+
+def test_collate_lays_out_the_tiles_the_rule_gives():
+    """collate_packed with mask_windows writes each layer type's tiles; they equal create_block_mask's."""
+    from dflash.train.batch import collate_packed
+
+    rng = np.random.default_rng(3)
+    items = []
+    for row, length in enumerate([37, 260, 5, 129]):
+        loss_mask = np.zeros(length, dtype=bool)
+        loss_mask[length // 3:] = True
+        anchors = np.sort(rng.choice(np.flatnonzero(loss_mask[1:]), size=min(20, int(loss_mask[1:].sum())),
+                                     replace=False)) if loss_mask[1:].any() else np.zeros(0, dtype=np.int64)
+        items.append({"hidden": np.zeros((length, 8), dtype=np.uint16), "input_ids": rng.integers(0, 50, length),
+                      "scale": None, "loss_mask": loss_mask, "row_id": row, "anchors": anchors, "sample_index": row,
+                      "epoch": 0, "bucket": 0})
+    windows = layer_windows(LAYER_TYPES, 64)
+    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows)
+    num_queries = len(batch["anchor_doc"]) * 16
+    num_keys = len(batch["doc_ids"]) + num_queries
+    for layer_type, window in windows.items():
+        layout = batch[tiles_key(layer_type)]
+        mask_mod = make_mask_mod(batch["doc_ids"], batch["position_ids"], batch["anchor_doc"], batch["anchor_pos"],
+                                 16, window)
+        expected = create_block_mask(mask_mod, 1, 1, num_queries, num_keys, device="cpu")
+        built = block_mask_from_layout(layout, mask_mod, num_queries, num_keys)
+        assert torch.equal(built.to_dense(), expected.to_dense()), layer_type
+        assert torch.equal(built.full_kv_num_blocks, expected.full_kv_num_blocks)
+    assert not any(key.startswith("tiles_") for key in collate_packed(items, pad_multiple=128, block_size=16))

@@ -170,7 +170,15 @@ def synthetic_item(pool: FeaturePool, length: int, row_id: int, bucket: int, max
             "epoch": 0, "bucket": bucket}
 
 
-def peer_steps(pool, args_drafter, num_distinct: int, seed: int) -> list[list[dict]]:
+def mask_windows(ctx, tiles: bool = True):
+    """What the trainer's loader passes to the collate: each layer type's window, so that it lays out
+    the block masks' tiles (flex attention); None (`--mask-rule`) builds them with create_block_mask."""
+    from dflash.model.masks import layer_windows
+
+    return layer_windows(ctx.args.layer_types, ctx.args.sliding_window) if tiles and ctx.backend == "flex" else None
+
+
+def peer_steps(pool, args_drafter, num_distinct: int, seed: int, windows=None) -> list[list[dict]]:
     """Steps of one micro-batch: one 8,192-token sequence with exactly 512 anchors."""
     from dflash.train.batch import collate_packed
 
@@ -178,7 +186,8 @@ def peer_steps(pool, args_drafter, num_distinct: int, seed: int) -> list[list[di
     steps = []
     for step in range(num_distinct):
         item = synthetic_item(pool, 8192, step, 0, 512, args_drafter.vocab_size, rng, num_anchors=512)
-        steps.append([collate_packed([item], pad_multiple=128, block_size=args_drafter.block_size)])
+        steps.append([collate_packed([item], pad_multiple=128, block_size=args_drafter.block_size,
+                                     mask_windows=windows)])
     return steps
 
 
@@ -195,7 +204,7 @@ def length_range(config, lengths_arg: str = "") -> tuple[int, int]:
 
 
 def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_multiple: int,
-                  lengths_arg: str = "") -> list[list[dict]]:
+                  lengths_arg: str = "", windows=None) -> list[list[dict]]:
     """Steps as the sampler builds them: bucketed packing under token_budget, accum_steps each."""
     from dflash.store.plan import assign_bucket
     from dflash.train.batch import collate_packed
@@ -218,7 +227,7 @@ def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_
             items = [synthetic_item(pool, int(lengths[i]), int(i), int(buckets[i]), config.train.max_anchors,
                                     args_drafter.vocab_size, rng, start=int(starts[i])) for i in samples]
             micro_batches.append(collate_packed(items, pad_multiple=pad_multiple,
-                                                block_size=args_drafter.block_size))
+                                                block_size=args_drafter.block_size, mask_windows=windows))
         steps.append(micro_batches)
     return steps
 
@@ -544,7 +553,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     for epoch in range(epochs):
         schedule = schedule_for(config, reader, np.arange(len(reader)), epoch, 1, config.train.accum_steps)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
-    loader = build_loader(dataset, batches, pad_multiple=micro_batch_multiple(ctx.backend),
+    loader = build_loader(dataset, batches, pad_multiple=micro_batch_multiple(ctx.backend), mask_windows=mask_windows(ctx),
                           block_size=ctx.args.block_size, num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
     return reader, batches, loader
 
@@ -624,6 +633,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=0, help="override train.token_budget")
     parser.add_argument("--accum-steps", type=int, default=0, help="override train.accum_steps")
     parser.add_argument("--anchor-budget", type=int, default=0, help="override train.anchor_budget")
+    parser.add_argument("--mask-rule", action="store_true",
+                        help="build the block masks with create_block_mask (the rule on every query-key pair) "
+                             "instead of the collate's tile layout, as before")
     parser.add_argument("--lengths", default="",
                         help="LOW,HIGH: the default mode's synthetic sequence lengths, log-uniform in [LOW, HIGH) "
                              "(default 64,4096); short chat data such as code-docs: 100,1500")
@@ -691,21 +703,23 @@ def run(args, argv, dist) -> int:
     drafter_name = f"auto ({args.target})" if args.target else config.drafter.size
     say(f"drafter {drafter_name}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
-        f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, device {device}, "
+        f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, block masks "
+        f"{'rule' if args.mask_rule else 'tiles'}, device {device}, "
         f"world size {dist.world_size}")
     pool = FeaturePool(16_384 if not args.quick else 2_048, len(ctx.args.target_layer_ids), ctx.args.hidden_size,
                        device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
-               "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
+               "block_masks": "rule" if args.mask_rule else "tiles", "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
+    windows = mask_windows(ctx, tiles=not args.mask_rule)
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode == "peer":
-            steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed))
+            steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed, windows))
         elif mode == "default":
             steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, micro_batch_multiple(ctx.backend),
-                                       args.lengths))
+                                       args.lengths, windows))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
@@ -728,7 +742,8 @@ def run(args, argv, dist) -> int:
         measure_loading(args, config, ctx, pool, results, step_fn, args.fed_epochs, say)
     if args.profile and dist.is_main:
         write_results(args.out, results)
-        steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, micro_batch_multiple(ctx.backend)))
+        steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, micro_batch_multiple(ctx.backend),
+                                                    args.lengths, windows))
         results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
                                            1 if args.quick else 2)
     if dist.is_main:

@@ -25,7 +25,7 @@ import torch.utils.data
 from dflash.data.chat import row_label
 from dflash.model.anchors import anchor_rng, sample_anchors
 from dflash.model.loss import label_rows
-from dflash.model.masks import PADDING_DOC
+from dflash.model.masks import PADDING_DOC, tile_layout, tiles_key
 from dflash.padding import round_up
 from dflash.store.schema import CorruptShardError
 
@@ -127,7 +127,8 @@ def _pack_anchors(items: list[dict], num_tokens: int, num_anchors: int) -> dict[
     return packed
 
 
-def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None = None) -> dict[str, torch.Tensor]:
+def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None = None,
+                   mask_windows: dict[str, int | None] | None = None) -> dict[str, torch.Tensor]:
     """Pack `StoreDataset` items into one micro-batch of CPU tensors (see the module docstring).
 
     Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
@@ -136,7 +137,10 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     `anchor_index`, `anchor_valid` `(A,)`; per sample `lengths`, `row_ids`, `sample_indices`
     `(D,)`; scalars `bucket` (-1 if the samples' buckets differ), `epoch`, `num_tokens` (T),
     `num_real_tokens`, `num_real_anchors`; with `block_size`, `label_rows (L,)`: the block rows
-    that carry a label (`dflash.model.loss.label_rows`, so the LM head skips the others); and, when some samples
+    that carry a label (`dflash.model.loss.label_rows`, so the LM head skips the others); with
+    `block_size` and `mask_windows` (`dflash.model.masks.layer_windows`, flex attention), each layer
+    type's `tile_layout` under `tiles_key(layer_type)`, so the trainer builds its block masks from the
+    tiles instead of evaluating the rule over every (query, key) pair; and, when some samples
     could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
     whose every sample was skipped is `{"skipped": [...], "empty": True}`.
     """
@@ -164,6 +168,11 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     if block_size is not None:
         batch["label_rows"] = label_rows(batch["loss_mask"], batch["doc_ids"], batch["anchor_index"],
                                          batch["anchor_valid"], block_size)
+        for layer_type, window in (mask_windows or {}).items():
+            layout = tile_layout(arrays["doc_ids"], arrays["position_ids"], arrays["anchor_doc"],
+                                 arrays["anchor_pos"], block_size, window)
+            if layout is not None:
+                batch[tiles_key(layer_type)] = torch.from_numpy(layout)
     scalars = {
         "bucket": buckets.pop() if len(buckets) == 1 else -1,
         "epoch": items[0]["epoch"],
@@ -183,6 +192,7 @@ def build_loader(
     *,
     pad_multiple: int,
     block_size: int | None = None,
+    mask_windows: dict[str, int | None] | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = 2,
@@ -193,7 +203,8 @@ def build_loader(
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
-        collate_fn=partial(collate_packed, pad_multiple=pad_multiple, block_size=block_size),
+        collate_fn=partial(collate_packed, pad_multiple=pad_multiple, block_size=block_size,
+                           mask_windows=mask_windows),
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if workers_used else None,
@@ -202,8 +213,9 @@ def build_loader(
 
 
 def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *, pad_multiple: int,
-                 block_size: int | None, num_workers: int, pin_memory: bool) -> torch.utils.data.DataLoader:
+                 block_size: int | None, num_workers: int, pin_memory: bool,
+                 mask_windows: dict[str, int | None] | None = None) -> torch.utils.data.DataLoader:
     """Micro-batches of `rank` from `start_step` of the schedule on; skipped steps are never read."""
     batches = [[(schedule.epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(rank, start_step)]
-    return build_loader(dataset, batches, pad_multiple=pad_multiple, block_size=block_size, num_workers=num_workers,
-                        pin_memory=pin_memory)
+    return build_loader(dataset, batches, pad_multiple=pad_multiple, block_size=block_size, mask_windows=mask_windows,
+                        num_workers=num_workers, pin_memory=pin_memory)

@@ -132,7 +132,9 @@ DEVICE_KEYS = ("hidden", "scale", "input_ids", "labels", "loss_mask", "position_
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) if k in DEVICE_KEYS else v for k, v in batch.items()}
+    """The token- and anchor-axis tensors and the block masks' tile layouts (`tiles_*`) to the device."""
+    return {k: v.to(device, non_blocking=True) if k in DEVICE_KEYS or k.startswith("tiles_") else v
+            for k, v in batch.items()}
 
 
 def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer, lr: float, clip: float,
