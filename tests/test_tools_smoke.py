@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 TOOLS = {
     "bench_stage1": (["--quick"], "## stage one", ("bare", "capture_only", "full")),
-    "bench_stage2": (["--quick", "--loader", "--fed-epochs", "3", "--profile", "{tmp}/trace"],
+    "bench_stage2": (["--quick", "--cold", "--loader", "--fed-epochs", "3", "--profile", "{tmp}/trace"],
                      "## stage two training step", ("modes", "loader", "fed", "profile")),
     "bench_codecs": (["--quick", "--sources", "random-target"], "## codecs", ("sources",)),
     "bench_handoff": (["--quick"], "## hand-off", ("fresh", "slots")),
@@ -160,3 +160,22 @@ def test_gpu_timeline_finds_the_idle_gaps_and_what_the_launching_thread_did():
     assert summary["main_thread_before_gpu_s"] == {}
     assert summary["host_calls"]["cudaHostAlloc (main)"]["count"] == 1
     assert summary["host_calls"]["aten::copy_ (other threads)"]["seconds"] == pytest.approx(0.020)
+
+
+def test_bench_stage2_times_each_triton_kernel_it_compiles():
+    """--cold's per-kernel table: seconds and calls by phase and kernel name (a stand-in autotuner)."""
+    import time
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_stage2 import KernelCompileTimes
+
+    times = KernelCompileTimes()
+    autotuner = SimpleNamespace(fn=SimpleNamespace(__name__="triton_tem_fused_flex_attention_backward_1"))
+    compile_one = times.timed(lambda self, config: time.sleep(0.01), "compile")
+    compile_one(autotuner, None)
+    compile_one(autotuner, None)
+    summary = times.summary()
+    assert summary["kernels"] == 1 and summary["seconds_by_phase"]["compile"] >= 0.02
+    assert summary["slowest"][0] == {"kernel": "compile: triton_tem_fused_flex_attention_backward_1",
+                                     "seconds": summary["seconds_by_phase"]["compile"], "calls": 2}

@@ -35,8 +35,15 @@ import tempfile
 import threading
 import time
 import warnings
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
+
+if "--cold" in sys.argv:  # before torch reads them: empty compile caches, as on a new machine
+    _cold_dir = tempfile.mkdtemp(prefix="dflash-cold-")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_cold_dir, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(_cold_dir, "triton")
+    if "--cold-serial" in sys.argv:  # kernels compile in this process, one at a time: each one's own seconds
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
 
 import numpy as np
 import torch
@@ -314,6 +321,54 @@ def describe_compile(summary: dict) -> str:
     return f"{summary.get('unique_graphs', 0)} graphs; {phases or 'no compile finished yet'}"
 
 
+class KernelCompileTimes:
+    """Seconds spent per Triton kernel in this process while compiling: each config's compile
+    (`CachingAutotuner._precompile_config`: Triton to PTX, ptxas; with parallel compile workers the
+    main process mostly loads what they built) and autotuning (`benchmark_all_configs`), by kernel name."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+        self.counts = Counter()
+        self.patched = []
+
+    def __enter__(self):
+        try:
+            from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+        except ImportError:  # no Triton (a CPU machine): nothing to time
+            return self
+        for method, phase in (("_precompile_config", "compile"), ("benchmark_all_configs", "autotune")):
+            original = getattr(CachingAutotuner, method, None)
+            if original is None:
+                continue
+            setattr(CachingAutotuner, method, self.timed(original, phase))
+            self.patched.append((CachingAutotuner, method, original))
+        return self
+
+    def timed(self, original, phase: str):
+        def wrapper(autotuner, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(autotuner, *args, **kwargs)
+            finally:
+                name = f"{phase}: {getattr(getattr(autotuner, 'fn', None), '__name__', '?')[:80]}"
+                self.seconds[name] += time.perf_counter() - start
+                self.counts[name] += 1
+        return wrapper
+
+    def __exit__(self, *exc) -> None:
+        for owner, method, original in self.patched:
+            setattr(owner, method, original)
+
+    def summary(self, top: int = 15) -> dict:
+        ranked = sorted(self.seconds.items(), key=lambda item: -item[1])
+        by_phase = defaultdict(float)
+        for name, seconds in ranked:
+            by_phase[name.split(":")[0]] += seconds
+        return {"kernels": len(ranked), "seconds_by_phase": dict(by_phase),
+                "slowest": [{"kernel": name, "seconds": seconds, "calls": self.counts[name]}
+                            for name, seconds in ranked[:top]]}
+
+
 class CompileMonitor:
     """Prints the compile time so far every `every` seconds while a warm-up runs (every rank under
     DDP), so a run cut short by its time limit still shows where its warm-up went."""
@@ -341,9 +396,10 @@ class CompileMonitor:
 
 def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -> dict:
     warmup_s = []
-    with CompileMonitor(name):
+    with CompileMonitor(name), KernelCompileTimes() as kernels:
         warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s)
     compiled = compile_summary()
+    compiled["triton_kernels"] = kernels.summary()
     if compiled and os.environ.get("RANK", "0") == "0":
         print(f"{name}: compile totals after warm-up: {describe_compile(compiled)}", flush=True)
     if ctx.device.type == "cuda":
@@ -661,8 +717,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--target", default="",
                         help="time the `auto` drafter of this target instead of the named size: "
                              f"{', '.join(TARGET_SHAPES)} or a checkpoint directory")
+    parser.add_argument("--cold", action="store_true",
+                        help="start from empty inductor and Triton caches (a temporary directory), as a new machine "
+                             "does: the first warm-up step is the cold start; the JSON's warmup_compile has the "
+                             "compile phases and the slowest Triton kernels")
+    parser.add_argument("--cold-serial", action="store_true",
+                        help="with --cold: compile kernels in this process one at a time, so each kernel's own "
+                             "compile seconds are measured (a slower start than the default parallel compile)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.cold_serial and not args.cold:
+        parser.error("--cold-serial needs --cold")
     if args.quick:
         args.steps, args.distinct_steps, args.loader_tokens = 1, 1, min(args.loader_tokens, 1_000)
         args.modes = ",".join(m for m in args.modes.split(",") if m != "peer") or "default"
@@ -809,6 +874,16 @@ def report(args, results: dict) -> None:
     print_table("stage two training step", ["mode", "micro-batches/step", "source tokens/step", "anchors/step",
                                             "ms/step (median)", "tokens/s", "anchor-slots/s", "TFLOP/step", "MFU",
                                             "peak GiB", "host ms/step"], rows)
+    for mode, numbers in results["modes"].items():
+        compiled = numbers.get("warmup_compile") or {}
+        kernels = compiled.get("triton_kernels") or {}
+        print(f"\n{mode}: first optimizer step after {numbers['warmup_seconds'][0]:.1f} s; warm-up steps "
+              + ", ".join(f"{s:.1f}" for s in numbers["warmup_seconds"]) + f" s; {describe_compile(compiled)}")
+        if kernels.get("slowest"):
+            phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in kernels["seconds_by_phase"].items())
+            print_table(f"{mode}: slowest Triton kernels in the warm-up ({kernels['kernels']} timed; {phases})",
+                        ["kernel", "seconds", "calls"],
+                        [[k["kernel"], k["seconds"], k["calls"]] for k in kernels["slowest"]])
     if "profile" in results:
         profile = results["profile"]
         print_table("host-device syncs per step (profiler, inside the profiled steps)", ["event", "per step"],
