@@ -227,3 +227,22 @@ def test_collate_lays_out_the_tiles_the_rule_gives():
         assert torch.equal(built.to_dense(), expected.to_dense()), layer_type
         assert torch.equal(built.full_kv_num_blocks, expected.full_kv_num_blocks)
     assert not any(key.startswith("tiles_") for key in collate_packed(items, pad_multiple=128, block_size=16))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_with_repeated_key_heads_equals_grouped_heads(monkeypatch):
+    """attend's flex path repeats each key head for its query heads: the same attention as enable_gqa."""
+    from dflash.model import masks
+
+    meta = tiled_packed_meta(np.random.default_rng(11), 16)
+    num_queries = len(meta["anchor_doc"]) * 16
+    num_keys = len(meta["doc_ids"]) + num_queries
+    mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"], 16, 40)
+    mask = block_mask_from_layout(torch.from_numpy(layout_of(meta, 16, 40)), mask_mod, num_queries, num_keys)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 6, num_queries, 8, generator=generator)
+    k = torch.randn(1, 2, num_keys, 8, generator=generator)
+    v = torch.randn(1, 2, num_keys, 8, generator=generator)
+    repeated = attend(q, k, v, mask)
+    monkeypatch.setattr(masks, "FLEX_REPEAT_KV", False)
+    torch.testing.assert_close(repeated, attend(q, k, v, mask), atol=1e-6, rtol=1e-6)

@@ -689,6 +689,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=0, help="override train.token_budget")
     parser.add_argument("--accum-steps", type=int, default=0, help="override train.accum_steps")
     parser.add_argument("--anchor-budget", type=int, default=0, help="override train.anchor_budget")
+    parser.add_argument("--flex-gqa", action="store_true",
+                        help="flex attention over grouped key heads (enable_gqa), as before, instead of each key "
+                             "head repeated for its query heads (dflash.model.masks.FLEX_REPEAT_KV)")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
@@ -755,6 +758,10 @@ def run(args, argv, dist) -> int:
     config = bench_config(args)
     if args.loader_only:
         return run_loader_only(args, argv, config, device)
+    if args.flex_gqa:
+        from dflash.model import masks
+
+        masks.FLEX_REPEAT_KV = False
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
         from dflash.train.compile_cache import load_compile_artifacts, own_or_first
 
@@ -774,7 +781,8 @@ def run(args, argv, dist) -> int:
     pool = FeaturePool(16_384 if not args.quick else 2_048, len(ctx.args.target_layer_ids), ctx.args.hidden_size,
                        device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
-               "block_masks": "rule" if args.mask_rule else "tiles", "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
+               "block_masks": "rule" if args.mask_rule else "tiles", "flex_key_heads": "grouped" if args.flex_gqa
+               else "repeated", "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler

@@ -31,6 +31,8 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
 PADDING_DOC = -1  # doc id of padded context tokens and padded anchors
 TILE = 128  # rows and keys per BlockMask tile (flex attention's default block size)
+# Flex attention gets each key head repeated for its query heads (`attend`); False: grouped heads (enable_gqa).
+FLEX_REPEAT_KV = True
 
 
 def make_mask_mod(ctx_doc_T, ctx_pos_T, anchor_doc_A, anchor_pos_A, block_size: int, window: int | None):
@@ -231,5 +233,16 @@ def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mas
     """Attention with grouped KV heads; the backend follows the mask (BlockMask -> flex, tensor -> SDPA)."""
     if isinstance(mask, BlockMask):
         attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
-        return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask, enable_gqa=True)
+        group = q_1NQD.shape[1] // k_1MKD.shape[1]
+        if group > 1 and not FLEX_REPEAT_KV:
+            return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask, enable_gqa=True)
+        if group > 1:
+            # Each key head repeated for its query heads (the same attention). With grouped heads, flex's
+            # backward runs a key head's query heads one after another in one program per key tile, and a
+            # context tile is seen by every query tile of its sequence (dozens): that loop is the step's
+            # longest (issue 24's profile). Repeated, each query head's share runs in its own program;
+            # the repeat's backward sums the key and value gradients of the group.
+            k_1MKD = k_1MKD.repeat_interleave(group, dim=1)
+            v_1MKD = v_1MKD.repeat_interleave(group, dim=1)
+        return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask)
     return F.scaled_dot_product_attention(q_1NQD, k_1MKD, v_1MKD, attn_mask=mask, enable_gqa=True)
