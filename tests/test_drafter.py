@@ -127,6 +127,7 @@ def compiled_graph_count(num_layers: int) -> int:
 def test_compiled_layers_share_one_graph_per_half_and_match_eager():
     """compile_layers gives every layer the same two compiled functions: the number of graphs
     does not grow with the layers (per-layer compiles made the 27B warm-up take minutes).
-    Per half: the first layer's input needs no gradient, the others' do; a second shape adds
-    the shape-generic graphs."""
-    assert compiled_graph_count(2) == compiled_graph_count(6) == 8
+    Per half: the first layer's input needs no gradient, the others' do. The row axes are dynamic
+    from the first call, so the second shape adds no graph (unmarked, it compiled all four again)."""
+    assert compiled_graph_count(2) == compiled_graph_count(6) == 4
+

@@ -131,6 +131,28 @@ def test_compiled_layers_equal_eager_over_one_optimizer_step():
         assert gap < 2e-2, f"parameter {index}: the compiled update differs from eager by {gap:.2e} of its norm"
 
 
+def test_the_compiled_step_compiles_nothing_more_for_micro_batches_of_other_shapes():
+    """Compiled layers, flex attention and the loss have their row axes dynamic from the first step
+    (issue 25): micro-batches of three other shapes after the first add no graph."""
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    ctx = context("flex", device)
+    model = fresh_drafter(ctx.args, device)
+    compile_layers(model)
+    optimizer = UpdateByGradient(model.parameters())
+    batches = [micro_batch(seed, device) for seed in (20, 21, 22, 23)]
+    assert len({(len(b["doc_ids"]), len(b["anchor_doc"]), len(b["label_rows"])) for b in batches}) == 4
+    graphs = []
+    for batch in batches:
+        train_step(model, ctx, [batch], optimizer, lr=1e-3, clip=1.0)
+        torch.cuda.synchronize()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == graphs[:1] * 3, f"graphs after each step: {graphs}"
+
+
 def test_fp8_capture_on_the_gpu_equals_the_cpu_encode_and_labels_equal_the_argmax(tiny_target_dir):
     from transformers import AutoModelForCausalLM
 

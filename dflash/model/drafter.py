@@ -276,11 +276,30 @@ class DrafterLayer(nn.Module):
                               mlp.down_proj.weight, eps)
 
 
+# The row axes of the halves' inputs (argument index, dimension): block rows Q, context rows T, keys
+# T + Q. They change with every micro-batch; the weights' shapes never do.
+ROW_AXES = {attention_inputs: ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0)), layer_output: ((0, 0), (1, 2))}
+
+
 def compile_layers(model: "DFlashDrafter", **compile_options) -> None:
-    """torch.compile the two halves once and give the compiled pair to every layer."""
-    halves = tuple(torch.compile(fn, **compile_options) for fn in (attention_inputs, layer_output))
+    """torch.compile the two halves once and give the compiled pair to every layer.
+
+    Their row axes are marked dynamic at every call, so the first micro-batch already compiles the
+    shape-generic graph; unmarked, the first shape compiles a static graph and the second a generic one
+    (twice the cold start)."""
+    halves = tuple(rows_dynamic(torch.compile(fn, **compile_options), ROW_AXES[fn])
+                   for fn in (attention_inputs, layer_output))
     for layer in model.layers:
         layer.halves = halves
+
+
+def rows_dynamic(compiled, axes):
+    """`compiled` with `axes` ((argument, dimension) pairs) of its tensor arguments marked dynamic."""
+    def call(*args):
+        for index, dim in axes:
+            torch._dynamo.maybe_mark_dynamic(args[index], dim)
+        return compiled(*args)
+    return call
 
 
 class DFlashDrafter(nn.Module):

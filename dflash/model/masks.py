@@ -224,9 +224,11 @@ def _compiled_create_block_mask():
 @cache
 def _compiled_flex_attention():
     # Uncompiled flex_attention on CUDA materialises the full score matrix; compile once.
-    # Default dynamic: the second distinct (Q, KV) length compiles one shape-generic kernel
-    # instead of one kernel per padded length.
-    return torch.compile(flex_attention)
+    # dynamic=True: the first call compiles the shape-generic kernel (the lengths of queries, keys,
+    # the tile lists and the rule's tensors change every micro-batch; head dim and tiles stay static).
+    # Marking those axes alone does not hold: flex's own checks specialise the first call's lengths,
+    # so the default compiled a static kernel, then a generic one at the second length.
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mask) -> torch.Tensor:

@@ -89,8 +89,8 @@ def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> 
     if config.train.compile and dist.device.type == "cuda":
         # Regional compile of the two mask-free halves of a layer (all matmuls and elementwise
         # ops), one graph shared by every layer; flex attention is compiled on its own
-        # (dflash.model.masks). Row counts vary per micro-batch: the second distinct shape compiles a
-        # shape-generic graph.
+        # (dflash.model.masks). Row counts vary per micro-batch: their axes are dynamic from the first
+        # call (compile_layers), so each graph compiles once, shape-generic.
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         compile_layers(model)
     if not dist.is_distributed:
