@@ -13,7 +13,8 @@ import torch
 
 from dflash.model.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
 from dflash.model.loss import block_labels, dflash_loss, gamma_weights
-from dflash.model.masks import PADDING_DOC, build_masks
+from dflash.model.masks import build_masks
+from dflash.model.tiles import PADDING_DOC
 from dflash.store.plan import ShardPlan
 from dflash.train.sampler import DataCursor, EpochSchedule, build_epoch_schedule
 

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 from support import reference_dense_mask
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-from torch.nn.attention.flex_attention import create_block_mask
-
-from dflash.model.masks import (TILE, attend, block_mask_from_layout, build_masks, default_backend, layer_windows,
-                                make_mask_mod, tile_layout, tiles_key)
+from dflash.model.masks import (GatheredMask, attend, block_mask_from_layout, build_masks, default_backend, gather_keys,
+                                gathered_mask_mod, layer_windows, make_mask_mod)
+from dflash.model.tiles import TILE, gather_context_keys, tile_layout, tiles_key
 
 LAYER_TYPES = ["sliding_attention", "full_attention"]
 
@@ -246,3 +246,98 @@ def test_flex_with_repeated_key_heads_equals_grouped_heads(monkeypatch):
     repeated = attend(q, k, v, mask)
     monkeypatch.setattr(masks, "FLEX_REPEAT_KV", False)
     torch.testing.assert_close(repeated, attend(q, k, v, mask), atol=1e-6, rtol=1e-6)
+
+
+def gathered(meta: dict, block_size: int, window):
+    """The tile layout over each query tile's own context keys, and those keys (tiles.gather_context_keys)."""
+    return gather_context_keys(layout_of(meta, block_size, window), len(meta["doc_ids"]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gathered_tiles_equal_create_block_mask_over_the_gathered_keys(seed):
+    """After gathering, the layout still lists exactly the tiles the rule gives over the new keys, and
+    no new key tile is read by two query tiles."""
+    rng = np.random.default_rng(300 + seed)
+    meta = tiled_packed_meta(rng, 16)
+    num_queries = len(meta["anchor_doc"]) * 16
+    for window in (int(rng.integers(16, 200)), None):
+        layout, keys = gathered(meta, 16, window)
+        mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
+                                 16, window)
+        expected = create_block_mask(gathered_mask_mod(mask_mod, torch.from_numpy(keys)), 1, 1, num_queries,
+                                     keys.shape[1], device="cpu")
+        for kind, (num, indices) in enumerate([(expected.kv_num_blocks, expected.kv_indices),
+                                               (expected.full_kv_num_blocks, expected.full_kv_indices)]):
+            num, indices = num[0, 0].numpy(), indices[0, 0].numpy()
+            assert np.array_equal(layout[kind, :, 0], num)
+            for tile, count in enumerate(num):
+                assert np.array_equal(layout[kind, tile, 1:1 + count], indices[tile, :count])
+        readers = (expected.q_num_blocks + expected.full_q_num_blocks)[0, 0].numpy()
+        assert readers.max() == 1, "a gathered key tile is read by more than one query tile"
+
+
+def plain_attention(q_1NQD, k_1MKD, v_1MKD, mask_11QK):
+    """Softmax attention written out (grouped key heads repeated), for float64 references."""
+    group = q_1NQD.shape[1] // k_1MKD.shape[1]
+    k_1NKD, v_1NKD = (x.repeat_interleave(group, dim=1) for x in (k_1MKD, v_1MKD))
+    scores = (q_1NQD @ k_1NKD.transpose(-1, -2)) / q_1NQD.shape[-1] ** 0.5
+    return scores.masked_fill(~mask_11QK, float("-inf")).softmax(dim=-1) @ v_1NKD
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_attention_over_gathered_keys_equals_shared_keys_with_gradients(seed):
+    """The same attention, and the same gradients for queries, keys and values (the copies' gradients
+    summed back), as over the shared keys: plain float64 attention both ways."""
+    rng = np.random.default_rng(400 + seed)
+    meta = tiled_packed_meta(rng, 16)
+    window = int(rng.integers(16, 150))
+    num_queries = len(meta["anchor_doc"]) * 16
+    num_keys = len(meta["doc_ids"]) + num_queries
+    mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"], 16,
+                             window)
+    _, keys = gathered(meta, 16, window)
+    keys = torch.from_numpy(keys)
+    shared_mask = create_mask(mask_mod, 1, 1, num_queries, num_keys, device="cpu")
+    gathered_mask = create_mask(gathered_mask_mod(mask_mod, keys), 1, 1, num_queries, keys.shape[1], device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(1, heads, rows, 8, generator=generator, dtype=torch.float64)
+              for heads, rows in ((4, num_queries), (2, num_keys), (2, num_keys))]
+    results = []
+    for mask, gather in ((shared_mask, False), (gathered_mask, True)):
+        q, k, v = (x.clone().requires_grad_() for x in inputs)
+        k_used, v_used = (gather_keys(k, keys[0]), gather_keys(v, keys[0])) if gather else (k, v)
+        out = plain_attention(q, k_used, v_used, mask)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad))
+    for shared, gathered_result in zip(*results):
+        torch.testing.assert_close(gathered_result, shared)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_over_the_collates_gathered_keys_equals_dense_sdpa():
+    """collate_packed(gather_keys=True) -> build_masks -> attend: flex over gathered keys, as dense SDPA."""
+    from dflash.train.batch import collate_packed
+
+    rng = np.random.default_rng(5)
+    items = []
+    for row, length in enumerate([300, 41, 170]):
+        loss_mask = np.zeros(length, dtype=bool)
+        loss_mask[length // 4:] = True
+        anchors = np.sort(rng.choice(np.flatnonzero(loss_mask[1:]), size=30, replace=False))
+        items.append({"hidden": np.zeros((length, 8), dtype=np.uint16), "scale": None,
+                      "input_ids": rng.integers(0, 50, length), "loss_mask": loss_mask, "row_id": row,
+                      "anchors": anchors, "sample_index": row, "epoch": 0, "bucket": 0})
+    windows = layer_windows(LAYER_TYPES, 96)
+    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, gather_keys=True)
+    flex = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="flex", device="cpu")
+    dense = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="dense", device="cpu")
+    num_queries = len(batch["anchor_doc"]) * 16
+    num_keys = len(batch["doc_ids"]) + num_queries
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, num_queries, 8, generator=generator)
+    k = torch.randn(1, 2, num_keys, 8, generator=generator)
+    v = torch.randn(1, 2, num_keys, 8, generator=generator)
+    for layer_type in LAYER_TYPES:
+        assert isinstance(flex[layer_type], GatheredMask)
+        torch.testing.assert_close(attend(q, k, v, flex[layer_type]), attend(q, k, v, dense[layer_type]),
+                                   atol=1e-5, rtol=1e-5)

@@ -185,6 +185,13 @@ def mask_windows(ctx, tiles: bool = True):
     return layer_windows(ctx.args.layer_types, ctx.args.sliding_window) if tiles and ctx.backend == "flex" else None
 
 
+def gather_setting() -> bool:
+    """What the trainer's loop passes to the collate (`--gather-keys` sets it)."""
+    from dflash.model import tiles
+
+    return tiles.GATHER_CONTEXT_KEYS
+
+
 def peer_steps(pool, args_drafter, num_distinct: int, seed: int, windows=None) -> list[list[dict]]:
     """Steps of one micro-batch: one 8,192-token sequence with exactly 512 anchors."""
     from dflash.train.batch import collate_packed
@@ -194,7 +201,7 @@ def peer_steps(pool, args_drafter, num_distinct: int, seed: int, windows=None) -
     for step in range(num_distinct):
         item = synthetic_item(pool, 8192, step, 0, 512, args_drafter.vocab_size, rng, num_anchors=512)
         steps.append([collate_packed([item], pad_multiple=128, block_size=args_drafter.block_size,
-                                     mask_windows=windows)])
+                                     mask_windows=windows, gather_keys=gather_setting())])
     return steps
 
 
@@ -233,8 +240,8 @@ def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_
         for samples in schedule.step(step)[0]:
             items = [synthetic_item(pool, int(lengths[i]), int(i), int(buckets[i]), config.train.max_anchors,
                                     args_drafter.vocab_size, rng, start=int(starts[i])) for i in samples]
-            micro_batches.append(collate_packed(items, pad_multiple=pad_multiple,
-                                                block_size=args_drafter.block_size, mask_windows=windows))
+            micro_batches.append(collate_packed(items, pad_multiple=pad_multiple, block_size=args_drafter.block_size,
+                                                mask_windows=windows, gather_keys=gather_setting()))
         steps.append(micro_batches)
     return steps
 
@@ -609,8 +616,9 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     for epoch in range(epochs):
         schedule = schedule_for(config, reader, np.arange(len(reader)), epoch, 1, config.train.accum_steps)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
-    loader = build_loader(dataset, batches, pad_multiple=micro_batch_multiple(ctx.backend), mask_windows=mask_windows(ctx),
-                          block_size=ctx.args.block_size, num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
+    loader = build_loader(dataset, batches, pad_multiple=micro_batch_multiple(ctx.backend),
+                          mask_windows=mask_windows(ctx), gather_keys=gather_setting(), block_size=ctx.args.block_size,
+                          num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
     return reader, batches, loader
 
 
@@ -692,6 +700,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--flex-gqa", action="store_true",
                         help="flex attention over grouped key heads (enable_gqa), as before, instead of each key "
                              "head repeated for its query heads (dflash.model.masks.FLEX_REPEAT_KV)")
+    parser.add_argument("--gather-keys", action="store_true",
+                        help="each query tile its own copy of the context keys it reads (dflash.model.tiles."
+                             "GATHER_CONTEXT_KEYS): no key tile read by two query tiles in flex's backward")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
@@ -762,6 +773,10 @@ def run(args, argv, dist) -> int:
         from dflash.model import masks
 
         masks.FLEX_REPEAT_KV = False
+    if args.gather_keys:
+        from dflash.model import tiles
+
+        tiles.GATHER_CONTEXT_KEYS = True
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
         from dflash.train.compile_cache import load_compile_artifacts, own_or_first
 
@@ -776,13 +791,14 @@ def run(args, argv, dist) -> int:
     say(f"drafter {drafter_name}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
         f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, block masks "
-        f"{'rule' if args.mask_rule else 'tiles'}, device {device}, "
+        f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}, "
+        f"device {device}, "
         f"world size {dist.world_size}")
     pool = FeaturePool(16_384 if not args.quick else 2_048, len(ctx.args.target_layer_ids), ctx.args.hidden_size,
                        device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "block_masks": "rule" if args.mask_rule else "tiles", "flex_key_heads": "grouped" if args.flex_gqa
-               else "repeated", "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
+               else "repeated", "gathered_keys": args.gather_keys, "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler

@@ -11,26 +11,23 @@ The same `mask_mod` builds a flex-attention `BlockMask` (CUDA) or a dense boolea
 SDPA (CPU, where flex has no backward), so CPU tests check the real mask logic against a
 loop-by-loop statement of the rule (tests/support.py).
 
-Which 128 x 128 tiles of a `BlockMask` hold a visible pair, and which hold only visible pairs, follows
-from each query row's visible keys, two index ranges (its sequence's context before the anchor,
-inside the window; its own block): `tile_layout` computes them on the host (the collate, in the
-loader's workers) for a packed micro-batch, and `build_masks` builds the `BlockMask` from them. The
-`mask_mod` then runs only inside partial tiles, and nothing evaluates it over every (query, key) pair
-(`create_block_mask` does, a compiled kernel over Q x (T + Q) per layer type and micro-batch).
+Which 128 x 128 tiles of a `BlockMask` hold visible pairs is laid out on the host by
+dflash/model/tiles.py (the collate, in the loader's workers); `build_masks` builds the `BlockMask`
+from that layout, and the `mask_mod` runs only inside partial tiles. Without a layout it falls back
+to `create_block_mask`, which evaluates the rule on every (query, key) pair.
 """
 
 from collections.abc import Mapping
 from functools import cache
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
+from dflash.model.tiles import PADDING_DOC, TILE, keys_key, tiles_key
+
 LAYER_TYPES = ("sliding_attention", "full_attention")
 BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
-PADDING_DOC = -1  # doc id of padded context tokens and padded anchors
-TILE = 128  # rows and keys per BlockMask tile (flex attention's default block size)
 # Flex attention gets each key head repeated for its query heads (`attend`); False: grouped heads (enable_gqa).
 FLEX_REPEAT_KV = True
 
@@ -67,94 +64,55 @@ def make_mask_mod(ctx_doc_T, ctx_pos_T, anchor_doc_A, anchor_pos_A, block_size: 
     return mask_mod
 
 
-def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, anchor_pos_A: np.ndarray,
-                block_size: int, window: int | None) -> np.ndarray | None:
-    """The `BlockMask` tiles of one layer type, from the rule above, as int32 `(2, QT, KT + 1)`:
-    `[0]` partial tiles (a visible pair and an invisible one), `[1]` full tiles (only visible pairs);
-    per query tile the count, then the key-tile indices in ascending order (the rest 0).
-
-    Needs what the collate lays out: T and A * B multiples of TILE, each sequence's real tokens
-    contiguous at positions 0, 1, ... Returns None for any other layout (`build_masks` then
-    evaluates the `mask_mod` everywhere, as `create_block_mask` does).
-    """
-    doc_T, pos_T = np.asarray(doc_T, dtype=np.int64), np.asarray(pos_T, dtype=np.int64)
-    anchor_doc_A, anchor_pos_A = np.asarray(anchor_doc_A, dtype=np.int64), np.asarray(anchor_pos_A, dtype=np.int64)
-    num_tokens, num_anchors = len(doc_T), len(anchor_doc_A)
-    num_rows = num_anchors * block_size
-    if num_tokens % TILE or num_rows % TILE or not num_tokens or not num_anchors:
-        return None
-    starts = sequence_starts(doc_T, pos_T)
-    if starts is None:
-        return None
-    real = anchor_doc_A != PADDING_DOC
-    if real.any():
-        docs = anchor_doc_A[real]
-        if docs.min() < 0 or docs.max() >= len(starts) or starts[docs].min() < 0:
-            return None  # an anchor of a sequence with no context token
-        lengths = np.bincount(doc_T[doc_T != PADDING_DOC], minlength=len(starts))
-        if anchor_pos_A[real].min() < 0 or (anchor_pos_A[real] > lengths[docs]).any():
-            return None  # its context would run past its sequence
-    doc_start_A = np.where(real, starts[np.where(real, anchor_doc_A, 0)], 0)
-    slot_R = np.tile(np.arange(block_size), num_anchors)
-    anchor_R = np.repeat(np.arange(num_anchors), block_size)
-    pos_R = anchor_pos_A[anchor_R]
-    # Row r (anchor a, slot s) sees context [start + max(0, p + s - W + 1), start + p - 1] of its
-    # sequence and block keys [T + a*B, T + a*B + (s if sliding else B - 1)].
-    first_pos = np.zeros_like(pos_R) if window is None else np.maximum(0, pos_R + slot_R - window + 1)
-    context_lo = doc_start_A[anchor_R] + first_pos
-    context_hi = doc_start_A[anchor_R] + pos_R - 1
-    context_hi = np.where(real[anchor_R], context_hi, context_lo - 1)  # padded anchors: no context
-    block_lo = num_tokens + anchor_R * block_size
-    block_hi = block_lo + (slot_R if window is not None else block_size - 1)
-    num_key_tiles = (num_tokens + num_rows) // TILE
-    row_tile = np.arange(num_rows) // TILE
-    touched = np.zeros((num_rows // TILE, num_key_tiles + 1), dtype=np.int64)
-    covered = np.zeros_like(touched)
-    for lo, hi in ((context_lo, context_hi), (block_lo, block_hi)):
-        some = lo <= hi
-        np.add.at(touched, (row_tile[some], lo[some] // TILE), 1)
-        np.add.at(touched, (row_tile[some], hi[some] // TILE + 1), -1)
-        first_full, last_full = -(-lo // TILE), (hi + 1) // TILE - 1
-        whole = some & (first_full <= last_full)
-        np.add.at(covered, (row_tile[whole], first_full[whole]), 1)
-        np.add.at(covered, (row_tile[whole], last_full[whole] + 1), -1)
-    any_visible = np.cumsum(touched, axis=1)[:, :-1] > 0
-    full = np.cumsum(covered, axis=1)[:, :-1] == TILE  # every row of the query tile sees the whole key tile
-    layout = np.zeros((2, num_rows // TILE, num_key_tiles + 1), dtype=np.int32)
-    for kind, tiles in enumerate((any_visible & ~full, full)):
-        layout[kind, :, 0] = tiles.sum(axis=1)
-        layout[kind, :, 1:] = np.where(np.sort(~tiles, axis=1, kind="stable"), 0,
-                                       np.argsort(~tiles, axis=1, kind="stable"))
-    return layout
-
-
-def sequence_starts(doc_T: np.ndarray, pos_T: np.ndarray) -> np.ndarray | None:
-    """Flat index of each sequence's first token (`-1` for an id with no token), or None unless every
-    real token sits at `start + position` of one contiguous run per sequence."""
-    real = np.flatnonzero(doc_T != PADDING_DOC)
-    if not len(real):
-        return np.zeros(0, dtype=np.int64)
-    if doc_T[real].min() < 0:
-        return None
-    starts = np.full(int(doc_T[real].max()) + 1, -1, dtype=np.int64)
-    same = doc_T[real][1:] == doc_T[real][:-1]
-    if (np.diff(real)[same] != 1).any():
-        return None  # a gap inside a sequence
-    first = real[np.r_[True, ~same]]
-    if len(np.unique(doc_T[first])) != len(first):
-        return None  # a sequence in two runs
-    starts[doc_T[first]] = first
-    if not np.array_equal(real - starts[doc_T[real]], pos_T[real]):
-        return None
-    return starts
-
-
 def block_mask_from_layout(layout: torch.Tensor, mask_mod, num_queries: int, num_keys: int) -> BlockMask:
     """The `BlockMask` of a `tile_layout` (its partial and full tiles), for one batch and head."""
     layout = layout.to(torch.int32)[:, None, None]  # (2, 1, 1, QT, KT + 1)
     return BlockMask.from_kv_blocks(layout[0, ..., 0].contiguous(), layout[0, ..., 1:].contiguous(),
                                     layout[1, ..., 0].contiguous(), layout[1, ..., 1:].contiguous(),
                                     BLOCK_SIZE=TILE, mask_mod=mask_mod, seq_lengths=(num_queries, num_keys))
+
+
+def gathered_mask_mod(mask_mod, keys_2K: torch.Tensor):
+    """The rule over gathered keys (`tiles.gather_context_keys`): new key k stands for key `keys[0, k]`,
+    and a copy is seen only by the query tile that owns it (`keys[1, k]`; -1: a block key, not copied)."""
+    source_K, owner_K = keys_2K[0], keys_2K[1]
+
+    def gathered(b, h, q_idx, kv_idx):
+        owner = owner_K[kv_idx]
+        return ((owner < 0) | (owner == q_idx // TILE)) & mask_mod(b, h, q_idx, source_K[kv_idx])
+
+    return gathered
+
+
+class GatheredMask:
+    """A `BlockMask` over gathered keys and which key each new key copies: `attend` gathers the keys
+    and values before flex attention (`gather_keys`)."""
+
+    def __init__(self, block_mask: BlockMask, source_K: torch.Tensor):
+        self.block_mask, self.source_K = block_mask, source_K
+
+
+class _GatherKeys(torch.autograd.Function):
+    """`x.index_select(2, index)` whose backward sums the copies' gradients in float32 (a key copied for
+    dozens of query tiles would lose precision summed in bf16)."""
+
+    @staticmethod
+    def forward(ctx, x_1NKD, index_M):
+        ctx.save_for_backward(index_M)
+        ctx.num_keys = x_1NKD.shape[2]
+        return x_1NKD.index_select(2, index_M)
+
+    @staticmethod
+    def backward(ctx, grad_1NMD):
+        (index_M,) = ctx.saved_tensors
+        shape = (*grad_1NMD.shape[:2], ctx.num_keys, grad_1NMD.shape[3])
+        dtype = torch.promote_types(grad_1NMD.dtype, torch.float32)
+        grad = torch.zeros(shape, dtype=dtype, device=grad_1NMD.device)
+        return grad.index_add_(2, index_M, grad_1NMD.to(dtype)).to(grad_1NMD.dtype), None
+
+
+def gather_keys(x_1NKD: torch.Tensor, index_M: torch.Tensor) -> torch.Tensor:
+    return _GatherKeys.apply(x_1NKD, index_M)
 
 
 def _optional_field(batch_meta, name: str):
@@ -178,12 +136,8 @@ def layer_windows(layer_types, window: int) -> dict[str, int | None]:
     for layer_type in layer_types:
         if layer_type not in LAYER_TYPES:
             raise ValueError(f"masks: unknown layer type {layer_type!r}, expected one of {LAYER_TYPES}")
-    return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in dict.fromkeys(layer_types)}
-
-
-def tiles_key(layer_type: str) -> str:
-    """The micro-batch key of a layer type's `tile_layout` (the collate writes it)."""
-    return f"tiles_{layer_type}"
+    return {layer_type: window if layer_type == "sliding_attention" else None
+            for layer_type in dict.fromkeys(layer_types)}
 
 
 def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backend: str | None = None, device=None):
@@ -205,7 +159,13 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
     for layer_type, layer_window in layer_windows(layer_types, window).items():
         mask_mod = make_mask_mod(*tensors, block_size, layer_window)
         layout = _optional_field(batch_meta, tiles_key(layer_type))
-        if backend == "flex" and layout is not None:
+        keys = _optional_field(batch_meta, keys_key(layer_type))
+        if backend == "flex" and layout is not None and keys is not None:
+            keys = keys.to(device)
+            block_mask = block_mask_from_layout(layout.to(device), gathered_mask_mod(mask_mod, keys), num_queries,
+                                                keys.shape[1])
+            masks[layer_type] = GatheredMask(block_mask, keys[0])
+        elif backend == "flex" and layout is not None:
             masks[layer_type] = block_mask_from_layout(layout.to(device), mask_mod, num_queries, num_keys)
         elif backend == "flex":
             build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
@@ -232,7 +192,13 @@ def _compiled_flex_attention():
 
 
 def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mask) -> torch.Tensor:
-    """Attention with grouped KV heads; the backend follows the mask (BlockMask -> flex, tensor -> SDPA)."""
+    """Attention with grouped KV heads; the backend follows the mask (BlockMask -> flex, GatheredMask ->
+    flex over gathered keys, tensor -> SDPA)."""
+    if isinstance(mask, GatheredMask):
+        # Every key tile is read by one query tile: the grouped heads' loop in flex's backward is short.
+        attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
+        return attention(q_1NQD, gather_keys(k_1MKD, mask.source_K), gather_keys(v_1MKD, mask.source_K),
+                         block_mask=mask.block_mask, enable_gqa=True)
     if isinstance(mask, BlockMask):
         attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
         group = q_1NQD.shape[1] // k_1MKD.shape[1]

@@ -25,7 +25,7 @@ import torch.utils.data
 from dflash.data.chat import row_label
 from dflash.model.anchors import anchor_rng, sample_anchors
 from dflash.model.loss import label_rows
-from dflash.model.masks import PADDING_DOC, tile_layout, tiles_key
+from dflash.model.tiles import PADDING_DOC, gather_context_keys, keys_key, tile_layout, tiles_key
 from dflash.padding import round_up
 from dflash.store.schema import CorruptShardError
 
@@ -128,7 +128,8 @@ def _pack_anchors(items: list[dict], num_tokens: int, num_anchors: int) -> dict[
 
 
 def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None = None,
-                   mask_windows: dict[str, int | None] | None = None) -> dict[str, torch.Tensor]:
+                   mask_windows: dict[str, int | None] | None = None,
+                   gather_keys: bool = False) -> dict[str, torch.Tensor]:
     """Pack `StoreDataset` items into one micro-batch of CPU tensors (see the module docstring).
 
     Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
@@ -140,7 +141,9 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     that carry a label (`dflash.model.loss.label_rows`, so the LM head skips the others); with
     `block_size` and `mask_windows` (`dflash.model.masks.layer_windows`, flex attention), each layer
     type's `tile_layout` under `tiles_key(layer_type)`, so the trainer builds its block masks from the
-    tiles instead of evaluating the rule over every (query, key) pair; and, when some samples
+    tiles instead of evaluating the rule over every (query, key) pair (with `gather_keys`, over each
+    query tile's own copies of its context keys, `keys_key(layer_type)`: `tiles.gather_context_keys`);
+    and, when some samples
     could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
     whose every sample was skipped is `{"skipped": [...], "empty": True}`.
     """
@@ -171,6 +174,9 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
         for layer_type, window in (mask_windows or {}).items():
             layout = tile_layout(arrays["doc_ids"], arrays["position_ids"], arrays["anchor_doc"],
                                  arrays["anchor_pos"], block_size, window)
+            if layout is not None and gather_keys:
+                layout, keys = gather_context_keys(layout, len(arrays["doc_ids"]))
+                batch[keys_key(layer_type)] = torch.from_numpy(keys)
             if layout is not None:
                 batch[tiles_key(layer_type)] = torch.from_numpy(layout)
     scalars = {
@@ -193,6 +199,7 @@ def build_loader(
     pad_multiple: int,
     block_size: int | None = None,
     mask_windows: dict[str, int | None] | None = None,
+    gather_keys: bool = False,
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = 2,
@@ -204,7 +211,7 @@ def build_loader(
         dataset,
         batch_sampler=sampler,
         collate_fn=partial(collate_packed, pad_multiple=pad_multiple, block_size=block_size,
-                           mask_windows=mask_windows),
+                           mask_windows=mask_windows, gather_keys=gather_keys),
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if workers_used else None,
@@ -214,8 +221,9 @@ def build_loader(
 
 def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *, pad_multiple: int,
                  block_size: int | None, num_workers: int, pin_memory: bool,
-                 mask_windows: dict[str, int | None] | None = None) -> torch.utils.data.DataLoader:
+                 mask_windows: dict[str, int | None] | None = None,
+                 gather_keys: bool = False) -> torch.utils.data.DataLoader:
     """Micro-batches of `rank` from `start_step` of the schedule on; skipped steps are never read."""
     batches = [[(schedule.epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(rank, start_step)]
     return build_loader(dataset, batches, pad_multiple=pad_multiple, block_size=block_size, mask_windows=mask_windows,
-                        num_workers=num_workers, pin_memory=pin_memory)
+                        gather_keys=gather_keys, num_workers=num_workers, pin_memory=pin_memory)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState
+from dflash.model import tiles
 from dflash.model.masks import layer_windows
 from dflash.padding import micro_batch_multiple
 from dflash.store.reader import StoreReader
@@ -137,7 +138,7 @@ def loop(state: TrainState) -> None:
     # With flex attention the loader's workers lay out each micro-batch's block-mask tiles (dflash.model.masks).
     windows = layer_windows(ctx.args.layer_types, ctx.args.sliding_window) if ctx.backend == "flex" else None
     loader_options = {"pad_multiple": micro_batch_multiple(ctx.backend), "block_size": ctx.args.block_size,
-                      "mask_windows": windows}
+                      "mask_windows": windows, "gather_keys": tiles.GATHER_CONTEXT_KEYS}
     collate = functools.partial(collate_packed, **loader_options)
     eval_micro_batches = {}  # by held-out set size: a following run's set only grows
     bar = tqdm(total=state.total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,

@@ -132,8 +132,9 @@ DEVICE_KEYS = ("hidden", "scale", "input_ids", "labels", "loss_mask", "position_
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """The token- and anchor-axis tensors and the block masks' tile layouts (`tiles_*`) to the device."""
-    return {k: v.to(device, non_blocking=True) if k in DEVICE_KEYS or k.startswith("tiles_") else v
+    """The token- and anchor-axis tensors and the block masks' tile layouts and gathered keys (`tiles_*`,
+    `keys_*`) to the device."""
+    return {k: v.to(device, non_blocking=True) if k in DEVICE_KEYS or k.startswith(("tiles_", "keys_")) else v
             for k, v in batch.items()}
 
 
