@@ -73,6 +73,21 @@ def test_window_cuts_and_block_is_causal_only_for_sliding():
     assert full[4:8, :12].sum() == 0 and full[4, 12:15].tolist() == [True, True, False]
 
 
+def assert_flex_attends_like_dense(meta: dict, flex: dict, dense: dict, block_size: int, seed: int) -> None:
+    """Flex attention through `flex`'s masks equals SDPA through `dense`'s, per layer type, on random q, k, v
+    (4 query heads over 2 key heads)."""
+    num_queries = len(meta["anchor_doc"]) * block_size
+    num_keys = len(meta["doc_ids"]) + num_queries
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, num_queries, 8, generator=generator)
+    k = torch.randn(1, 2, num_keys, 8, generator=generator)
+    v = torch.randn(1, 2, num_keys, 8, generator=generator)
+    for layer_type in LAYER_TYPES:
+        dense_out = attend(q, k, v, dense[layer_type])
+        assert torch.isfinite(dense_out).all()
+        torch.testing.assert_close(attend(q, k, v, flex[layer_type]), dense_out, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("seed", range(3))
 def test_flex_block_mask_matches_dense_sdpa(seed):
@@ -81,17 +96,7 @@ def test_flex_block_mask_matches_dense_sdpa(seed):
     meta = random_packed_meta(rng, block_size, pad_context=3, pad_anchors=2)
     dense = build_masks(meta, LAYER_TYPES, window, block_size=block_size, backend="dense", device="cpu")
     flex = build_masks(meta, LAYER_TYPES, window, block_size=block_size, backend="flex", device="cpu")
-    num_queries = len(meta["anchor_doc"]) * block_size
-    num_keys = len(meta["doc_ids"]) + num_queries
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 4, num_queries, 8, generator=generator)
-    k = torch.randn(1, 2, num_keys, 8, generator=generator)
-    v = torch.randn(1, 2, num_keys, 8, generator=generator)
-    for layer_type in LAYER_TYPES:
-        flex_out = attend(q, k, v, flex[layer_type])
-        dense_out = attend(q, k, v, dense[layer_type])
-        assert torch.isfinite(dense_out).all()
-        torch.testing.assert_close(flex_out, dense_out, atol=1e-5, rtol=1e-5)
+    assert_flex_attends_like_dense(meta, flex, dense, block_size, seed)
 
 
 def test_default_backend():
@@ -170,15 +175,7 @@ def test_block_mask_from_tiles_attends_like_dense_sdpa(seed):
     tiled = dict(meta, **{tiles_key(t): torch.from_numpy(layout_of(meta, block_size, w)) for t, w in windows.items()})
     flex = build_masks(tiled, LAYER_TYPES, window, block_size=block_size, backend="flex", device="cpu")
     dense = build_masks(meta, LAYER_TYPES, window, block_size=block_size, backend="dense", device="cpu")
-    num_queries = len(meta["anchor_doc"]) * block_size
-    num_keys = len(meta["doc_ids"]) + num_queries
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, 4, num_queries, 8, generator=generator)
-    k = torch.randn(1, 2, num_keys, 8, generator=generator)
-    v = torch.randn(1, 2, num_keys, 8, generator=generator)
-    for layer_type in LAYER_TYPES:
-        torch.testing.assert_close(attend(q, k, v, flex[layer_type]), attend(q, k, v, dense[layer_type]),
-                                   atol=1e-5, rtol=1e-5)
+    assert_flex_attends_like_dense(meta, flex, dense, block_size, seed)
 
 
 def test_tile_layout_declines_layouts_it_cannot_read():
@@ -331,13 +328,5 @@ def test_flex_over_the_collates_gathered_keys_equals_dense_sdpa():
     batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, gather_keys=True)
     flex = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="flex", device="cpu")
     dense = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="dense", device="cpu")
-    num_queries = len(batch["anchor_doc"]) * 16
-    num_keys = len(batch["doc_ids"]) + num_queries
-    generator = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 4, num_queries, 8, generator=generator)
-    k = torch.randn(1, 2, num_keys, 8, generator=generator)
-    v = torch.randn(1, 2, num_keys, 8, generator=generator)
-    for layer_type in LAYER_TYPES:
-        assert isinstance(flex[layer_type], GatheredMask)
-        torch.testing.assert_close(attend(q, k, v, flex[layer_type]), attend(q, k, v, dense[layer_type]),
-                                   atol=1e-5, rtol=1e-5)
+    assert all(isinstance(flex[layer_type], GatheredMask) for layer_type in LAYER_TYPES)
+    assert_flex_attends_like_dense(batch, flex, dense, 16, 1)
