@@ -11,7 +11,8 @@
 #   5. eval      `dflash eval` at temperature 0 on the held-out prompts (--prompts heldout) and on
 #                $EVAL_SOURCE (HumanEval, never trained on), $EVAL_PROMPTS x $EVAL_TOKENS each; then
 #                temperature 1 on the held-out prompts
-#   6. curve     (CURVE=1, the default) every earlier checkpoint exported and served on the held-out prompts
+#   6. curve     (CURVE=1, the default) every earlier checkpoint exported and served on the held-out prompts,
+#                all in one `dflash eval` (one target load, one baseline per prompt): eval-curve.json
 # Results: $WORK/results/timing.tsv (part, seconds), eval-*.json, the training log's held-out tau
 # beside the served tau and the served curve against tokens seen (summary.txt). All of it under $WORK; logs under $LOGS.
 #
@@ -77,13 +78,16 @@ recipe() {
     --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --temperature 1 \
     --out "$WORK/results/eval-heldout-t1.json" "${eval_args[@]}"
   if [ "$CURVE" = 1 ]; then  # the served curve: every earlier checkpoint on the held-out prompts
+    local drafters=()
     for earlier in $(ls -d "$WORK"/drafter/checkpoints/step-* | sort | head -n -1); do
       local step=${earlier##*step-}
       part "export-$step" "${dflash[@]}" export "$earlier" "$WORK/export-$step"
-      part "eval-step-$step" "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export-$step" --prompts heldout \
-        --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-step-$step.json" \
-        "${eval_args[@]}"
+      drafters+=(--drafter "$WORK/export-$step")
     done
+    # One eval for all of them: the target loads once and decodes each prompt's baseline once.
+    [ ${#drafters[@]} -eq 0 ] || part eval-curve "${dflash[@]}" eval "${common[@]}" "${drafters[@]}" \
+      --prompts heldout --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" \
+      --out "$WORK/results/eval-curve.json" "${eval_args[@]}"
   fi
   summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"
 }
@@ -107,15 +111,15 @@ for name in ("eval-heldout", "eval-humaneval", "eval-heldout-t1"):
               f"{result['num_prompts']} prompts, speedup {result['speedup']:.2f}x")
 seen = {line["step"]: line["tokens_seen"] for line in lines if "tokens_seen" in line}
 held_by_step = {line["step"]: line["eval/tau"] for line in held}
-curve = sorted(work.glob("results/eval-step-*.json"))
+curve_path = work / "results" / "eval-curve.json"
+curve = json.loads(curve_path.read_text())["results"] if curve_path.exists() else []
 if curve:
     print("  served curve (held-out prompts, temperature 0): step, tokens seen, teacher-forced held-out tau, served tau")
-    for path in curve:
-        step = int(path.stem.split("-")[-1])
-        tau = json.loads(path.read_text())["results"][0]["tau"]
+    for result in curve:
+        step = int(result["drafter"].rstrip("/").split("-")[-1])
         tokens = seen.get(max((s for s in seen if s <= step), default=0), 0)
         tf = held_by_step.get(step)
-        print(f"    {step}, {tokens:,.0f}, {tf if tf is None else round(tf, 3)}, {tau:.3f}")
+        print(f"    {step}, {tokens:,.0f}, {tf if tf is None else round(tf, 3)}, {result['tau']:.3f}")
 PY
 }
 
