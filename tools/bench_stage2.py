@@ -52,6 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchlib import log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
 
+from dflash.train.compile_cache import compile_summary, describe_compile  # noqa: E402
+
 PEAK_BF16_FLOPS = 790e12
 SYNC_EVENT_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "Memcpy DtoH")
 
@@ -301,31 +303,6 @@ def time_steps(wrapped, ctx, optimizer, steps, config, num_steps: int) -> list[f
 # Host milliseconds each timed step took to enqueue (no sync inside a step: when this is close to
 # the step's GPU time, the step is bound by the host's Python and launches, not by the GPU).
 HOST_MS: list[float] = []
-
-
-COMPILE_PHASES = {  # torch._dynamo.utils.compile_times() keys -> what they time (seconds, summed)
-    "_compile.compile_inner": "dynamo, whole frames",
-    "compile_fx_inner": "inductor graphs (fwd + bwd)",
-    "async_compile.wait": "waiting for Triton kernel compiles",
-    "PyCodeCache.load_by_key_path": "loading generated modules",
-}
-
-
-def compile_summary() -> dict:
-    """Seconds per compile phase so far and the number of graphs compiled (torch._dynamo counters)."""
-    from torch._dynamo import utils
-
-    try:
-        names, values = utils.compile_times(repr="csv", aggregate=True)
-    except Exception:  # noqa: BLE001 - diagnostics only; the table can change while a compile runs
-        return {}
-    seconds = {name: float(value) for name, value in zip(names, values) if name in COMPILE_PHASES}
-    return {"seconds": seconds, "unique_graphs": int(utils.counters["stats"].get("unique_graphs", 0))}
-
-
-def describe_compile(summary: dict) -> str:
-    phases = ", ".join(f"{COMPILE_PHASES[k]} {v:.1f} s" for k, v in summary.get("seconds", {}).items())
-    return f"{summary.get('unique_graphs', 0)} graphs; {phases or 'no compile finished yet'}"
 
 
 class KernelCompileTimes:

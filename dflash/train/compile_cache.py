@@ -1,7 +1,7 @@
 """Compiled kernels that travel with a run: torch's cache artifacts in `train.out_dir`.
 
-On CUDA the first step of a training process compiles the drafter's layers, flex attention, the
-block mask and the loss pass: minutes on a cold cache (inductor's cache lives in /tmp, so a new
+On CUDA the first step of a training process compiles the drafter's layers, flex attention and the
+loss pass: minutes on a cold cache (inductor's cache lives in /tmp, so a new
 machine, container or `TORCHINDUCTOR_CACHE_DIR` starts cold). After its first steps every rank
 saves `torch.compiler.save_cache_artifacts()` (dynamo, AOT-autograd, inductor and Triton entries)
 to `<out_dir>/compile-artifacts.bin` (device cuda:0) or `compile-artifacts.cuda<N>.bin` (cuda:N):
@@ -14,6 +14,8 @@ torch compiles as it would without it.
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import torch
@@ -83,3 +85,52 @@ def save_compile_artifacts(path: str | Path) -> int:
     with atomic_file(path) as partial:
         Path(partial).write_bytes(data)
     return len(data)
+
+
+COMPILE_PHASES = {  # torch._dynamo.utils.compile_times() keys -> what they time (seconds, summed)
+    "_compile.compile_inner": "dynamo, whole frames",
+    "compile_fx_inner": "inductor graphs (fwd + bwd)",
+    "async_compile.wait": "waiting for Triton kernel compiles",
+    "PyCodeCache.load_by_key_path": "loading generated modules",
+}
+
+
+def compile_summary() -> dict:
+    """Seconds per compile phase so far and the number of graphs compiled (torch._dynamo counters)."""
+    from torch._dynamo import utils
+
+    try:
+        names, values = utils.compile_times(repr="csv", aggregate=True)
+    except Exception:  # noqa: BLE001 - diagnostics only; the table can change while a compile runs
+        return {}
+    seconds = {name: float(value) for name, value in zip(names, values) if name in COMPILE_PHASES}
+    return {"seconds": seconds, "unique_graphs": int(utils.counters["stats"].get("unique_graphs", 0))}
+
+
+def describe_compile(summary: dict) -> str:
+    phases = ", ".join(f"{COMPILE_PHASES[k]} {v:.1f} s" for k, v in summary.get("seconds", {}).items())
+    return f"{summary.get('unique_graphs', 0)} graphs; {phases or 'no compile finished yet'}"
+
+
+class CompileProgress:
+    """While a first step compiles, `say(text)` every `every` seconds: the seconds so far and what
+    compiled (graphs, dynamo and Triton time), so a cold start shows where it is."""
+
+    def __init__(self, say, every: float = 5.0, prefix: str = "first step: compiling"):
+        self.say, self.every, self.prefix = say, every, prefix
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.report, daemon=True, name="compile-progress")
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def report(self) -> None:
+        while not self.done.wait(self.every):
+            self.say(f"{self.prefix}, {time.perf_counter() - self.start:.0f} s so far: "
+                     f"{describe_compile(compile_summary())}")

@@ -9,6 +9,7 @@ import functools
 import os
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from dflash.padding import micro_batch_multiple
 from dflash.store.reader import StoreReader
 from dflash.store.schema import CorruptShardError
 from dflash.train.batch import StoreDataset, collate_packed, epoch_loader
-from dflash.train.compile_cache import artifacts_path, save_compile_artifacts
+from dflash.train.compile_cache import CompileProgress, artifacts_path, save_compile_artifacts
 from dflash.train.follow import FollowStopped, FollowTimeout, StoreFollower
 from dflash.train.metrics import MetricsLogger, StepStats
 from dflash.train.resume import save_run
@@ -174,8 +175,9 @@ def loop(state: TrainState) -> None:
             count_skipped(micro_batches, result, bar)
             timer["wait"] += time.perf_counter() - wait_start
             lr = learning_rate(config, state.step, state.total_steps)
-            stats = train_step(state.wrapped, ctx, micro_batches, state.optimizer, lr, config.train.clip,
-                               state.step + 1)
+            with CompileProgress(bar.set_postfix_str) if notice and state.step == state.first_step else nullcontext():
+                stats = train_step(state.wrapped, ctx, micro_batches, state.optimizer, lr, config.train.clip,
+                                   state.step + 1)
             window.merge(stats)
             result.tokens_seen += stats.host["real_tokens"] * dist.world_size
             state.step += 1
@@ -183,7 +185,7 @@ def loop(state: TrainState) -> None:
             losses.append(stats.values[0] / stats.micro_batches)
             if notice and step == state.first_step + 1:
                 bar.set_postfix_str("")
-            if step == state.first_step + 2:  # the first two shapes are compiled: keep the kernels with the run
+            if step == state.first_step + 2:  # the first steps' graphs are compiled: keep the kernels with the run
                 keep_compile_artifacts(state, bar.write)
             bar.update(1)
             moved = advance_cursor(state, schedule, step_in_epoch, bar, timer, window)
