@@ -32,7 +32,6 @@ import argparse
 import os
 import sys
 import tempfile
-import threading
 import time
 import warnings
 from collections import Counter, defaultdict
@@ -52,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchlib import log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
 
-from dflash.train.compile_cache import compile_summary, describe_compile  # noqa: E402
+from dflash.train.compile_cache import CompileProgress, compile_summary, describe_compile  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12
 SYNC_EVENT_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "Memcpy DtoH")
@@ -353,34 +352,17 @@ class KernelCompileTimes:
                             for name, seconds in ranked[:top]]}
 
 
-class CompileMonitor:
+def compile_monitor(name: str, every: float = 30.0):
     """Prints the compile time so far every `every` seconds while a warm-up runs (every rank under
-    DDP), so a run cut short by its time limit still shows where its warm-up went."""
-
-    def __init__(self, name: str, every: float = 30.0):
-        self.name, self.every, self.done = name, every, threading.Event()
-        self.thread = threading.Thread(target=self.report, daemon=True, name="compile-monitor")
-
-    def __enter__(self):
-        self.start = time.perf_counter()
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.done.set()
-        self.thread.join()
-
-    def report(self) -> None:
-        # Every rank reports under DDP: the first step waits for the slowest rank's compile.
-        rank = f"rank {os.environ['RANK']}, " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        while not self.done.wait(self.every):
-            print(f"{self.name}: {rank}{time.perf_counter() - self.start:.0f} s into warm-up; compiled so far: "
-                  f"{describe_compile(compile_summary())}", flush=True)
+    DDP: the first step waits for the slowest rank's compile), so a run cut short by its time limit
+    still shows where its warm-up went."""
+    rank = f"rank {os.environ['RANK']}, " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    return CompileProgress(lambda text: print(text, flush=True), every=every, prefix=f"{name}: {rank}warm-up")
 
 
 def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -> dict:
     warmup_s = []
-    with CompileMonitor(name), KernelCompileTimes() as kernels:
+    with compile_monitor(name), KernelCompileTimes() as kernels:
         warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s)
     compiled = compile_summary()
     compiled["triton_kernels"] = kernels.summary()
