@@ -281,7 +281,8 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
     options = generate_stage.GenerateOptions(
         out=out, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         num_samples=num_samples, with_greedy=with_greedy, seed=seed, engine=engine, decode_attention=decode_attention,
-        batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache, overwrite=overwrite)
+        batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache,
+        overwrite=overwrite)
     generate_stage.run(config, options)
 
 

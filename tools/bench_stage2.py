@@ -178,22 +178,16 @@ def synthetic_item(pool: FeaturePool, length: int, row_id: int, bucket: int, max
             "epoch": 0, "bucket": bucket}
 
 
-def mask_windows(ctx, tiles: bool = True):
-    """What the trainer's loader passes to the collate: each layer type's window, so that it lays out
-    the block masks' tiles (flex attention); None (`--mask-rule`) builds them with create_block_mask."""
-    from dflash.model.masks import layer_windows
+def collate_options(ctx, mask_rule: bool = False) -> dict:
+    """What the trainer's loop passes to the collate (`--gather-keys` changes it); `mask_rule` (`--mask-rule`):
+    no tile layouts, so the block masks come from create_block_mask."""
+    from dflash.train.batch import collate_options as trainer_options
 
-    return layer_windows(ctx.args.layer_types, ctx.args.sliding_window) if tiles and ctx.backend == "flex" else None
-
-
-def gather_setting() -> bool:
-    """What the trainer's loop passes to the collate (`--gather-keys` sets it)."""
-    from dflash.model import tiles
-
-    return tiles.GATHER_CONTEXT_KEYS
+    options = trainer_options(ctx.backend, ctx.args)
+    return dict(options, mask_windows=None, gather_keys=False) if mask_rule else options
 
 
-def peer_steps(pool, args_drafter, num_distinct: int, seed: int, windows=None) -> list[list[dict]]:
+def peer_steps(pool, args_drafter, num_distinct: int, seed: int, options: dict) -> list[list[dict]]:
     """Steps of one micro-batch: one 8,192-token sequence with exactly 512 anchors."""
     from dflash.train.batch import collate_packed
 
@@ -201,8 +195,7 @@ def peer_steps(pool, args_drafter, num_distinct: int, seed: int, windows=None) -
     steps = []
     for step in range(num_distinct):
         item = synthetic_item(pool, 8192, step, 0, 512, args_drafter.vocab_size, rng, num_anchors=512)
-        steps.append([collate_packed([item], pad_multiple=128, block_size=args_drafter.block_size,
-                                     mask_windows=windows, gather_keys=gather_setting())])
+        steps.append([collate_packed([item], **dict(options, pad_multiple=128))])
     return steps
 
 
@@ -218,8 +211,8 @@ def length_range(config, lengths_arg: str = "") -> tuple[int, int]:
     return low, high
 
 
-def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_multiple: int,
-                  lengths_arg: str = "", windows=None) -> list[list[dict]]:
+def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, options: dict,
+                  lengths_arg: str = "") -> list[list[dict]]:
     """Steps as the sampler builds them: bucketed packing under token_budget, accum_steps each."""
     from dflash.store.plan import assign_bucket
     from dflash.train.batch import collate_packed
@@ -241,8 +234,7 @@ def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, pad_
         for samples in schedule.step(step)[0]:
             items = [synthetic_item(pool, int(lengths[i]), int(i), int(buckets[i]), config.train.max_anchors,
                                     args_drafter.vocab_size, rng, start=int(starts[i])) for i in samples]
-            micro_batches.append(collate_packed(items, pad_multiple=pad_multiple, block_size=args_drafter.block_size,
-                                                mask_windows=windows, gather_keys=gather_setting()))
+            micro_batches.append(collate_packed(items, **options))
         steps.append(micro_batches)
     return steps
 
@@ -564,7 +556,6 @@ def write_synthetic_store(path: Path, pool: FeaturePool, config, args_drafter, n
 
 def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     """The trainer's DataLoader (dataset, schedule, collate) over `epochs` epochs of the store, in one loader."""
-    from dflash.padding import micro_batch_multiple
     from dflash.store.reader import StoreReader
     from dflash.train.batch import StoreDataset, build_loader
     from dflash.train.sampler import schedule_for
@@ -575,9 +566,8 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     for epoch in range(epochs):
         schedule = schedule_for(config, reader, np.arange(len(reader)), epoch, 1, config.train.accum_steps)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
-    loader = build_loader(dataset, batches, pad_multiple=micro_batch_multiple(ctx.backend),
-                          mask_windows=mask_windows(ctx), gather_keys=gather_setting(), block_size=ctx.args.block_size,
-                          num_workers=config.train.num_workers, pin_memory=ctx.device.type == "cuda")
+    loader = build_loader(dataset, batches, **collate_options(ctx), num_workers=config.train.num_workers,
+                          pin_memory=ctx.device.type == "cuda")
     return reader, batches, loader
 
 
@@ -743,7 +733,6 @@ def run(args, argv, dist) -> int:
         print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
     model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target)
     from dflash.model.drafter import count_parameters
-    from dflash.padding import micro_batch_multiple
 
     say = print if dist.is_main else (lambda *a, **k: None)
     drafter_name = f"auto ({args.target})" if args.target else config.drafter.size
@@ -761,13 +750,12 @@ def run(args, argv, dist) -> int:
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
-    windows = mask_windows(ctx, tiles=not args.mask_rule)
+    options = collate_options(ctx, args.mask_rule)
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode == "peer":
-            steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed, windows))
+            steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed, options))
         elif mode == "default":
-            steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, micro_batch_multiple(ctx.backend),
-                                       args.lengths, windows))
+            steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, options, args.lengths))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
@@ -790,8 +778,7 @@ def run(args, argv, dist) -> int:
         measure_loading(args, config, ctx, pool, results, step_fn, args.fed_epochs, say)
     if args.profile and dist.is_main:
         write_results(args.out, results)
-        steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, micro_batch_multiple(ctx.backend),
-                                                    args.lengths, windows))
+        steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, options, args.lengths))
         results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
                                            1 if args.quick else 2)
     if dist.is_main:

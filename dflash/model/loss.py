@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.model.drafter import rows_dynamic
+
 IGNORE_LABEL = -100  # label of slots that are not supervised; never equals an argmax
 
 
@@ -104,13 +106,7 @@ def _ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torc
 def _compiled_ce_and_grad():
     # One fused pass over each logits chunk instead of ~8 float32 passes (CUDA only). The chunk's rows
     # (the last chunk of every micro-batch is shorter) are dynamic from the first call: one compile.
-    compiled = torch.compile(_ce_and_grad)
-
-    def call(logits_RV, labels_R, weight_R):
-        for tensor in (logits_RV, labels_R, weight_R):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        return compiled(logits_RV, labels_R, weight_R)
-    return call
+    return rows_dynamic(torch.compile(_ce_and_grad), ((0, 0), (1, 0), (2, 0)))
 
 
 class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):

@@ -120,7 +120,7 @@ def _optional_field(batch_meta, name: str):
 
 
 def _meta_field(batch_meta, name: str) -> torch.Tensor:
-    value = batch_meta[name] if isinstance(batch_meta, Mapping) else getattr(batch_meta, name, None)
+    value = _optional_field(batch_meta, name)
     if value is None:
         raise KeyError(f"masks: batch metadata has no {name!r} (need doc_ids, position_ids, anchor_doc, anchor_pos)")
     return value
@@ -194,23 +194,22 @@ def _compiled_flex_attention():
 def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mask) -> torch.Tensor:
     """Attention with grouped KV heads; the backend follows the mask (BlockMask -> flex, GatheredMask ->
     flex over gathered keys, tensor -> SDPA)."""
+    if not isinstance(mask, (BlockMask, GatheredMask)):
+        return F.scaled_dot_product_attention(q_1NQD, k_1MKD, v_1MKD, attn_mask=mask, enable_gqa=True)
+    attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
     if isinstance(mask, GatheredMask):
         # Every key tile is read by one query tile: the grouped heads' loop in flex's backward is short.
-        attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
         return attention(q_1NQD, gather_keys(k_1MKD, mask.source_K), gather_keys(v_1MKD, mask.source_K),
                          block_mask=mask.block_mask, enable_gqa=True)
-    if isinstance(mask, BlockMask):
-        attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
-        group = q_1NQD.shape[1] // k_1MKD.shape[1]
-        if group > 1 and not FLEX_REPEAT_KV:
-            return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask, enable_gqa=True)
-        if group > 1:
-            # Each key head repeated for its query heads (the same attention). With grouped heads, flex's
-            # backward runs a key head's query heads one after another in one program per key tile, and a
-            # context tile is seen by every query tile of its sequence (dozens): that loop is the step's
-            # longest (issue 24's profile). Repeated, each query head's share runs in its own program;
-            # the repeat's backward sums the key and value gradients of the group.
-            k_1MKD = k_1MKD.repeat_interleave(group, dim=1)
-            v_1MKD = v_1MKD.repeat_interleave(group, dim=1)
-        return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask)
-    return F.scaled_dot_product_attention(q_1NQD, k_1MKD, v_1MKD, attn_mask=mask, enable_gqa=True)
+    group = q_1NQD.shape[1] // k_1MKD.shape[1]
+    if group > 1 and not FLEX_REPEAT_KV:
+        return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask, enable_gqa=True)
+    if group > 1:
+        # Each key head repeated for its query heads (the same attention). With grouped heads, flex's
+        # backward runs a key head's query heads one after another in one program per key tile, and a
+        # context tile is seen by every query tile of its sequence (dozens): that loop is the step's
+        # longest (issue 24's profile). Repeated, each query head's share runs in its own program;
+        # the repeat's backward sums the key and value gradients of the group.
+        k_1MKD = k_1MKD.repeat_interleave(group, dim=1)
+        v_1MKD = v_1MKD.repeat_interleave(group, dim=1)
+    return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask)

@@ -90,8 +90,8 @@ def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, 
     layout = np.zeros((2, num_rows // TILE, num_key_tiles + 1), dtype=np.int32)
     for kind, tiles in enumerate((any_visible & ~full, full)):
         layout[kind, :, 0] = tiles.sum(axis=1)
-        layout[kind, :, 1:] = np.where(np.sort(~tiles, axis=1, kind="stable"), 0,
-                                       np.argsort(~tiles, axis=1, kind="stable"))
+        order = np.argsort(~tiles, axis=1, kind="stable")  # listed tiles first, ascending
+        layout[kind, :, 1:] = np.where(np.take_along_axis(tiles, order, axis=1), order, 0)
     return layout
 
 

@@ -24,9 +24,11 @@ import torch.utils.data
 
 from dflash.data.chat import row_label
 from dflash.model.anchors import anchor_rng, sample_anchors
+from dflash.model import tiles
 from dflash.model.loss import label_rows
+from dflash.model.masks import layer_windows
 from dflash.model.tiles import PADDING_DOC, gather_context_keys, keys_key, tile_layout, tiles_key
-from dflash.padding import round_up
+from dflash.padding import micro_batch_multiple, round_up
 from dflash.store.schema import CorruptShardError
 
 
@@ -125,6 +127,16 @@ def _pack_anchors(items: list[dict], num_tokens: int, num_anchors: int) -> dict[
         packed["anchor_index"][:num_real] = np.concatenate([offsets[d] + a for d, a in enumerate(anchor_pos)])
         packed["anchor_valid"][:num_real] = True
     return packed
+
+
+def collate_options(backend: str, args) -> dict:
+    """What the trainer's collate takes for a drafter (`DrafterArgs`) and attention backend: the
+    padding, the block size and, with flex attention, each layer type's window (the collate lays out the
+    block masks' tiles) and whether it gathers context keys (`tiles.GATHER_CONTEXT_KEYS`)."""
+    flex = backend == "flex"
+    return {"pad_multiple": micro_batch_multiple(backend), "block_size": args.block_size,
+            "mask_windows": layer_windows(args.layer_types, args.sliding_window) if flex else None,
+            "gather_keys": flex and tiles.GATHER_CONTEXT_KEYS}
 
 
 def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None = None,

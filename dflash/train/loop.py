@@ -19,12 +19,9 @@ from tqdm import tqdm
 
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState
-from dflash.model import tiles
-from dflash.model.masks import layer_windows
-from dflash.padding import micro_batch_multiple
 from dflash.store.reader import StoreReader
 from dflash.store.schema import CorruptShardError
-from dflash.train.batch import StoreDataset, collate_packed, epoch_loader
+from dflash.train.batch import StoreDataset, collate_options, collate_packed, epoch_loader
 from dflash.train.compile_cache import CompileProgress, artifacts_path, save_compile_artifacts
 from dflash.train.follow import FollowStopped, FollowTimeout, StoreFollower
 from dflash.train.metrics import MetricsLogger, StepStats
@@ -136,10 +133,8 @@ def loop(state: TrainState) -> None:
     config, dist, ctx, result, stop = state.config, state.dist, state.ctx, state.result, state.stop
     reader = state.reader
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
-    # With flex attention the loader's workers lay out each micro-batch's block-mask tiles (dflash.model.masks).
-    windows = layer_windows(ctx.args.layer_types, ctx.args.sliding_window) if ctx.backend == "flex" else None
-    loader_options = {"pad_multiple": micro_batch_multiple(ctx.backend), "block_size": ctx.args.block_size,
-                      "mask_windows": windows, "gather_keys": tiles.GATHER_CONTEXT_KEYS}
+    # With flex attention the loader's workers lay out each micro-batch's block-mask tiles (dflash.model.tiles).
+    loader_options = collate_options(ctx.backend, ctx.args)
     collate = functools.partial(collate_packed, **loader_options)
     eval_micro_batches = {}  # by held-out set size: a following run's set only grows
     bar = tqdm(total=state.total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,
