@@ -111,6 +111,9 @@ class TrainConfig:
     out_dir: str = setting(f"{DEFAULT_ROOT}/runs/drafter", "run directory: metrics.jsonl, checkpoints/, W&B files")
     epochs: int = setting(6, "passes over the training samples", positive=True)
     max_steps: int = setting(0, "stop after this many optimizer steps (0: all epochs); also the LR schedule's length")
+    max_minutes: float = setting(0.0, "stop (and save) at the first logging step after this many minutes of this "
+                                 "process's training, compile included (0: no limit); the LR schedule still "
+                                 "follows the steps, so a stop before them ends above train.min_lr_ratio")
     lr: float = setting(6e-4, "peak learning rate (AdamW)")
     min_lr_ratio: float = setting(0.0, "final learning rate as a fraction of train.lr")
     warmup_ratio: float = setting(0.04, "fraction of the steps spent warming the learning rate up")
@@ -305,6 +308,8 @@ def validate(config: Config) -> None:
     for key in ("train.follow_poll_s", "train.follow_timeout_s"):
         if lookup(config, key) < 0:
             raise ConfigError(f"{key} must be 0 or more seconds, got {lookup(config, key)}")
+    if config.train.max_minutes < 0:
+        raise ConfigError(f"train.max_minutes must be 0 (no limit) or more minutes, got {config.train.max_minutes}")
     if not 0.0 <= config.train.holdout_fraction < 1.0:
         raise ConfigError(f"train.holdout_fraction must be in [0, 1), got {config.train.holdout_fraction}")
     if not 0.0 <= config.train.warmup_ratio < 1.0:

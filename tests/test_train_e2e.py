@@ -227,6 +227,16 @@ def test_sigterm_saves_a_final_checkpoint(config_path, tmp_path):
     assert "SIGTERM: saved checkpoint" in stdout
 
 
+def test_max_minutes_stops_at_a_logging_step_and_saves(config_path, tmp_path, capsys):
+    """train.max_minutes ends the run at the first logging step after it (log_every = 1 here: step 1,
+    a step takes far longer than a microsecond), with a checkpoint and a line that says so."""
+    run_dir = tmp_path / "timed"
+    result = train.run(load_config(config_path, [run_dir_override(run_dir), "train.max_minutes=1e-8"]))
+    assert result.steps == 1 and result.out_of_time
+    assert load_checkpoint(latest_checkpoint(run_dir)).step == 1
+    assert "train.max_minutes (1e-08) reached: stopped at step 1 of 8" in capsys.readouterr().out
+
+
 def test_first_step_notice_names_the_compile_cache_on_cuda_only(monkeypatch):
     """The bar says why the first CUDA step takes minutes (and where the cache lives); not on CPU."""
     from types import SimpleNamespace

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from dflash.config import Config, ConfigError
-from dflash.dist import DistState
+from dflash.dist import DistState, broadcast_object
 from dflash.store.reader import StoreReader
 from dflash.store.schema import CorruptShardError
 from dflash.train.batch import StoreDataset, collate_options, collate_packed, epoch_loader
@@ -40,6 +40,7 @@ class TrainResult:
     checkpoint: str | None = None
     tokens_seen: int = 0  # context tokens trained on, rank 0's count times the ranks (as tokens_per_s)
     skipped_samples: int = 0  # unreadable samples skipped on this rank (train.skip_corrupt_shards)
+    out_of_time: bool = False  # stopped by train.max_minutes before the last step
 
 
 @dataclass
@@ -77,7 +78,7 @@ def current_schedule(state: TrainState):
 def keep_going(state: TrainState) -> bool:
     """Steps remain: before the horizon, or (following, without train.max_steps) while the
     first epoch's length is still an estimate."""
-    if state.stop.requested:
+    if state.stop.requested or state.result.out_of_time:
         return False
     if state.step < state.total_steps:
         return True
@@ -142,6 +143,7 @@ def loop(state: TrainState) -> None:
     window = StepStats(ctx.args.block_size, ctx.device)
     timer = {"start": time.perf_counter(), "wait": 0.0}
     losses = []  # every step's loss, on the device until the end
+    started = time.perf_counter()  # train.max_minutes counts from here
     notice = first_step_notice(ctx, dist)
     if notice:
         bar.set_postfix_str(notice)
@@ -187,6 +189,8 @@ def loop(state: TrainState) -> None:
             if step % config.train.log_every == 0 or step == state.total_steps:
                 log_window(config, dist, window, lr, timer, state.logger, step, bar, result)
                 window = StepStats(ctx.args.block_size, ctx.device)
+                if out_of_time(state, started):
+                    result.out_of_time = True
             if state.eval_indices.size and (step % config.train.eval_every == 0 or step == state.total_steps):
                 if state.eval_indices.size not in eval_micro_batches:
                     eval_micro_batches[state.eval_indices.size] = held_out_micro_batches(
@@ -208,10 +212,22 @@ def loop(state: TrainState) -> None:
     result.losses = torch.stack(losses).tolist() if losses else []  # sync: end of run
     if stop.requested and dist.is_main:
         print(f"SIGTERM: saved checkpoint {result.checkpoint} at step {step}; resume with --resume")
+    elif result.out_of_time and dist.is_main:
+        print(f"train.max_minutes ({config.train.max_minutes:g}) reached: stopped at step {step} of "
+              f"{state.total_steps}; checkpoint {result.checkpoint}\n"
+              f"  export it for serving: dflash export {result.checkpoint} EXPORT_DIR")
     elif dist.is_main:
         skipped = f", {result.skipped_samples} unreadable samples skipped" if result.skipped_samples else ""
         print(f"done: {step} steps{skipped}; checkpoint {result.checkpoint}\n"
               f"  export it for serving: dflash export {result.checkpoint} EXPORT_DIR")
+
+
+def out_of_time(state: TrainState, started: float) -> bool:
+    """train.max_minutes has passed (rank 0's clock decides, so every rank stops at the same step)."""
+    limit = state.config.train.max_minutes
+    if limit <= 0 or state.step >= state.total_steps:
+        return False
+    return bool(broadcast_object(state.dist, time.perf_counter() - started >= limit * 60))
 
 
 def advance_cursor(state: TrainState, schedule, step_in_epoch: int, bar, timer, window) -> bool:
