@@ -10,7 +10,7 @@
 #   4. export    `dflash export` of the last checkpoint
 #   5. eval      `dflash eval` at temperature 0 on the held-out prompts (--prompts heldout) and on
 #                $EVAL_SOURCE (HumanEval, never trained on), $EVAL_PROMPTS x $EVAL_TOKENS each; then
-#                temperature 1 on the held-out prompts
+#                (T1=1, the default) temperature 1 on the held-out prompts
 #   6. curve     (CURVE=1, the default) every earlier checkpoint exported and served on the held-out prompts,
 #                all in one `dflash eval` (one target load, one baseline per prompt): eval-curve.json
 # Results: $WORK/results/timing.tsv (part, seconds), eval-*.json, the training log's held-out tau
@@ -35,6 +35,7 @@ EVAL_SOURCE=${EVAL_SOURCE:-embedded:humaneval}
 EVAL_PROMPTS=${EVAL_PROMPTS:-16}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 CURVE=${CURVE:-1}
+T1=${T1:-1}
 WAIT=${WAIT:-520}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 dflash=(python3 -m stages.cli)
@@ -74,7 +75,7 @@ recipe() {
   part eval-humaneval "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts "$EVAL_SOURCE" \
     --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-humaneval.json" \
     "${eval_args[@]}"
-  part eval-heldout-t1 "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
+  [ "$T1" = 1 ] && part eval-heldout-t1 "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
     --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --temperature 1 \
     --out "$WORK/results/eval-heldout-t1.json" "${eval_args[@]}"
   if [ "$CURVE" = 1 ]; then  # the served curve: every earlier checkpoint on the held-out prompts
