@@ -24,13 +24,15 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     timing = [line.split("\t") for line in (work / "results" / "timing.tsv").read_text().splitlines()]
-    assert [name for name, _, _ in timing] == ["generate", "extract", "train", "export", "eval-heldout",
-                                               "eval-humaneval", "eval-heldout-t1", "export-00000002",
-                                               "eval-curve"]
+    assert [name for name, _, _ in timing] == ["generate", "extract", "train", "export", "export-00000002",
+                                               "eval-heldout", "eval-humaneval", "eval-heldout-t1"]
     assert all(rc == "0" for _, _, rc in timing)
     summary = (work / "results" / "summary.txt").read_text()
     assert "teacher-forced held-out tau" in summary and summary.count("served tau") == 4
     assert "served curve" in summary
+    curve = summary.split("served curve", 1)[1].splitlines()[1:]
+    assert [row.split(",")[0].strip() for row in curve] == ["2", "4"]  # an earlier checkpoint, then the last
+    assert all(row.split(",")[2].strip() != "None" for row in curve)  # each beside its teacher-forced tau
     answers = [json.loads(line) for part in sorted((work / "answers").glob("part-*.jsonl"))
                for line in part.read_text().splitlines()]
     assert [row["sample"] for row in answers] == [0, 1] * 16  # the greedy answer and one sampled, per prompt

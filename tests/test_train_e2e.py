@@ -234,6 +234,8 @@ def test_max_minutes_stops_at_a_logging_step_and_saves(config_path, tmp_path, ca
     result = train.run(load_config(config_path, [run_dir_override(run_dir), "train.max_minutes=1e-8"]))
     assert result.steps == 1 and result.out_of_time
     assert load_checkpoint(latest_checkpoint(run_dir)).step == 1
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/tau" in line and line["step"] == 1 for line in logged)  # the last step is evaluated
     assert "train.max_minutes (1e-08) reached: stopped at step 1 of 8" in capsys.readouterr().out
 
 

@@ -652,6 +652,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gather-keys", action="store_true",
                         help="each query tile its own copy of the context keys it reads (dflash.model.tiles."
                              "GATHER_CONTEXT_KEYS): no key tile read by two query tiles in flex's backward")
+    parser.add_argument("--flex-options", default="",
+                        help="flex attention's Triton kernel options, NAME=INT comma list (BLOCK_M, BLOCK_N, "
+                             "BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages; "
+                             "dflash.model.masks.FLEX_KERNEL_OPTIONS)")
+    parser.add_argument("--flex-autotune", action="store_true",
+                        help="compile flex attention with mode max-autotune-no-cudagraphs: inductor times its "
+                             "candidate kernel configs on the first call and logs them (a longer cold start)")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
@@ -712,6 +719,17 @@ def main(argv: list[str]) -> int:
         shutdown(dist)
 
 
+def parse_flex_options(text: str) -> dict:
+    """`BLOCK_M=64,num_warps=4` -> {"BLOCK_M": 64, "num_warps": 4}."""
+    options = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        if not value.strip().isdigit():
+            raise SystemExit(f"--flex-options: {item!r} is not NAME=INT")
+        options[name.strip()] = int(value)
+    return options
+
+
 def run(args, argv, dist) -> int:
     device = dist.device
     torch.manual_seed(args.seed)
@@ -726,6 +744,11 @@ def run(args, argv, dist) -> int:
         from dflash.model import tiles
 
         tiles.GATHER_CONTEXT_KEYS = True
+    if args.flex_options or args.flex_autotune:
+        from dflash.model import masks
+
+        masks.FLEX_KERNEL_OPTIONS = parse_flex_options(args.flex_options)
+        masks.FLEX_COMPILE_MODE = "max-autotune-no-cudagraphs" if args.flex_autotune else None
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
         from dflash.train.compile_cache import load_compile_artifacts, own_or_first
 
@@ -739,14 +762,17 @@ def run(args, argv, dist) -> int:
     say(f"drafter {drafter_name}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
         f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, block masks "
-        f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}, "
+        f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
+        f"{', flex options ' + args.flex_options if args.flex_options else ''}"
+        f"{', flex autotuned' if args.flex_autotune else ''}, "
         f"device {device}, "
         f"world size {dist.world_size}")
     pool = FeaturePool(16_384 if not args.quick else 2_048, len(ctx.args.target_layer_ids), ctx.args.hidden_size,
                        device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "block_masks": "rule" if args.mask_rule else "tiles", "flex_key_heads": "grouped" if args.flex_gqa
-               else "repeated", "gathered_keys": args.gather_keys, "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
+               else "repeated", "gathered_keys": args.gather_keys, "flex_options": parse_flex_options(args.flex_options),
+               "flex_autotune": args.flex_autotune, "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler

@@ -7,12 +7,11 @@
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
 #   3. train     `dflash stage2-train`: train.holdout_by = prompt, so the held-out prompts' answers are
 #                never trained on and its held-out tau is measured on the target's own answers
-#   4. export    `dflash export` of the last checkpoint
-#   5. eval      `dflash eval` at temperature 0 on the held-out prompts (--prompts heldout) and on
-#                $EVAL_SOURCE (HumanEval, never trained on), $EVAL_PROMPTS x $EVAL_TOKENS each; then
-#                (T1=1, the default) temperature 1 on the held-out prompts
-#   6. curve     (CURVE=1, the default) every earlier checkpoint exported and served on the held-out prompts,
-#                all in one `dflash eval` (one target load, one baseline per prompt): eval-curve.json
+#   4. export    `dflash export` of the last checkpoint, and (CURVE=1, the default) of every earlier one
+#   5. eval      `dflash eval` at temperature 0 on the held-out prompts (--prompts heldout) for all those
+#                checkpoints in one run (one target load, one baseline per prompt: the served curve), and
+#                for the last one on $EVAL_SOURCE (HumanEval, never trained on), $EVAL_PROMPTS x
+#                $EVAL_TOKENS each; then (T1=1, the default) temperature 1 on the held-out prompts
 # Results: $WORK/results/timing.tsv (part, seconds), eval-*.json, the training log's held-out tau
 # beside the served tau and the served curve against tokens seen (summary.txt). All of it under $WORK; logs under $LOGS.
 #
@@ -69,7 +68,17 @@ recipe() {
   local checkpoint
   checkpoint=$(ls -d "$WORK"/drafter/checkpoints/step-* | sort | tail -n 1)
   part export "${dflash[@]}" export "$checkpoint" "$WORK/export"
-  part eval-heldout "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
+  local drafters=(--drafter "$WORK/export")
+  if [ "$CURVE" = 1 ]; then  # the served curve: every earlier checkpoint, served beside the last one
+    for earlier in $(ls -d "$WORK"/drafter/checkpoints/step-* | sort | head -n -1); do
+      local step=${earlier##*step-}
+      part "export-$step" "${dflash[@]}" export "$earlier" "$WORK/export-$step"
+      drafters+=(--drafter "$WORK/export-$step")
+    done
+  fi
+  # One eval for the last checkpoint and the curve's: the target loads once and decodes each prompt's
+  # baseline once; results[0] is the last checkpoint.
+  part eval-heldout "${dflash[@]}" eval "${common[@]}" "${drafters[@]}" --prompts heldout \
     --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-heldout.json" \
     "${eval_args[@]}"
   part eval-humaneval "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts "$EVAL_SOURCE" \
@@ -78,18 +87,6 @@ recipe() {
   [ "$T1" = 1 ] && part eval-heldout-t1 "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
     --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --temperature 1 \
     --out "$WORK/results/eval-heldout-t1.json" "${eval_args[@]}"
-  if [ "$CURVE" = 1 ]; then  # the served curve: every earlier checkpoint on the held-out prompts
-    local drafters=()
-    for earlier in $(ls -d "$WORK"/drafter/checkpoints/step-* | sort | head -n -1); do
-      local step=${earlier##*step-}
-      part "export-$step" "${dflash[@]}" export "$earlier" "$WORK/export-$step"
-      drafters+=(--drafter "$WORK/export-$step")
-    done
-    # One eval for all of them: the target loads once and decodes each prompt's baseline once.
-    [ ${#drafters[@]} -eq 0 ] || part eval-curve "${dflash[@]}" eval "${common[@]}" "${drafters[@]}" \
-      --prompts heldout --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" \
-      --out "$WORK/results/eval-curve.json" "${eval_args[@]}"
-  fi
   summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"
 }
 
@@ -112,12 +109,15 @@ for name in ("eval-heldout", "eval-humaneval", "eval-heldout-t1"):
               f"{result['num_prompts']} prompts, speedup {result['speedup']:.2f}x")
 seen = {line["step"]: line["tokens_seen"] for line in lines if "tokens_seen" in line}
 held_by_step = {line["step"]: line["eval/tau"] for line in held}
-curve_path = work / "results" / "eval-curve.json"
-curve = json.loads(curve_path.read_text())["results"] if curve_path.exists() else []
-if curve:
+heldout_path = work / "results" / "eval-heldout.json"
+curve = json.loads(heldout_path.read_text())["results"] if heldout_path.exists() else []
+curve = curve[1:] + curve[:1]  # the earlier checkpoints in order, then the last one
+last_step = max((line["step"] for line in lines), default=0)  # the last checkpoint's
+if len(curve) > 1:
     print("  served curve (held-out prompts, temperature 0): step, tokens seen, teacher-forced held-out tau, served tau")
     for result in curve:
-        step = int(result["drafter"].rstrip("/").split("-")[-1])
+        tail = result["drafter"].rstrip("/").split("-")[-1]
+        step = int(tail) if tail.isdigit() else last_step
         tokens = seen.get(max((s for s in seen if s <= step), default=0), 0)
         tf = held_by_step.get(step)
         print(f"    {step}, {tokens:,.0f}, {tf if tf is None else round(tf, 3)}, {result['tau']:.3f}")

@@ -17,6 +17,7 @@ from that layout, and the `mask_mod` runs only inside partial tiles. Without a l
 to `create_block_mask`, which evaluates the rule on every (query, key) pair.
 """
 
+import functools
 from collections.abc import Mapping
 from functools import cache
 
@@ -30,6 +31,12 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
 # Flex attention gets each key head repeated for its query heads (`attend`); False: grouped heads (enable_gqa).
 FLEX_REPEAT_KV = True
+# Flex's Triton kernel options (BLOCK_M, BLOCK_N, BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
+# num_stages; empty: inductor's defaults for the head dim) and the compile mode of flex on CUDA
+# ("max-autotune-no-cudagraphs" times inductor's candidate configs on the first call): both set by
+# tools/bench_stage2.py (--flex-options, --flex-autotune) to find a faster config for small heads.
+FLEX_KERNEL_OPTIONS: dict = {}
+FLEX_COMPILE_MODE: str | None = None
 
 
 def make_mask_mod(ctx_doc_T, ctx_pos_T, anchor_doc_A, anchor_pos_A, block_size: int, window: int | None):
@@ -188,7 +195,7 @@ def _compiled_flex_attention():
     # the tile lists and the rule's tensors change every micro-batch; head dim and tiles stay static).
     # Marking those axes alone does not hold: flex's own checks specialise the first call's lengths,
     # so the default compiled a static kernel, then a generic one at the second length.
-    return torch.compile(flex_attention, dynamic=True)
+    return torch.compile(flex_attention, dynamic=True, mode=FLEX_COMPILE_MODE)
 
 
 def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mask) -> torch.Tensor:
@@ -197,6 +204,8 @@ def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mas
     if not isinstance(mask, (BlockMask, GatheredMask)):
         return F.scaled_dot_product_attention(q_1NQD, k_1MKD, v_1MKD, attn_mask=mask, enable_gqa=True)
     attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
+    if FLEX_KERNEL_OPTIONS:
+        attention = functools.partial(attention, kernel_options=dict(FLEX_KERNEL_OPTIONS))
     if isinstance(mask, GatheredMask):
         # Every key tile is read by one query tile: the grouped heads' loop in flex's backward is short.
         return attention(q_1NQD, gather_keys(k_1MKD, mask.source_K), gather_keys(v_1MKD, mask.source_K),

@@ -191,7 +191,8 @@ def loop(state: TrainState) -> None:
                 window = StepStats(ctx.args.block_size, ctx.device)
                 if out_of_time(state, started):
                     result.out_of_time = True
-            if state.eval_indices.size and (step % config.train.eval_every == 0 or step == state.total_steps):
+            if state.eval_indices.size and (step % config.train.eval_every == 0 or step == state.total_steps
+                                            or result.out_of_time):
                 if state.eval_indices.size not in eval_micro_batches:
                     eval_micro_batches[state.eval_indices.size] = held_out_micro_batches(
                         config, reader, state.eval_indices, dist.rank, dist.world_size)
