@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash.data import chat, samples
-from dflash.data.embedded import STDLIB_MODULES, code_chat_rows
+from dflash.data.embedded import (STDLIB_MODULES, code_chat_rows, code_complete_rows, code_docs_rows, embedded_rows,
+                                  _human_eval_rows)
 from dflash.data.tokenizer import CHATML_TEMPLATE, tokenizer_identity
 from dflash.extract.tiny_target import CHECKPOINT_FILES, build_tiny_target, tiny_target_config
 
@@ -24,6 +25,28 @@ def test_code_chat_rows_are_real_and_deterministic():
     assert "Write the Python standard library module `json/decoder.py`." in modules
     decoder = next(r for r in rows[164:] if "`json/decoder.py`" in r["messages"][0]["content"])
     assert "class JSONDecoder" in decoder["messages"][1]["content"]
+
+
+def test_code_complete_is_worded_as_humaneval_and_shares_no_module_with_code_docs():
+    """The test suites' functions as HumanEval words its problems; none of code-docs' modules, so the
+    two sources joined never put one function on both sides of a held-out split."""
+    docs, complete = code_docs_rows(), code_complete_rows()
+    assert len(docs) > 1000 and len(complete) > 1000
+    wording = _human_eval_rows()[0]["messages"][0]["content"].split("```python\n")[0]
+    docs_modules = {row["messages"][0]["content"].split("Python module `")[1].split("`")[0] for row in docs}
+    complete_modules = set()
+    for row in complete:
+        request, answer = (message["content"] for message in row["messages"])
+        assert request.startswith(wording + "```python\n# ") and answer.startswith("```python\n")
+        stub = request.split("```python\n", 1)[1].split("\n", 1)[1]
+        header = stub.split('"""')[0].rstrip().removesuffix("```").rstrip()  # the stub up to its docstring
+        assert answer.removeprefix("```python\n").startswith(header)
+        complete_modules.add(request.split("# ", 1)[1].split("\n", 1)[0])
+    assert not docs_modules & complete_modules
+    assert any("test" in module.split(".")[0] for module in complete_modules)
+    assert embedded_rows("embedded:code-docs+code-complete") == list(docs) + list(complete)
+    with pytest.raises(ValueError, match="'embedded:nope' in 'embedded:code-docs\\+nope'"):
+        embedded_rows("embedded:code-docs+nope")
 
 
 def test_code_chat_rows_tokenize_with_a_spread_of_lengths(qwen_tokenizer):

@@ -83,8 +83,9 @@ CODE_DOCS_SKIPPED = ("test", "tests", "idlelib", "lib2to3", "ensurepip", "turtle
 CODE_DOCS_MIN_LINES = 4  # body lines, docstring excluded: one-liners teach a drafter little
 
 
-def _function_row(module: str, owner: str, source_lines: list[str], node) -> dict | None:
-    """A write-this-function conversation, or None when the body is shorter than CODE_DOCS_MIN_LINES."""
+def _code_without_docstring(source_lines: list[str], node) -> tuple[str, str, str | None] | None:
+    """(the function's code without its docstring, dedented; its header, the lines before the first
+    body statement; the docstring), or None when the body is shorter than CODE_DOCS_MIN_LINES."""
     import ast
     import textwrap
 
@@ -96,12 +97,41 @@ def _function_row(module: str, owner: str, source_lines: list[str], node) -> dic
     if len(kept) - 1 < CODE_DOCS_MIN_LINES:
         return None
     code = textwrap.dedent("\n".join(kept))
+    header = "\n".join(code.splitlines()[:max(node.body[0].lineno - node.lineno, 1)])
+    return code, header, docstring
+
+
+def _function_row(module: str, owner: str, source_lines: list[str], node) -> dict | None:
+    """A write-this-function conversation, or None when the body is shorter than CODE_DOCS_MIN_LINES."""
+    parts = _code_without_docstring(source_lines, node)
+    if parts is None:
+        return None
+    code, _, docstring = parts
     signature = code.splitlines()[0].rstrip(":").removeprefix("async ").removeprefix("def ")
     where = f"method of the class `{owner}` in the Python module `{module}`" if owner else \
         f"function of the Python module `{module}`"
     request = f"Write `{signature}`, a {where}."
     if docstring:
         request += f" It is documented as follows.\n\n{docstring}"
+    return {"messages": [{"role": "user", "content": request},
+                         {"role": "assistant", "content": f"```python\n{code}\n```"}]}
+
+
+def _completion_row(module: str, owner: str, source_lines: list[str], node) -> dict | None:
+    """A complete-this-function conversation worded as HumanEval's (`embedded:humaneval`): the header
+    and docstring in a code block (a method inside its class line), the answer the whole function."""
+    import textwrap
+
+    parts = _code_without_docstring(source_lines, node)
+    if parts is None:
+        return None
+    code, header, docstring = parts
+    stub = header
+    if docstring:
+        stub += "\n" + textwrap.indent('"""' + docstring + '\n"""', "    ")
+    if owner:
+        stub, code = (f"class {owner.split('.')[-1]}:\n" + textwrap.indent(text, "    ") for text in (stub, code))
+    request = f"Complete the following Python function.\n\n```python\n# {module}\n{stub}\n```"
     return {"messages": [{"role": "user", "content": request},
                          {"role": "assistant", "content": f"```python\n{code}\n```"}]}
 
@@ -117,33 +147,50 @@ def _module_functions(tree, owner: str = ""):
             yield from _module_functions(node, f"{owner}.{node.name}" if owner else node.name)
 
 
-@functools.cache
-def code_docs_rows() -> tuple[dict, ...]:
-    """Write-this-function conversations over the standard library (tests and tools excluded):
-    every module-level function and method with at least CODE_DOCS_MIN_LINES body lines; the
-    prompt is its signature, owner and docstring, the answer its code without the docstring.
-    Sorted by file and position, so the rows are fixed for a Python version (about 14K rows
-    and 2.5M tokens on Python 3.11)."""
+def _stdlib_functions(tests: bool):
+    """(module name, source lines, owner class, function node) over the standard library's files in
+    path order: the library code (tests=False; tests, tools and generated tables left out) or its test
+    suites (tests=True)."""
     import ast
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    rows = []
     for path in sorted(stdlib.rglob("*.py")):
-        relative = path.relative_to(stdlib)
-        if any(part in CODE_DOCS_SKIPPED or part.startswith("test") for part in relative.parts[:-1]):
+        folders = path.relative_to(stdlib).parts[:-1]
+        if "site-packages" in folders:
+            continue
+        in_tests = any(part in ("test", "tests") or part.startswith("test") for part in folders)
+        if in_tests != tests or (not tests and any(part in CODE_DOCS_SKIPPED for part in folders)):
             continue
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
         except (UnicodeDecodeError, SyntaxError, ValueError):
             continue
-        module = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
+        module = ".".join(path.relative_to(stdlib).with_suffix("").parts).removesuffix(".__init__")
         lines = source.splitlines()
         for owner, node in _module_functions(tree):
-            row = _function_row(module, owner, lines, node)
-            if row is not None:
-                rows.append(row)
-    return tuple(rows)
+            yield module, lines, owner, node
+
+
+@functools.cache
+def code_docs_rows() -> tuple[dict, ...]:
+    """Write-this-function conversations over the standard library (tests and tools excluded):
+    every module-level function and method with at least CODE_DOCS_MIN_LINES body lines; the
+    prompt is its signature, owner and docstring, the answer its code without the docstring.
+    Sorted by file and position, so the rows are fixed for a Python version (about 7K rows and
+    2M tokens on Python 3.11)."""
+    rows = (_function_row(module, owner, lines, node) for module, lines, owner, node in _stdlib_functions(False))
+    return tuple(row for row in rows if row is not None)
+
+
+@functools.cache
+def code_complete_rows() -> tuple[dict, ...]:
+    """Complete-this-function conversations worded as HumanEval's, over the functions and methods of
+    the standard library's test suites (none of them in `embedded:code-docs`, so the two can be
+    trained on together without a function on both sides of a held-out split): about 23K rows on
+    Python 3.11. For on-policy answers (`dflash generate`): more prompts, in HumanEval's wording."""
+    rows = (_completion_row(module, owner, lines, node) for module, lines, owner, node in _stdlib_functions(True))
+    return tuple(row for row in rows if row is not None)
 
 
 EMBEDDED_SOURCES = {
@@ -151,10 +198,19 @@ EMBEDDED_SOURCES = {
     "embedded:humaneval": _human_eval_rows,
     "embedded:stdlib-modules": _stdlib_rows,
     "embedded:code-docs": code_docs_rows,
+    "embedded:code-complete": code_complete_rows,
 }
 
 
 def embedded_rows(source: str) -> list[dict]:
-    if source not in EMBEDDED_SOURCES:
-        raise ValueError(f"data.source: unknown embedded source {source!r}; known: {', '.join(EMBEDDED_SOURCES)}")
-    return EMBEDDED_SOURCES[source]()
+    """The rows of an embedded source, or of several joined by "+" (`embedded:code-docs+code-complete`:
+    the first's rows, then the second's)."""
+    names = source.removeprefix("embedded:").split("+")
+    rows = []
+    for name in names:
+        key = "embedded:" + name.removeprefix("embedded:")
+        if key not in EMBEDDED_SOURCES:
+            raise ValueError(f"data.source: unknown embedded source {key!r} in {source!r}; known: "
+                             f"{', '.join(EMBEDDED_SOURCES)} (several joined by '+')")
+        rows.extend(EMBEDDED_SOURCES[key]())
+    return rows
