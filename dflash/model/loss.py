@@ -83,23 +83,29 @@ def _slot_targets(loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_
     return target_AB, valid_AB
 
 
-def _ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor):
-    """Per-row cross entropy, argmax and `weight * d ce / d logits` (softmax - onehot), in float32.
+def _ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor,
+                 grad_dtype: torch.dtype = torch.float32):
+    """Per-row cross entropy, argmax and `weight * d ce / d logits` (softmax - onehot), computed in
+    float32; the gradient returned in `grad_dtype` (the hidden states' dtype).
 
     One exponential pass: the row maximum gives the argmax and the shift, `exp(logits - max)`
-    summed gives the log-sum-exp, and the same exponentials scaled by `weight / sum` (in place)
-    are the softmax part of the gradient. The logits themselves are not modified.
+    summed gives the log-sum-exp, and the same exponentials scaled by `weight / sum` are the
+    softmax part of the gradient; the label's column subtracts `weight` in the same elementwise
+    expression and the cast comes last, so compiled it is one write of the gradient in its dtype
+    (not a float32 gradient, an index_put and a cast, three passes over rows x vocabulary).
+    The logits themselves are not modified.
     """
     logits_RV = logits_RV.float()
     rows_R = torch.arange(logits_RV.shape[0], device=logits_RV.device)
     label_logit_R = logits_RV[rows_R, labels_R]
     max_R, argmax_R = logits_RV.max(dim=-1)
-    exp_RV = (logits_RV - max_R[:, None]).exp_()
+    exp_RV = (logits_RV - max_R[:, None]).exp()
     sum_R = exp_RV.sum(dim=-1)
     ce_R = max_R + sum_R.log() - label_logit_R
-    grad_RV = exp_RV.mul_((weight_R / sum_R)[:, None])
-    grad_RV[rows_R, labels_R] -= weight_R
-    return ce_R, argmax_R, grad_RV
+    softmax_part_RV = exp_RV * (weight_R / sum_R)[:, None]
+    is_label_RV = torch.arange(logits_RV.shape[1], device=logits_RV.device)[None, :] == labels_R[:, None]
+    grad_RV = torch.where(is_label_RV, softmax_part_RV - weight_R[:, None], softmax_part_RV)
+    return ce_R, argmax_R, grad_RV.to(grad_dtype)
 
 
 @functools.cache
@@ -131,9 +137,8 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
             ce_R, argmax_R, grad_RV = ce_and_grad(hidden_QH[rows] @ lm_head_VH.T, safe_labels_Q[rows],
-                                                  row_weight_Q[rows].float())
+                                                  row_weight_Q[rows].float(), hidden_QH.dtype)
             ce_Q[rows], argmax_Q[rows] = ce_R, argmax_R
-            grad_RV = grad_RV.to(hidden_QH.dtype)
             if want_hidden:
                 grad_hidden[rows] = grad_RV @ lm_head_VH
             if want_head:
