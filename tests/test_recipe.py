@@ -4,6 +4,7 @@ puts the training log's held-out tau beside the served ones."""
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -17,15 +18,17 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     work = tmp_path / "recipe"
     env = dict(os.environ, CONFIG="configs/tiny.toml", WORK=str(work), SAMPLES="1", NEW_TOKENS="24",
                EVAL_PROMPTS="2", EVAL_TOKENS="8", GENERATE_ARGS="--limit 16", OMP_NUM_THREADS="1",
-               EXTRA=f"--set train.max_steps=4 --set train.holdout_fraction=0.2 --set train.eval_every=1 "
+               MORE_SOURCE="embedded:code-complete", MORE_SAMPLES="0",
+               EXTRA=f"--set train.max_steps=4 --set train.holdout_fraction=0.2 --set train.eval_every=2 "
                      f"--set train.save_every=2 --set train.epochs=8 "
                      f"--set data.num_workers=1 --set train.num_workers=0")
     result = subprocess.run(["bash", "tools/recipe.sh", "run"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     timing = [line.split("\t") for line in (work / "results" / "timing.tsv").read_text().splitlines()]
-    assert [name for name, _, _ in timing] == ["generate", "extract", "train", "export", "export-00000002",
-                                               "eval-heldout", "eval-humaneval", "eval-heldout-t1"]
+    assert [name for name, _, _ in timing] == ["generate", "generate-more", "extract", "train", "export",
+                                               "export-00000002", "eval-heldout", "eval-humaneval",
+                                               "eval-heldout-t1"]
     assert all(rc == "0" for _, _, rc in timing)
     summary = (work / "results" / "summary.txt").read_text()
     assert "teacher-forced held-out tau" in summary and summary.count("served tau") == 4
@@ -36,5 +39,11 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     answers = [json.loads(line) for part in sorted((work / "answers").glob("part-*.jsonl"))
                for line in part.read_text().splitlines()]
     assert [row["sample"] for row in answers] == [0, 1] * 16  # the greedy answer and one sampled, per prompt
+    more = [json.loads(line) for part in sorted((work / "answers" / "more").glob("part-*.jsonl"))
+            for line in part.read_text().splitlines()]
+    assert [row["sample"] for row in more] == [0] * 16  # MORE_SAMPLES=0: the greedy answer alone
+    assert "Complete the following Python function" in more[0]["messages"][0]["content"]
+    rows = re.search(r"data: (\d+) rows", (work / "logs" / "extract.log").read_text())
+    assert rows and int(rows.group(1)) == 48  # stage one read both folders of answers
     held_out = json.loads((work / "results" / "eval-heldout.json").read_text())["results"][0]
     assert held_out["num_prompts"] == 2 and held_out["temperature"] == 0

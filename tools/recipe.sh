@@ -4,6 +4,8 @@
 #
 #   1. generate  `dflash generate`: greedy + $SAMPLES sampled answers (temperature $TEMPERATURE) to every
 #                prompt of $SOURCE, up to $NEW_TOKENS tokens each
+#                (MORE_SOURCE: also the greedy answer, and $MORE_SAMPLES sampled ones, to every prompt of
+#                that source, e.g. embedded:code-complete, into answers/more)
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
 #   3. train     `dflash stage2-train`: train.holdout_by = prompt, so the held-out prompts' answers are
 #                never trained on and its held-out tau is measured on the target's own answers
@@ -34,6 +36,8 @@ EVAL_SOURCE=${EVAL_SOURCE:-embedded:humaneval}
 EVAL_PROMPTS=${EVAL_PROMPTS:-16}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 CURVE=${CURVE:-1}
+MORE_SOURCE=${MORE_SOURCE:-}
+MORE_SAMPLES=${MORE_SAMPLES:-0}
 T1=${T1:-1}
 WAIT=${WAIT:-520}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
@@ -63,6 +67,12 @@ recipe() {
   part generate "${dflash[@]}" generate "${common[@]}" --set "data.source=$SOURCE" --out "$WORK/answers" \
     --max-new-tokens "$NEW_TOKENS" --temperature "$TEMPERATURE" --num-samples "$SAMPLES" --with-greedy \
     "${generate_args[@]}"
+  if [ -n "$MORE_SOURCE" ]; then  # more prompts, their own answer count; stage one reads answers/ recursively
+    local more_args=(--temperature 0)
+    [ "$MORE_SAMPLES" -gt 0 ] && more_args=(--temperature "$TEMPERATURE" --num-samples "$MORE_SAMPLES" --with-greedy)
+    part generate-more "${dflash[@]}" generate "${common[@]}" --set "data.source=$MORE_SOURCE" \
+      --out "$WORK/answers/more" --max-new-tokens "$NEW_TOKENS" "${more_args[@]}" "${generate_args[@]}"
+  fi
   part extract "${dflash[@]}" stage1-extract "${common[@]}"
   part train "${dflash[@]}" stage2-train "${common[@]}"
   local checkpoint

@@ -86,15 +86,30 @@ def _slot_targets(loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_
 def _ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor,
                  grad_dtype: torch.dtype = torch.float32):
     """Per-row cross entropy, argmax and `weight * d ce / d logits` (softmax - onehot), computed in
-    float32; the gradient returned in `grad_dtype` (the hidden states' dtype).
+    float32 and returned in `grad_dtype` (the hidden states' dtype): the eager form, in place.
 
     One exponential pass: the row maximum gives the argmax and the shift, `exp(logits - max)`
-    summed gives the log-sum-exp, and the same exponentials scaled by `weight / sum` are the
-    softmax part of the gradient; the label's column subtracts `weight` in the same elementwise
-    expression and the cast comes last, so compiled it is one write of the gradient in its dtype
-    (not a float32 gradient, an index_put and a cast, three passes over rows x vocabulary).
-    The logits themselves are not modified.
+    summed gives the log-sum-exp, and the same exponentials scaled by `weight / sum` (in place)
+    are the softmax part of the gradient. The logits themselves are not modified.
     """
+    logits_RV = logits_RV.float()
+    rows_R = torch.arange(logits_RV.shape[0], device=logits_RV.device)
+    label_logit_R = logits_RV[rows_R, labels_R]
+    max_R, argmax_R = logits_RV.max(dim=-1)
+    exp_RV = (logits_RV - max_R[:, None]).exp_()
+    sum_R = exp_RV.sum(dim=-1)
+    ce_R = max_R + sum_R.log() - label_logit_R
+    grad_RV = exp_RV.mul_((weight_R / sum_R)[:, None])
+    grad_RV[rows_R, labels_R] -= weight_R
+    return ce_R, argmax_R, grad_RV.to(grad_dtype)
+
+
+def _fused_ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor,
+                       grad_dtype: torch.dtype = torch.float32):
+    """`_ce_and_grad`'s values, written for the compiler: the label's column subtracts `weight` in the
+    same elementwise expression as the softmax part and the cast comes last, so compiled it is one
+    write of the gradient in its dtype, not a float32 gradient, an index_put and a cast (three
+    passes over rows x vocabulary). Eager it would hold several float32 copies: CUDA compiles it."""
     logits_RV = logits_RV.float()
     rows_R = torch.arange(logits_RV.shape[0], device=logits_RV.device)
     label_logit_R = logits_RV[rows_R, labels_R]
@@ -112,7 +127,7 @@ def _ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torc
 def _compiled_ce_and_grad():
     # One fused pass over each logits chunk instead of ~8 float32 passes (CUDA only). The chunk's rows
     # (the last chunk of every micro-batch is shorter) are dynamic from the first call: one compile.
-    return rows_dynamic(torch.compile(_ce_and_grad), ((0, 0), (1, 0), (2, 0)))
+    return rows_dynamic(torch.compile(_fused_ce_and_grad), ((0, 0), (1, 0), (2, 0)))
 
 
 class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
