@@ -196,6 +196,10 @@ def export(checkpoint, out_dir):
               help="'heldout': the samples stage two held out of the config's store; or a data source "
                    "(JSONL/JSON/Parquet file or directory, embedded:NAME, hub name), rendered up to its last answer.")
 @click.option("--num-prompts", default=32, show_default=True, help="How many prompts (the first ones).")
+@click.option("--match", default="", help="Only prompts whose rendered text matches this regular expression "
+                                          "(searched anywhere in it).")
+@click.option("--exclude", default="", help="Leave out prompts whose rendered text matches this regular expression "
+                                            "(e.g. one source's wording among the held-out prompts of a mix).")
 @click.option("--max-new-tokens", default=256, show_default=True, help="Tokens generated per prompt at most.")
 @click.option("--temperature", default=0.0, show_default=True,
               help="0: greedy, checked token for token against plain greedy decoding; > 0: sampling with "
@@ -205,8 +209,8 @@ def export(checkpoint, out_dir):
 @click.option("--out", type=click.Path(dir_okay=False), help="Write every number, per prompt too, as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="Write a PNG: histogram of tokens per verification and per-slot acceptance.")
-def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new_tokens, temperature, seed, device,
-             out, plot):
+def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, exclude, max_new_tokens, temperature,
+             seed, device, out, plot):
     """Measure an exported drafter as it is served: speculative decoding with the target.
 
     The target is the config's target.path (checkpoint directory, .gguf file or embedded:tiny).
@@ -221,7 +225,7 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, max_new
     from stages import evaluate as evaluate_stage
 
     options = evaluate_stage.EvalOptions(drafters=drafter_dirs, prompts=prompts, num_prompts=num_prompts,
-                                         max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
+                                         match=match, exclude=exclude, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                          device=device, out=out or "", plot=plot or "")
     evaluate_stage.run(config, options)
 

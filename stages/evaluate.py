@@ -37,6 +37,8 @@ class EvalOptions:
     drafters: tuple[str, ...]  # export directories
     prompts: str = HELDOUT  # "heldout" or a data source
     num_prompts: int = 32
+    match: str = ""  # regular expression the prompt's text must match ("" = any)
+    exclude: str = ""  # regular expression the prompt's text must not match ("" = none)
     max_new_tokens: int = 256
     temperature: float = 0.0
     seed: int = 0
@@ -52,8 +54,10 @@ def run(config: Config, options: EvalOptions) -> list[EvalResult]:
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
     target = load_causal_lm(str(checkpoint), dtype, device)
     drafts = [load_drafter(path, target, dtype, device) for path in options.drafters]
-    prompts = load_prompts(config, options.prompts, options.num_prompts, tokenizer)
-    results = [EvalResult(drafter=path, target=config.target.path, prompts_source=options.prompts, device=str(device),
+    prompts = load_prompts(config, options.prompts, options.num_prompts, tokenizer, options.match, options.exclude)
+    source = options.prompts + "".join(f" ({flag} {pattern!r})" for flag, pattern in
+                                       (("--match", options.match), ("--exclude", options.exclude)) if pattern)
+    results = [EvalResult(drafter=path, target=config.target.path, prompts_source=source, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
                           temperature=options.temperature, max_new_tokens=options.max_new_tokens)
                for path, draft in zip(options.drafters, drafts)]

@@ -166,6 +166,24 @@ def test_a_mismatch_at_a_rounding_tie_is_told_apart_from_a_real_one():
     assert lossless_verdict(summarize(result)) == "NO: 1 prompts differ (+1 near-ties)"
 
 
+def test_prompts_are_filtered_by_their_text(qwen_tokenizer):
+    """--match keeps the prompts whose rendered text matches, --exclude drops them; the first ones
+    that pass, as many as asked for."""
+    from dflash.config import Config, ConfigError
+    from dflash.serve.evaluation import load_prompts
+
+    config = Config()
+    matched = load_prompts(config, "embedded:code-chat", 2, qwen_tokenizer, match=r"def (has_close|truncate)_")
+    assert [label for label, _ in matched] == ["row 1", "row 3"]  # HumanEval/0 and /2 among the first rows
+    assert "has_close_elements" in qwen_tokenizer.decode(matched[0][1].tolist())
+    kept = load_prompts(config, "embedded:code-chat", 2, qwen_tokenizer, exclude="Complete the following")
+    assert all("standard library module" in qwen_tokenizer.decode(ids.tolist()) for _, ids in kept)
+    with pytest.raises(ValueError, match="no usable prompt matches"):
+        load_prompts(config, "embedded:humaneval", 2, qwen_tokenizer, match="no prompt says this")
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        load_prompts(config, "embedded:humaneval", 2, qwen_tokenizer, match="(")
+
+
 def test_spec_generate_equals_greedy_on_llama_and_qwen35(tmp_path, tiny_target_dir):
     from dflash.extract.target import load_causal_lm
 

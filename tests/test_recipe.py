@@ -18,7 +18,7 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     work = tmp_path / "recipe"
     env = dict(os.environ, CONFIG="configs/tiny.toml", WORK=str(work), SAMPLES="1", NEW_TOKENS="24",
                EVAL_PROMPTS="2", EVAL_TOKENS="8", GENERATE_ARGS="--limit 16", OMP_NUM_THREADS="1",
-               MORE_SOURCE="embedded:code-complete", MORE_SAMPLES="0",
+               MORE_SOURCE="embedded:code-complete", MORE_SAMPLES="0", MAIN_ONLY="Complete the following",
                EXTRA=f"--set train.max_steps=4 --set train.holdout_fraction=0.2 --set train.eval_every=2 "
                      f"--set train.save_every=2 --set train.epochs=8 "
                      f"--set data.num_workers=1 --set train.num_workers=0")
@@ -27,11 +27,11 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     timing = [line.split("\t") for line in (work / "results" / "timing.tsv").read_text().splitlines()]
     assert [name for name, _, _ in timing] == ["generate", "generate-more", "extract", "train", "export",
-                                               "export-00000002", "eval-heldout", "eval-humaneval",
-                                               "eval-heldout-t1"]
+                                               "export-00000002", "eval-heldout", "eval-heldout-main",
+                                               "eval-humaneval", "eval-heldout-t1"]
     assert all(rc == "0" for _, _, rc in timing)
     summary = (work / "results" / "summary.txt").read_text()
-    assert "teacher-forced held-out tau" in summary and summary.count("served tau") == 4
+    assert "teacher-forced held-out tau" in summary and summary.count("served tau") == 5
     assert "served curve" in summary
     curve = summary.split("served curve", 1)[1].splitlines()[1:]
     assert [row.split(",")[0].strip() for row in curve] == ["2", "4"]  # an earlier checkpoint, then the last
@@ -47,3 +47,5 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     assert rows and int(rows.group(1)) == 48  # stage one read both folders of answers
     held_out = json.loads((work / "results" / "eval-heldout.json").read_text())["results"][0]
     assert held_out["num_prompts"] == 2 and held_out["temperature"] == 0
+    main_only = json.loads((work / "results" / "eval-heldout-main.json").read_text())["results"][0]
+    assert main_only["prompts_source"] == "heldout (--exclude 'Complete the following')"

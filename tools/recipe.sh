@@ -5,7 +5,8 @@
 #   1. generate  `dflash generate`: greedy + $SAMPLES sampled answers (temperature $TEMPERATURE) to every
 #                prompt of $SOURCE, up to $NEW_TOKENS tokens each
 #                (MORE_SOURCE: also the greedy answer, and $MORE_SAMPLES sampled ones, to every prompt of
-#                that source, e.g. embedded:code-complete, into answers/more)
+#                that source, e.g. embedded:code-complete, into answers/more; the held-out prompts are then
+#                a mix: MAIN_ONLY="Complete the following" also serves $SOURCE's held-out prompts alone)
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
 #   3. train     `dflash stage2-train`: train.holdout_by = prompt, so the held-out prompts' answers are
 #                never trained on and its held-out tau is measured on the target's own answers
@@ -38,6 +39,7 @@ EVAL_TOKENS=${EVAL_TOKENS:-128}
 CURVE=${CURVE:-1}
 MORE_SOURCE=${MORE_SOURCE:-}
 MORE_SAMPLES=${MORE_SAMPLES:-0}
+MAIN_ONLY=${MAIN_ONLY:-}
 T1=${T1:-1}
 WAIT=${WAIT:-520}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
@@ -91,6 +93,11 @@ recipe() {
   part eval-heldout "${dflash[@]}" eval "${common[@]}" "${drafters[@]}" --prompts heldout \
     --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-heldout.json" \
     "${eval_args[@]}"
+  # With MORE_SOURCE the held-out prompts are a mix (so is the training log's held-out tau): MAIN_ONLY, a
+  # regular expression of the other source's wording, serves the last checkpoint on $SOURCE's alone too.
+  [ -n "$MAIN_ONLY" ] && part eval-heldout-main "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" \
+    --prompts heldout --exclude "$MAIN_ONLY" --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" \
+    --out "$WORK/results/eval-heldout-main.json" "${eval_args[@]}"
   part eval-humaneval "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts "$EVAL_SOURCE" \
     --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-humaneval.json" \
     "${eval_args[@]}"
@@ -111,7 +118,7 @@ lines = [json.loads(line) for line in (work / "drafter" / "metrics.jsonl").read_
 held = [line for line in lines if "eval/tau" in line]
 if held:
     print(f"  teacher-forced held-out tau {held[-1]['eval/tau']:.3f} at step {held[-1]['step']}")
-for name in ("eval-heldout", "eval-humaneval", "eval-heldout-t1"):
+for name in ("eval-heldout", "eval-heldout-main", "eval-humaneval", "eval-heldout-t1"):
     path = work / "results" / f"{name}.json"
     if path.exists():
         result = json.loads(path.read_text())["results"][0]

@@ -94,23 +94,45 @@ def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.devi
 # ----------------------------------------------------------------------------- prompts
 
 
-def load_prompts(config: Config, source: str, num_prompts: int, tokenizer) -> list[tuple[str, np.ndarray]]:
+def load_prompts(config: Config, source: str, num_prompts: int, tokenizer, match: str = "",
+                 exclude: str = "") -> list[tuple[str, np.ndarray]]:
     """`(label, token ids)` of the first `num_prompts` prompts: the store's held-out samples
-    (`source` "heldout") or the rows of a data source."""
+    (`source` "heldout") or the rows of a data source; with `match` / `exclude` (regular
+    expressions), only prompts whose rendered text matches / does not match them."""
     if num_prompts < 1:
         raise ConfigError(f"--num-prompts must be positive, got {num_prompts}")
+    keep = prompt_filter(tokenizer, match, exclude)
     if source == HELDOUT:
-        prompts = heldout_prompts(config, tokenizer, num_prompts)
+        prompts = heldout_prompts(config, tokenizer, num_prompts, keep)
     else:
-        prompts = source_prompts(source, config.data.split, tokenizer, num_prompts)
+        prompts = source_prompts(source, config.data.split, tokenizer, num_prompts, keep)
     if not prompts:
-        raise ValueError(f"--prompts {source}: no usable prompt")
+        raise ValueError(f"--prompts {source}: no usable prompt" + (" matches --match / --exclude" if keep else ""))
+    if len(prompts) < num_prompts and keep:
+        print(f"prompts: only {len(prompts)} of {source} pass --match / --exclude (asked for {num_prompts})")
     return prompts
 
 
-def heldout_prompts(config: Config, tokenizer, num_prompts: int) -> list[tuple[str, np.ndarray]]:
+def prompt_filter(tokenizer, match: str, exclude: str):
+    """None (every prompt), or a predicate on token ids: the decoded text matches `match` and not `exclude`."""
+    if not match and not exclude:
+        return None
+    import re
+
+    try:
+        wanted, unwanted = (re.compile(pattern) if pattern else None for pattern in (match, exclude))
+    except re.error as error:
+        raise ConfigError(f"--match / --exclude: not a regular expression: {error}") from None
+
+    def keep(ids: np.ndarray) -> bool:
+        text = tokenizer.decode(ids.tolist())
+        return (wanted is None or bool(wanted.search(text))) and (unwanted is None or not unwanted.search(text))
+    return keep
+
+
+def heldout_prompts(config: Config, tokenizer, num_prompts: int, keep=None) -> list[tuple[str, np.ndarray]]:
     """Prompts of the samples stage two holds out of training (same store, fraction, seed and
-    `train.holdout_by`), each prompt once."""
+    `train.holdout_by`), each prompt once, in the split's order (those `keep` accepts)."""
     from dflash.store.reader import StoreReader
     from dflash.train.sampler import holdout_groups, split_holdout
 
@@ -128,16 +150,19 @@ def heldout_prompts(config: Config, tokenizer, num_prompts: int) -> list[tuple[s
         raise ConfigError("--prompts heldout: train.holdout_fraction is 0, so no sample was held out; "
                           "pass --prompts SOURCE")
     prompts = []
-    for index in eval_indices[:num_prompts]:
+    for index in eval_indices:
+        if len(prompts) == num_prompts:
+            break
         sample = reader.read_sample(int(index))
         first_answer = int(np.argmax(sample["loss_mask"]))
-        if first_answer > 0:
+        if first_answer > 0 and (keep is None or keep(sample["input_ids"][:first_answer])):
             prompts.append((f"{row_label(sample['row_id'])} (sample {int(index)})", sample["input_ids"][:first_answer]))
     return prompts
 
 
-def source_prompts(source: str, split: str, tokenizer, num_prompts: int) -> list[tuple[str, np.ndarray]]:
-    """The first `num_prompts` usable rows of a data source, rendered up to their last answer."""
+def source_prompts(source: str, split: str, tokenizer, num_prompts: int, keep=None) -> list[tuple[str, np.ndarray]]:
+    """The first `num_prompts` usable rows of a data source (those `keep` accepts), rendered up to
+    their last answer."""
     prompts, skipped = [], 0
     for row_id, row in chat.read_rows(source, split):
         try:
@@ -145,7 +170,10 @@ def source_prompts(source: str, split: str, tokenizer, num_prompts: int) -> list
         except chat.RowProblem:
             skipped += 1
             continue
-        prompts.append((row_label(row_id), np.asarray(samples.prompt_token_ids(messages, tokenizer), dtype=np.int64)))
+        ids = np.asarray(samples.prompt_token_ids(messages, tokenizer), dtype=np.int64)
+        if keep is not None and not keep(ids):
+            continue
+        prompts.append((row_label(row_id), ids))
         if len(prompts) == num_prompts:
             break
     if skipped:
