@@ -1,5 +1,6 @@
 """Loss: weights, labels, chunked LM head + CE against the plain full-logits loss, metrics."""
 
+import functools
 import math
 
 import pytest
@@ -150,14 +151,14 @@ def test_block_metrics_by_hand():
 def test_fused_ce_pass_equals_the_eager_one_exactly():
     """The compiler's form (the label's correction and the cast in one elementwise expression) gives
     the eager in-place pass's values bit for bit, in float32 and cast to bf16."""
-    from dflash.model.loss import _ce_and_grad, _fused_ce_and_grad
+    from dflash.model.loss import _ce_and_grad
 
     generator = torch.Generator().manual_seed(5)
     logits = (torch.randn(48, 700, generator=generator) * 4).to(torch.bfloat16)
     labels = torch.randint(0, 700, (48,), generator=generator)
     weight = torch.rand(48, generator=generator)
     for dtype in (torch.float32, torch.bfloat16):
-        eager, fused = _ce_and_grad(logits, labels, weight, dtype), _fused_ce_and_grad(logits, labels, weight, dtype)
+        eager, fused = _ce_and_grad(logits, labels, weight, dtype), _ce_and_grad(logits, labels, weight, dtype, True)
         assert fused[2].dtype == dtype
         for a, b in zip(eager, fused):
             assert torch.equal(a, b)
@@ -167,9 +168,9 @@ def test_fused_ce_pass_equals_the_eager_one_exactly():
 def test_compiled_ce_pass_equals_eager_on_two_row_counts():
     """CUDA runs the fused, compiled CE pass; inductor on the CPU checks the same function
     (the second row count is the shape-generic recompile the last loss chunk triggers)."""
-    from dflash.model.loss import _ce_and_grad, _fused_ce_and_grad
+    from dflash.model.loss import _ce_and_grad
 
-    compiled = torch.compile(_fused_ce_and_grad)
+    compiled = torch.compile(functools.partial(_ce_and_grad, fused=True))
     generator = torch.Generator().manual_seed(3)
     for rows in (64, 40):
         logits = torch.randn(rows, 500, generator=generator) * 4

@@ -84,42 +84,35 @@ def _slot_targets(loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_
 
 
 def _ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor,
-                 grad_dtype: torch.dtype = torch.float32):
+                 grad_dtype: torch.dtype = torch.float32, fused: bool = False):
     """Per-row cross entropy, argmax and `weight * d ce / d logits` (softmax - onehot), computed in
-    float32 and returned in `grad_dtype` (the hidden states' dtype): the eager form, in place.
+    float32 and returned in `grad_dtype` (the hidden states' dtype).
 
     One exponential pass: the row maximum gives the argmax and the shift, `exp(logits - max)`
-    summed gives the log-sum-exp, and the same exponentials scaled by `weight / sum` (in place)
-    are the softmax part of the gradient. The logits themselves are not modified.
+    summed gives the log-sum-exp, and the same exponentials scaled by `weight / sum` are the
+    softmax part of the gradient. Eager (`fused=False`) that happens in place and the label's
+    column is corrected by index. `fused=True` is the form for the compiler (CUDA compiles it): the
+    label's column subtracts `weight` in the same elementwise expression and the cast comes last, so
+    compiled it is one write of the gradient in its dtype instead of a float32 gradient, an
+    index_put and a cast; eager it would hold several float32 copies. Both give the same values.
+    The logits themselves are not modified.
     """
     logits_RV = logits_RV.float()
     rows_R = torch.arange(logits_RV.shape[0], device=logits_RV.device)
     label_logit_R = logits_RV[rows_R, labels_R]
     max_R, argmax_R = logits_RV.max(dim=-1)
-    exp_RV = (logits_RV - max_R[:, None]).exp_()
+    shifted_RV = logits_RV - max_R[:, None]
+    exp_RV = shifted_RV.exp() if fused else shifted_RV.exp_()
     sum_R = exp_RV.sum(dim=-1)
     ce_R = max_R + sum_R.log() - label_logit_R
-    grad_RV = exp_RV.mul_((weight_R / sum_R)[:, None])
-    grad_RV[rows_R, labels_R] -= weight_R
-    return ce_R, argmax_R, grad_RV.to(grad_dtype)
-
-
-def _fused_ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor,
-                       grad_dtype: torch.dtype = torch.float32):
-    """`_ce_and_grad`'s values, written for the compiler: the label's column subtracts `weight` in the
-    same elementwise expression as the softmax part and the cast comes last, so compiled it is one
-    write of the gradient in its dtype, not a float32 gradient, an index_put and a cast (three
-    passes over rows x vocabulary). Eager it would hold several float32 copies: CUDA compiles it."""
-    logits_RV = logits_RV.float()
-    rows_R = torch.arange(logits_RV.shape[0], device=logits_RV.device)
-    label_logit_R = logits_RV[rows_R, labels_R]
-    max_R, argmax_R = logits_RV.max(dim=-1)
-    exp_RV = (logits_RV - max_R[:, None]).exp()
-    sum_R = exp_RV.sum(dim=-1)
-    ce_R = max_R + sum_R.log() - label_logit_R
-    softmax_part_RV = exp_RV * (weight_R / sum_R)[:, None]
-    is_label_RV = torch.arange(logits_RV.shape[1], device=logits_RV.device)[None, :] == labels_R[:, None]
-    grad_RV = torch.where(is_label_RV, softmax_part_RV - weight_R[:, None], softmax_part_RV)
+    scale_R1 = (weight_R / sum_R)[:, None]
+    if fused:
+        softmax_part_RV = exp_RV * scale_R1
+        is_label_RV = torch.arange(logits_RV.shape[1], device=logits_RV.device)[None, :] == labels_R[:, None]
+        grad_RV = torch.where(is_label_RV, softmax_part_RV - weight_R[:, None], softmax_part_RV)
+    else:
+        grad_RV = exp_RV.mul_(scale_R1)
+        grad_RV[rows_R, labels_R] -= weight_R
     return ce_R, argmax_R, grad_RV.to(grad_dtype)
 
 
@@ -127,7 +120,7 @@ def _fused_ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R
 def _compiled_ce_and_grad():
     # One fused pass over each logits chunk instead of ~8 float32 passes (CUDA only). The chunk's rows
     # (the last chunk of every micro-batch is shorter) are dynamic from the first call: one compile.
-    return rows_dynamic(torch.compile(_fused_ce_and_grad), ((0, 0), (1, 0), (2, 0)))
+    return rows_dynamic(torch.compile(functools.partial(_ce_and_grad, fused=True)), ((0, 0), (1, 0), (2, 0)))
 
 
 class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
