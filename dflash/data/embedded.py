@@ -155,10 +155,11 @@ def _stdlib_functions(tests: bool):
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(stdlib.rglob("*.py")):
-        folders = path.relative_to(stdlib).parts[:-1]
+        relative = path.relative_to(stdlib)
+        folders = relative.parts[:-1]
         if "site-packages" in folders:
             continue
-        in_tests = any(part in ("test", "tests") or part.startswith("test") for part in folders)
+        in_tests = any(part.startswith("test") for part in folders)
         if in_tests != tests or (not tests and any(part in CODE_DOCS_SKIPPED for part in folders)):
             continue
         try:
@@ -166,7 +167,7 @@ def _stdlib_functions(tests: bool):
             tree = ast.parse(source)
         except (UnicodeDecodeError, SyntaxError, ValueError):
             continue
-        module = ".".join(path.relative_to(stdlib).with_suffix("").parts).removesuffix(".__init__")
+        module = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
         lines = source.splitlines()
         for owner, node in _module_functions(tree):
             yield module, lines, owner, node

@@ -189,8 +189,7 @@ def loop(state: TrainState) -> None:
             if step % config.train.log_every == 0 or step == state.total_steps:
                 log_window(config, dist, window, lr, timer, state.logger, step, bar, result)
                 window = StepStats(ctx.args.block_size, ctx.device)
-                if out_of_time(state, started):
-                    result.out_of_time = True
+                result.out_of_time = out_of_time(state, started)
             if state.eval_indices.size and (step % config.train.eval_every == 0 or step == state.total_steps
                                             or result.out_of_time):
                 if state.eval_indices.size not in eval_micro_batches:
