@@ -28,7 +28,7 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     timing = [line.split("\t") for line in (work / "results" / "timing.tsv").read_text().splitlines()]
     assert [name for name, _, _ in timing] == ["generate", "generate-more", "extract", "train", "export",
                                                "export-00000002", "eval-heldout", "eval-heldout-main",
-                                               "eval-humaneval", "eval-heldout-t1"]
+                                               "eval-humaneval", "eval-heldout-t1", "evals (side by side)"]
     assert all(rc == "0" for _, _, rc in timing)
     summary = (work / "results" / "summary.txt").read_text()
     assert "teacher-forced held-out tau" in summary and summary.count("served tau") == 5

@@ -14,7 +14,10 @@
 #   5. eval      `dflash eval` at temperature 0 on the held-out prompts (--prompts heldout) for all those
 #                checkpoints in one run (one target load, one baseline per prompt: the served curve), and
 #                for the last one on $EVAL_SOURCE (HumanEval, never trained on), $EVAL_PROMPTS x
-#                $EVAL_TOKENS each; then (T1=1, the default) temperature 1 on the held-out prompts
+#                $EVAL_TOKENS each; and (T1=1, the default) temperature 1 on the held-out prompts. The evals
+#                run side by side on the GPU (PARALLEL_EVALS=1, the default: batch-1 decoding of a small
+#                target leaves it mostly idle; their speedups are then measured beside each other) or in
+#                turn (PARALLEL_EVALS=0, for speedups measured alone)
 # Results: $WORK/results/timing.tsv (part, seconds), eval-*.json, the training log's held-out tau
 # beside the served tau and the served curve against tokens seen (summary.txt). All of it under $WORK; logs under $LOGS.
 #
@@ -23,7 +26,8 @@
 #   WORK=/tmp/recipe bash tools/recipe.sh status
 #   WORK=/tmp/recipe LOGS=$OUT bash tools/recipe.sh collect   # waits (at most $WAIT s), copies the results
 # EXTRA="--set ..." adds overrides to every dflash command (a CPU dry run: CONFIG=configs/tiny.toml and
-# small budgets); GENERATE_ARGS / EVAL_ARGS add options to those commands alone.
+# small budgets); GENERATE_ARGS / EVAL_ARGS add options to those commands alone, MORE_ARGS to the generate of
+# MORE_SOURCE alone (e.g. MORE_ARGS="--limit 16000").
 set -uo pipefail
 command=${1:?usage: recipe.sh run|launch|status|collect}
 WORK=${WORK:-/tmp/dflash-recipe}
@@ -41,12 +45,14 @@ MORE_SOURCE=${MORE_SOURCE:-}
 MORE_SAMPLES=${MORE_SAMPLES:-0}
 MAIN_ONLY=${MAIN_ONLY:-}
 T1=${T1:-1}
+PARALLEL_EVALS=${PARALLEL_EVALS:-1}
 WAIT=${WAIT:-520}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 dflash=(python3 -m stages.cli)
 read -ra extra <<< "${EXTRA:-}"
 read -ra generate_args <<< "${GENERATE_ARGS:-}"
 read -ra eval_args <<< "${EVAL_ARGS:-}"
+read -ra more_extra <<< "${MORE_ARGS:-}"
 common=(-c "$CONFIG" --set "data.cache_dir=$WORK/cache" --set "data.source=$WORK/answers"
         --set "store.path=$WORK/store" --set "train.out_dir=$WORK/drafter" ${GGUF:+--set "target.path=$GGUF"} "${extra[@]}")
 
@@ -56,7 +62,7 @@ part() {  # part NAME COMMAND...: run it, log it, record its wall seconds; stop 
   echo "[$(date +%H:%M:%S)] $name: $*" | tee -a "$WORK/results/progress.txt"
   "$@" > "$WORK/logs/$name.log" 2>&1
   local rc=$?
-  printf '%s\t%d\t%d\n' "$name" $((SECONDS - start)) "$rc" >> "$WORK/results/timing.tsv"
+  printf '%s\t%d\t%d\n' "$name" $((SECONDS - start)) "$rc" >> "${TIMING:-$WORK/results/timing.tsv}"
   echo "[$(date +%H:%M:%S)] $name: rc $rc after $((SECONDS - start)) s" | tee -a "$WORK/results/progress.txt"
   [ "$rc" -eq 0 ] || { tail -n 30 "$WORK/logs/$name.log"; exit "$rc"; }
 }
@@ -73,7 +79,8 @@ recipe() {
     local more_args=(--temperature 0)
     [ "$MORE_SAMPLES" -gt 0 ] && more_args=(--temperature "$TEMPERATURE" --num-samples "$MORE_SAMPLES" --with-greedy)
     part generate-more "${dflash[@]}" generate "${common[@]}" --set "data.source=$MORE_SOURCE" \
-      --out "$WORK/answers/more" --max-new-tokens "$NEW_TOKENS" "${more_args[@]}" "${generate_args[@]}"
+      --out "$WORK/answers/more" --max-new-tokens "$NEW_TOKENS" "${more_args[@]}" "${generate_args[@]}" \
+      "${more_extra[@]}"
   fi
   part extract "${dflash[@]}" stage1-extract "${common[@]}"
   part train "${dflash[@]}" stage2-train "${common[@]}"
@@ -90,21 +97,56 @@ recipe() {
   fi
   # One eval for the last checkpoint and the curve's: the target loads once and decodes each prompt's
   # baseline once; results[0] is the last checkpoint.
-  part eval-heldout "${dflash[@]}" eval "${common[@]}" "${drafters[@]}" --prompts heldout \
-    --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-heldout.json" \
-    "${eval_args[@]}"
+  eval_heldout() {
+    part eval-heldout "${dflash[@]}" eval "${common[@]}" "${drafters[@]}" --prompts heldout \
+      --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-heldout.json" \
+      "${eval_args[@]}"
+  }
   # With MORE_SOURCE the held-out prompts are a mix (so is the training log's held-out tau): MAIN_ONLY, a
   # regular expression of the other source's wording, serves the last checkpoint on $SOURCE's alone too.
-  [ -n "$MAIN_ONLY" ] && part eval-heldout-main "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" \
-    --prompts heldout --exclude "$MAIN_ONLY" --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" \
-    --out "$WORK/results/eval-heldout-main.json" "${eval_args[@]}"
-  part eval-humaneval "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts "$EVAL_SOURCE" \
-    --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-humaneval.json" \
-    "${eval_args[@]}"
-  [ "$T1" = 1 ] && part eval-heldout-t1 "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
-    --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --temperature 1 \
-    --out "$WORK/results/eval-heldout-t1.json" "${eval_args[@]}"
+  eval_heldout_main() {
+    part eval-heldout-main "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
+      --exclude "$MAIN_ONLY" --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" \
+      --out "$WORK/results/eval-heldout-main.json" "${eval_args[@]}"
+  }
+  eval_humaneval() {
+    part eval-humaneval "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts "$EVAL_SOURCE" \
+      --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-humaneval.json" \
+      "${eval_args[@]}"
+  }
+  eval_heldout_t1() {
+    part eval-heldout-t1 "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
+      --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --temperature 1 \
+      --out "$WORK/results/eval-heldout-t1.json" "${eval_args[@]}"
+  }
+  local evals=(eval_heldout)
+  [ -n "$MAIN_ONLY" ] && evals+=(eval_heldout_main)
+  evals+=(eval_humaneval)
+  [ "$T1" = 1 ] && evals+=(eval_heldout_t1)
+  side_by_side "${evals[@]}"
   summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"
+}
+
+side_by_side() {  # side_by_side FUNCTION...: the eval parts, at once on the one GPU (PARALLEL_EVALS=1) or in turn
+  if [ "$PARALLEL_EVALS" != 1 ]; then
+    local job
+    for job in "$@"; do "$job"; done
+    return
+  fi
+  # Batch-1 decoding of a small target is bound by the host's launches, so the GPU has room for several;
+  # each part logs its own time (into its own file, gathered in order), then "evals" the wall time of all.
+  local start=$SECONDS pids=() job index rc failed=0
+  for job in "$@"; do
+    ( TIMING=$WORK/results/timing-$job.tsv; : > "$TIMING"; "$job" ) &
+    pids+=($!)
+  done
+  for index in "${!pids[@]}"; do
+    wait "${pids[$index]}"; rc=$?
+    [ "$rc" -eq 0 ] || failed=$rc
+  done
+  for job in "$@"; do cat "$WORK/results/timing-$job.tsv" >> "$WORK/results/timing.tsv"; rm -f "$WORK/results/timing-$job.tsv"; done
+  printf 'evals (side by side)\t%d\t%d\n' $((SECONDS - start)) "$failed" >> "$WORK/results/timing.tsv"
+  [ "$failed" -eq 0 ] || exit "$failed"
 }
 
 summarize() {  # the parts' times, the last held-out teacher-forced tau and the served taus
