@@ -43,6 +43,9 @@ if "--cold" in sys.argv:  # before torch reads them: empty compile caches, as on
     os.environ["TRITON_CACHE_DIR"] = os.path.join(_cold_dir, "triton")
     if "--cold-serial" in sys.argv:  # kernels compile in this process, one at a time: each one's own seconds
         os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    # Every graph compiled past a function's first says why (the guard that failed): a cold start's
+    # graph count is then accounted for in the log (on 12-02 the default budget had 9 graphs, the peers' step 7).
+    os.environ.setdefault("TORCH_LOGS", "recompiles")
 
 import numpy as np
 import torch
