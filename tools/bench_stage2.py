@@ -693,7 +693,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cold", action="store_true",
                         help="start from empty inductor and Triton caches (a temporary directory), as a new machine "
                              "does: the first warm-up step is the cold start; the JSON's warmup_compile has the "
-                             "compile phases and the slowest Triton kernels")
+                             "compile phases and the slowest Triton kernels, and the log says why each recompiled "
+                             "graph recompiled (TORCH_LOGS=recompiles unless TORCH_LOGS is set)")
     parser.add_argument("--cold-serial", action="store_true",
                         help="with --cold: compile kernels in this process one at a time, so each kernel's own "
                              "compile seconds are measured (a slower start than the default parallel compile)")
