@@ -330,3 +330,34 @@ def test_flex_over_the_collates_gathered_keys_equals_dense_sdpa():
     dense = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="dense", device="cpu")
     assert all(isinstance(flex[layer_type], GatheredMask) for layer_type in LAYER_TYPES)
     assert_flex_attends_like_dense(batch, flex, dense, 16, 1)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_both_layer_types_share_one_compiled_flex_graph():
+    """The sliding and the full layers' rules are one code with tensor constants: compiled flex attention
+    traces one graph for both (a cold start compiles flex once), and each still attends like its dense mask."""
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    rng = np.random.default_rng(5)
+    block_size, window = 16, 40
+    meta = tiled_packed_meta(rng, block_size)
+    windows = layer_windows(LAYER_TYPES, window)
+    tiled = dict(meta, **{tiles_key(t): torch.from_numpy(layout_of(meta, block_size, w)) for t, w in windows.items()})
+    flex = build_masks(tiled, LAYER_TYPES, window, block_size=block_size, backend="flex", device="cpu")
+    dense = build_masks(meta, LAYER_TYPES, window, block_size=block_size, backend="dense", device="cpu")
+    num_queries = len(meta["anchor_doc"]) * block_size
+    num_keys = len(meta["doc_ids"]) + num_queries
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, num_queries, 8, generator=generator)
+    k, v = (torch.randn(1, 2, num_keys, 8, generator=generator) for _ in range(2))
+    compiled = torch.compile(flex_attention, dynamic=True, backend="aot_eager")
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for layer_type in LAYER_TYPES:
+            out = compiled(q, k, v, block_mask=flex[layer_type])
+            expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=dense[layer_type])
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert not torch.equal(dense[LAYER_TYPES[0]], dense[LAYER_TYPES[1]])  # two different rules all the same

@@ -39,17 +39,28 @@ FLEX_KERNEL_OPTIONS: dict = {}
 FLEX_COMPILE_MODE: str | None = None
 
 
+# The window of a full-attention layer in the shared rule: wider than any position difference.
+FULL_WINDOW = 1 << 40
+
+
 def make_mask_mod(ctx_doc_T, ctx_pos_T, anchor_doc_A, anchor_pos_A, block_size: int, window: int | None):
     """The visibility rule as a flex-attention `mask_mod(b, h, q_idx, kv_idx) -> bool`.
 
     `window=None` means a full-attention layer. Padded anchors (doc -1) see only their own
     block, so no query row is ever fully masked (SDPA would return NaN for it).
+
+    Both layer types run the same code: the window (`FULL_WINDOW` for a full layer) and how far past
+    its own slot a block token sees inside its block (1 key: causal, sliding layers; the whole block,
+    full layers) are 0-d tensors the rule reads. So compiled flex attention compiles one graph for
+    both layer types; a Python branch or int on the window made it compile one per type (a graph, and
+    its kernels' compile, more in every cold start).
     """
     num_context, num_anchors = ctx_doc_T.shape[0], anchor_doc_A.shape[0]
     if num_context < 1 or num_anchors < 1:
         raise ValueError(f"masks: need at least one context token and one anchor, got T={num_context}, A={num_anchors}")
     if window is not None and window < block_size:
         raise ValueError(f"masks: sliding window {window} is smaller than block size {block_size}")
+    window_t, reach_t = _rule_constants(window, block_size, anchor_pos_A.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         # Indices are clamped because both branches are evaluated for every (q, kv) pair.
@@ -58,17 +69,23 @@ def make_mask_mod(ctx_doc_T, ctx_pos_T, anchor_doc_A, anchor_pos_A, block_size: 
         doc, pos = anchor_doc_A[anchor], anchor_pos_A[anchor]
         ctx = torch.clamp(kv_idx, max=num_context - 1)
         ctx_pos = ctx_pos_T[ctx]
-        sees_context = (ctx_doc_T[ctx] == doc) & (doc != PADDING_DOC) & (ctx_pos < pos)
+        # Inside the block the window holds trivially (window >= block size).
+        sees_context = ((ctx_doc_T[ctx] == doc) & (doc != PADDING_DOC) & (ctx_pos < pos)
+                        & (pos + slot - ctx_pos < window_t))
         block_key = torch.clamp(kv_idx - num_context, min=0)
-        sees_block = block_key // block_size == anchor
-        if window is not None:
-            sees_context = sees_context & (pos + slot - ctx_pos < window)
-            # Inside the block the window holds trivially (window >= block size).
-            sees_block = sees_block & (block_key % block_size <= slot)
+        sees_block = (block_key // block_size == anchor) & (block_key % block_size - slot < reach_t)
         is_context = kv_idx < num_context
         return (is_context & sees_context) | (~is_context & sees_block)
 
     return mask_mod
+
+
+@cache
+def _rule_constants(window: int | None, block_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule's window and in-block reach as 0-d int64 tensors on `device`, made once (a tensor made
+    per micro-batch would be a copy to the device, and a sync, every step)."""
+    values = (FULL_WINDOW, block_size) if window is None else (window, 1)
+    return tuple(torch.tensor(value, dtype=torch.int64, device=device) for value in values)
 
 
 def block_mask_from_layout(layout: torch.Tensor, mask_mod, num_queries: int, num_keys: int) -> BlockMask:
