@@ -18,7 +18,7 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     work = tmp_path / "recipe"
     env = dict(os.environ, CONFIG="configs/tiny.toml", WORK=str(work), SAMPLES="1", NEW_TOKENS="24",
                EVAL_PROMPTS="2", EVAL_TOKENS="8", GENERATE_ARGS="--limit 16", OMP_NUM_THREADS="1",
-               MORE_SOURCE="embedded:code-complete", MORE_SAMPLES="0", MAIN_ONLY="Complete the following",
+               MORE_SAMPLES="0", MORE_ARGS="--limit 16",  # the defaults: code-complete, MAIN_ONLY
                EXTRA=f"--set train.max_steps=4 --set train.holdout_fraction=0.2 --set train.eval_every=2 "
                      f"--set train.save_every=2 --set train.epochs=8 "
                      f"--set data.num_workers=1 --set train.num_workers=0")

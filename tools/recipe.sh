@@ -4,9 +4,11 @@
 #
 #   1. generate  `dflash generate`: greedy + $SAMPLES sampled answers (temperature $TEMPERATURE) to every
 #                prompt of $SOURCE, up to $NEW_TOKENS tokens each
-#                (MORE_SOURCE: also the greedy answer, and $MORE_SAMPLES sampled ones, to every prompt of
-#                that source, e.g. embedded:code-complete, into answers/more; the held-out prompts are then
-#                a mix: MAIN_ONLY="Complete the following" also serves $SOURCE's held-out prompts alone)
+#                and (MORE_SOURCE, by default embedded:code-complete: HumanEval-worded prompts) the greedy
+#                answer, and $MORE_SAMPLES (0) sampled ones, to the first 16,000 prompts of that source
+#                (MORE_ARGS="--limit 16000"), into answers/more; the held-out prompts are then a mix, and
+#                MAIN_ONLY ("Complete the following") also serves $SOURCE's held-out prompts alone.
+#                MORE_SOURCE= (empty) leaves the second source out
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
 #   3. train     `dflash stage2-train`: train.holdout_by = prompt, so the held-out prompts' answers are
 #                never trained on and its held-out tau is measured on the target's own answers
@@ -27,7 +29,7 @@
 #   WORK=/tmp/recipe LOGS=$OUT bash tools/recipe.sh collect   # waits (at most $WAIT s), copies the results
 # EXTRA="--set ..." adds overrides to every dflash command (a CPU dry run: CONFIG=configs/tiny.toml and
 # small budgets); GENERATE_ARGS / EVAL_ARGS add options to those commands alone, MORE_ARGS to the generate of
-# MORE_SOURCE alone (e.g. MORE_ARGS="--limit 16000").
+# MORE_SOURCE alone (default "--limit 16000").
 set -uo pipefail
 command=${1:?usage: recipe.sh run|launch|status|collect}
 WORK=${WORK:-/tmp/dflash-recipe}
@@ -41,9 +43,9 @@ EVAL_SOURCE=${EVAL_SOURCE:-embedded:humaneval}
 EVAL_PROMPTS=${EVAL_PROMPTS:-16}
 EVAL_TOKENS=${EVAL_TOKENS:-128}
 CURVE=${CURVE:-1}
-MORE_SOURCE=${MORE_SOURCE:-}
+MORE_SOURCE=${MORE_SOURCE-embedded:code-complete}  # MORE_SOURCE= (empty): the main source alone
 MORE_SAMPLES=${MORE_SAMPLES:-0}
-MAIN_ONLY=${MAIN_ONLY:-}
+MAIN_ONLY=${MAIN_ONLY-Complete the following}
 T1=${T1:-1}
 PARALLEL_EVALS=${PARALLEL_EVALS:-1}
 WAIT=${WAIT:-520}
@@ -52,7 +54,7 @@ dflash=(python3 -m stages.cli)
 read -ra extra <<< "${EXTRA:-}"
 read -ra generate_args <<< "${GENERATE_ARGS:-}"
 read -ra eval_args <<< "${EVAL_ARGS:-}"
-read -ra more_extra <<< "${MORE_ARGS:-}"
+read -ra more_extra <<< "${MORE_ARGS---limit 16000}"
 common=(-c "$CONFIG" --set "data.cache_dir=$WORK/cache" --set "data.source=$WORK/answers"
         --set "store.path=$WORK/store" --set "train.out_dir=$WORK/drafter" ${GGUF:+--set "target.path=$GGUF"} "${extra[@]}")
 
