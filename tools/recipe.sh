@@ -7,7 +7,8 @@
 #                and (MORE_SOURCE, by default embedded:code-complete: HumanEval-worded prompts) the greedy
 #                answer, and $MORE_SAMPLES (0) sampled ones, to the first 16,000 prompts of that source
 #                (MORE_ARGS="--limit 16000"), into answers/more; the held-out prompts are then a mix, and
-#                MAIN_ONLY ("Complete the following") also serves $SOURCE's held-out prompts alone.
+#                MAIN_ONLY (with code-complete "Complete the following") also serves $SOURCE's held-out
+#                prompts alone.
 #                MORE_SOURCE= (empty) leaves the second source out
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
 #   3. train     `dflash stage2-train`: train.holdout_by = prompt, so the held-out prompts' answers are
@@ -45,7 +46,9 @@ EVAL_TOKENS=${EVAL_TOKENS:-128}
 CURVE=${CURVE:-1}
 MORE_SOURCE=${MORE_SOURCE-embedded:code-complete}  # MORE_SOURCE= (empty): the main source alone
 MORE_SAMPLES=${MORE_SAMPLES:-0}
-MAIN_ONLY=${MAIN_ONLY-Complete the following}
+# code-complete's prompts all begin "Complete the following": by default the held-out eval without them
+[ "$MORE_SOURCE" = embedded:code-complete ] && MAIN_ONLY=${MAIN_ONLY-Complete the following}
+MAIN_ONLY=${MAIN_ONLY-}
 T1=${T1:-1}
 PARALLEL_EVALS=${PARALLEL_EVALS:-1}
 WAIT=${WAIT:-520}
