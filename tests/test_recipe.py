@@ -19,9 +19,9 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     env = dict(os.environ, CONFIG="configs/tiny.toml", WORK=str(work), SAMPLES="1", NEW_TOKENS="24",
                EVAL_PROMPTS="2", EVAL_TOKENS="8", GENERATE_ARGS="--limit 16", OMP_NUM_THREADS="1",
                MORE_SAMPLES="0", MORE_ARGS="--limit 16",  # the defaults: code-complete, MAIN_ONLY
-               EXTRA=f"--set train.max_steps=4 --set train.holdout_fraction=0.2 --set train.eval_every=2 "
-                     f"--set train.save_every=2 --set train.epochs=8 "
-                     f"--set data.num_workers=1 --set train.num_workers=0")
+               EXTRA="--set train.max_steps=4 --set train.holdout_fraction=0.2 --set train.eval_every=2 "
+                     "--set train.save_every=2 --set train.epochs=8 "
+                     "--set data.num_workers=1 --set train.num_workers=0")
     result = subprocess.run(["bash", "tools/recipe.sh", "run"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -33,9 +33,12 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     summary = (work / "results" / "summary.txt").read_text()
     assert "teacher-forced held-out tau" in summary and summary.count("served tau") == 5
     assert "served curve" in summary
+    split = re.search(r"training split: ([\d,]+) tokens, ([\d,]+) of them", summary)
+    assert split and 0 < int(split.group(2).replace(",", "")) < int(split.group(1).replace(",", ""))
     curve = summary.split("served curve", 1)[1].splitlines()[1:]
     assert [row.split(",")[0].strip() for row in curve] == ["2", "4"]  # an earlier checkpoint, then the last
-    assert all(row.split(",")[2].strip() != "None" for row in curve)  # each beside its teacher-forced tau
+    assert all("passes)" in row for row in curve[1:])  # tokens seen over the training split's tokens
+    assert all(row.split(",")[-2].strip() != "None" for row in curve)  # each beside its teacher-forced tau
     answers = [json.loads(line) for part in sorted((work / "answers").glob("part-*.jsonl"))
                for line in part.read_text().splitlines()]
     assert [row["sample"] for row in answers] == [0, 1] * 16  # the greedy answer and one sampled, per prompt

@@ -163,6 +163,11 @@ from pathlib import Path
 work = Path(sys.argv[1])
 lines = [json.loads(line) for line in (work / "drafter" / "metrics.jsonl").read_text().splitlines()]
 held = [line for line in lines if "eval/tau" in line]
+import re
+plan = re.search(r"train: ([\d,]+) tokens, ([\d,]+) of them answer tokens", (work / "logs" / "train.log").read_text())
+unique, answers = (int(group.replace(",", "")) for group in plan.groups()) if plan else (0, 0)
+if unique:
+    print(f"  training split: {unique:,} tokens, {answers:,} of them the target's answers (unique data)")
 if held:
     print(f"  teacher-forced held-out tau {held[-1]['eval/tau']:.3f} at step {held[-1]['step']}")
 for name in ("eval-heldout", "eval-heldout-main", "eval-humaneval", "eval-heldout-t1"):
@@ -184,7 +189,8 @@ if len(curve) > 1:
         step = int(tail) if tail.isdigit() else last_step
         tokens = seen.get(max((s for s in seen if s <= step), default=0), 0)
         tf = held_by_step.get(step)
-        print(f"    {step}, {tokens:,.0f}, {tf if tf is None else round(tf, 3)}, {result['tau']:.3f}")
+        passes = f" ({tokens / unique:.1f} passes)" if unique else ""
+        print(f"    {step}, {tokens:,.0f}{passes}, {tf if tf is None else round(tf, 3)}, {result['tau']:.3f}")
 PY
 }
 

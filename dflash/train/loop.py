@@ -335,8 +335,10 @@ def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epo
                follower: StoreFollower | None = None) -> None:
     args = model.args
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"store {config.store.path}: {len(reader)} samples ({train_indices.size} train, "
-          f"{eval_indices.size} held out), codec {reader.attrs['codec']}, "
+    tokens = int(reader.sample_length[train_indices].sum())
+    answer_tokens = int(reader.sample_num_supervised[train_indices].sum())  # the answers' tokens trained on
+    print(f"store {config.store.path}: {len(reader)} samples ({train_indices.size} train: {tokens:,} tokens, "
+          f"{answer_tokens:,} of them answer tokens; {eval_indices.size} held out), codec {reader.attrs['codec']}, "
           f"{'the target' if reader.has_labels else 'data'} labels")
     for name, reason in reader.skipped_shards.items():
         print(f"  skipped corrupt shard {name}: {reason}")
