@@ -225,8 +225,9 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
     from stages import evaluate as evaluate_stage
 
     options = evaluate_stage.EvalOptions(drafters=drafter_dirs, prompts=prompts, num_prompts=num_prompts,
-                                         match=match, exclude=exclude, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                         device=device, out=out or "", plot=plot or "")
+                                         match=match, exclude=exclude, max_new_tokens=max_new_tokens,
+                                         temperature=temperature, seed=seed, device=device, out=out or "",
+                                         plot=plot or "")
     evaluate_stage.run(config, options)
 
 

@@ -102,28 +102,17 @@ recipe() {
   fi
   # One eval for the last checkpoint and the curve's: the target loads once and decodes each prompt's
   # baseline once; results[0] is the last checkpoint.
-  eval_heldout() {
-    part eval-heldout "${dflash[@]}" eval "${common[@]}" "${drafters[@]}" --prompts heldout \
-      --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-heldout.json" \
-      "${eval_args[@]}"
+  eval_part() {  # eval_part NAME OPTIONS...: `dflash eval` with the recipe's prompt budget, into results/NAME.json
+    local name=$1; shift
+    part "$name" "${dflash[@]}" eval "${common[@]}" "$@" --num-prompts "$EVAL_PROMPTS" \
+      --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/$name.json" "${eval_args[@]}"
   }
+  eval_heldout() { eval_part eval-heldout "${drafters[@]}" --prompts heldout; }
   # With MORE_SOURCE the held-out prompts are a mix (so is the training log's held-out tau): MAIN_ONLY, a
   # regular expression of the other source's wording, serves the last checkpoint on $SOURCE's alone too.
-  eval_heldout_main() {
-    part eval-heldout-main "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
-      --exclude "$MAIN_ONLY" --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" \
-      --out "$WORK/results/eval-heldout-main.json" "${eval_args[@]}"
-  }
-  eval_humaneval() {
-    part eval-humaneval "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts "$EVAL_SOURCE" \
-      --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/eval-humaneval.json" \
-      "${eval_args[@]}"
-  }
-  eval_heldout_t1() {
-    part eval-heldout-t1 "${dflash[@]}" eval "${common[@]}" --drafter "$WORK/export" --prompts heldout \
-      --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_TOKENS" --temperature 1 \
-      --out "$WORK/results/eval-heldout-t1.json" "${eval_args[@]}"
-  }
+  eval_heldout_main() { eval_part eval-heldout-main --drafter "$WORK/export" --prompts heldout --exclude "$MAIN_ONLY"; }
+  eval_humaneval() { eval_part eval-humaneval --drafter "$WORK/export" --prompts "$EVAL_SOURCE"; }
+  eval_heldout_t1() { eval_part eval-heldout-t1 --drafter "$WORK/export" --prompts heldout --temperature 1; }
   local evals=(eval_heldout)
   [ -n "$MAIN_ONLY" ] && evals+=(eval_heldout_main)
   evals+=(eval_humaneval)
@@ -140,16 +129,18 @@ side_by_side() {  # side_by_side FUNCTION...: the eval parts, at once on the one
   fi
   # Batch-1 decoding of a small target is bound by the host's launches, so the GPU has room for several;
   # each part logs its own time (into its own file, gathered in order), then "evals" the wall time of all.
-  local start=$SECONDS pids=() job index rc failed=0
+  local start=$SECONDS pids=() job pid rc failed=0
   for job in "$@"; do
     ( TIMING=$WORK/results/timing-$job.tsv; : > "$TIMING"; "$job" ) &
     pids+=($!)
   done
-  for index in "${!pids[@]}"; do
-    wait "${pids[$index]}"; rc=$?
+  for pid in "${pids[@]}"; do
+    wait "$pid"; rc=$?
     [ "$rc" -eq 0 ] || failed=$rc
   done
-  for job in "$@"; do cat "$WORK/results/timing-$job.tsv" >> "$WORK/results/timing.tsv"; rm -f "$WORK/results/timing-$job.tsv"; done
+  for job in "$@"; do
+    cat "$WORK/results/timing-$job.tsv" >> "$WORK/results/timing.tsv" && rm -f "$WORK/results/timing-$job.tsv"
+  done
   printf 'evals (side by side)\t%d\t%d\n' $((SECONDS - start)) "$failed" >> "$WORK/results/timing.tsv"
   [ "$failed" -eq 0 ] || exit "$failed"
 }
@@ -158,12 +149,11 @@ summarize() {  # the parts' times, the last held-out teacher-forced tau and the 
   echo "recipe: $1 s end to end"
   awk -F'\t' '{printf "  %-20s %6d s  (rc %d)\n", $1, $2, $3}' "$WORK/results/timing.tsv"
   python3 - "$WORK" <<'PY'
-import json, sys
+import json, re, sys
 from pathlib import Path
 work = Path(sys.argv[1])
 lines = [json.loads(line) for line in (work / "drafter" / "metrics.jsonl").read_text().splitlines()]
 held = [line for line in lines if "eval/tau" in line]
-import re
 plan = re.search(r"train: ([\d,]+) tokens, ([\d,]+) of them answer tokens", (work / "logs" / "train.log").read_text())
 unique, answers = (int(group.replace(",", "")) for group in plan.groups()) if plan else (0, 0)
 if unique:
