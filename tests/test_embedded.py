@@ -1,5 +1,6 @@
 """The embedded default: offline code-chat rows and the tiny Qwen3.5 target checkpoint."""
 
+import itertools
 import os
 
 import numpy as np
@@ -8,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash.data import chat, samples
-from dflash.data.embedded import (STDLIB_MODULES, code_chat_rows, code_complete_rows, code_docs_rows, embedded_rows,
-                                  _human_eval_rows)
+from dflash.data import chat, embedded, samples
+from dflash.data.embedded import (STDLIB_MODULES, _human_eval_rows, code_chat_rows, code_complete_rows, code_docs_rows,
+                                  embedded_rows)
 from dflash.data.tokenizer import CHATML_TEMPLATE, tokenizer_identity
 from dflash.extract.tiny_target import CHECKPOINT_FILES, build_tiny_target, tiny_target_config
 
@@ -44,9 +45,27 @@ def test_code_complete_is_worded_as_humaneval_and_shares_no_module_with_code_doc
         complete_modules.add(request.split("# ", 1)[1].split("\n", 1)[0])
     assert not docs_modules & complete_modules
     assert any("test" in module.split(".")[0] for module in complete_modules)
+    assert len(complete) == embedded.CODE_COMPLETE_ROWS  # the test suites, then numpy's functions
     assert embedded_rows("embedded:code-docs+code-complete") == list(docs) + list(complete)
     with pytest.raises(ValueError, match="'embedded:nope' in 'embedded:code-docs\\+nope'"):
         embedded_rows("embedded:code-docs+nope")
+
+
+def test_code_complete_fills_up_from_installed_packages_where_the_test_suites_are_stripped(monkeypatch):
+    """A system Python without its test suites (Debian's, Ubuntu's: a few hundred functions on the H200
+    image) still gives CODE_COMPLETE_ROWS prompts: the installed packages' functions follow the tests'."""
+    suites = list(itertools.islice(embedded._stdlib_functions(True), 40))
+    monkeypatch.setattr(embedded, "_stdlib_functions", lambda tests: iter(suites))
+    monkeypatch.setattr(embedded, "CODE_COMPLETE_ROWS", 300)
+    embedded.code_complete_rows.cache_clear()
+    try:
+        rows = embedded.code_complete_rows()
+    finally:
+        embedded.code_complete_rows.cache_clear()
+    modules = [row["messages"][0]["content"].split("# ", 1)[1].split("\n", 1)[0] for row in rows]
+    assert len(rows) == 300
+    first_package = next(i for i, module in enumerate(modules) if module.startswith("numpy"))
+    assert 0 < first_package <= 40 and all(module.startswith("numpy") for module in modules[first_package:])
 
 
 def test_code_chat_rows_tokenize_with_a_spread_of_lengths(qwen_tokenizer):

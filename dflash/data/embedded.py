@@ -7,6 +7,7 @@ they go with is dflash/extract/tiny_target.py's.
 
 import functools
 import gzip
+import itertools
 import json
 import sysconfig
 from pathlib import Path
@@ -147,30 +148,56 @@ def _module_functions(tree, owner: str = ""):
             yield from _module_functions(node, f"{owner}.{node.name}" if owner else node.name)
 
 
+def _file_functions(path: Path, module: str):
+    """(module name, source lines, owner class, function node) for one Python file; nothing for a
+    file that is not UTF-8 Python."""
+    import ast
+
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (UnicodeDecodeError, SyntaxError, ValueError):
+        return
+    lines = source.splitlines()
+    for owner, node in _module_functions(tree):
+        yield module, lines, owner, node
+
+
 def _stdlib_functions(tests: bool):
     """(module name, source lines, owner class, function node) over the standard library's files in
     path order: the library code (tests=False; tests, tools and generated tables left out) or its test
     suites (tests=True)."""
-    import ast
-
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for path in sorted(stdlib.rglob("*.py")):
         relative = path.relative_to(stdlib)
         folders = relative.parts[:-1]
-        if "site-packages" in folders:
+        if "site-packages" in folders or "dist-packages" in folders:
             continue
         in_tests = any(part.startswith("test") for part in folders)
         if in_tests != tests or (not tests and any(part in CODE_DOCS_SKIPPED for part in folders)):
             continue
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (UnicodeDecodeError, SyntaxError, ValueError):
-            continue
-        module = ".".join(relative.with_suffix("").parts).removesuffix(".__init__")
-        lines = source.splitlines()
-        for owner, node in _module_functions(tree):
-            yield module, lines, owner, node
+        yield from _file_functions(path, ".".join(relative.with_suffix("").parts).removesuffix(".__init__"))
+
+
+# embedded:code-complete's size: about what Python 3.11's test suites give alone. Where they are stripped
+# (Debian's and Ubuntu's system Python ship a few hundred of their functions), the functions of these
+# packages, which every dflash install has (transformers needs numpy, torch), make up the rest, in order.
+CODE_COMPLETE_ROWS = 24_000
+CODE_COMPLETE_PACKAGES = ("numpy", "transformers", "torch")
+
+
+def _package_functions(name: str):
+    """_stdlib_functions' tuples over an installed package's files in path order (none when it is not
+    installed); module names begin with the package's."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        return
+    root = Path(spec.origin).parent
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root.parent)
+        yield from _file_functions(path, ".".join(relative.with_suffix("").parts).removesuffix(".__init__"))
 
 
 @functools.cache
@@ -188,10 +215,19 @@ def code_docs_rows() -> tuple[dict, ...]:
 def code_complete_rows() -> tuple[dict, ...]:
     """Complete-this-function conversations worded as HumanEval's, over the functions and methods of
     the standard library's test suites (none of them in `embedded:code-docs`, so the two can be
-    trained on together without a function on both sides of a held-out split): about 23K rows on
-    Python 3.11. For on-policy answers (`dflash generate`): more prompts, in HumanEval's wording."""
-    rows = (_completion_row(module, owner, lines, node) for module, lines, owner, node in _stdlib_functions(True))
-    return tuple(row for row in rows if row is not None)
+    trained on together without a function on both sides of a held-out split), then, up to
+    CODE_COMPLETE_ROWS, of CODE_COMPLETE_PACKAGES: 24,000 rows wherever those packages are installed
+    (about 23.3K of them from the test suites on Python 3.11). For on-policy answers (`dflash generate`):
+    more prompts, in HumanEval's wording."""
+    rows = []
+    sources = itertools.chain(_stdlib_functions(True), *map(_package_functions, CODE_COMPLETE_PACKAGES))
+    for module, lines, owner, node in sources:
+        row = _completion_row(module, owner, lines, node)
+        if row is not None:
+            rows.append(row)
+            if len(rows) == CODE_COMPLETE_ROWS:
+                break
+    return tuple(rows)
 
 
 EMBEDDED_SOURCES = {
