@@ -138,6 +138,10 @@ class TrainConfig:
                               choices=HOLDOUT_UNITS)
     eval_every: int = setting(500, "steps between held-out evaluations", positive=True)
     eval_batches: int = setting(16, "held-out micro-batches per evaluation")
+    eval_served_tokens: int = setting(0, "N > 0: each evaluation also logs eval/served_tau, the tau `dflash eval "
+                                      "--max-new-tokens N` would serve at temperature 0, walked verification by "
+                                      "verification over the first N tokens of the held-out answers that are the "
+                                      "target's greedy ones (needs store.labels = 'target'; 0: off)")
     log_every: int = setting(10, "steps between metric lines (the only steps that move numbers to the host)",
                              positive=True)
     save_every: int = setting(1000, "steps between checkpoints", positive=True)
@@ -314,6 +318,17 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.holdout_fraction must be in [0, 1), got {config.train.holdout_fraction}")
     if not 0.0 <= config.train.warmup_ratio < 1.0:
         raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {config.train.warmup_ratio}")
+    if config.train.eval_served_tokens < 0:
+        raise ConfigError(f"train.eval_served_tokens must be 0 (off) or a token count, got "
+                          f"{config.train.eval_served_tokens}")
+    if config.train.eval_served_tokens and config.store.labels != "target":
+        raise ConfigError(f"train.eval_served_tokens = {config.train.eval_served_tokens} finds the target's greedy "
+                          f"answers by the target's labels: it needs store.labels = \"target\", got "
+                          f"\"{config.store.labels}\"")
+    if config.train.eval_served_tokens > config.train.max_anchors:
+        raise ConfigError(f"train.max_anchors ({config.train.max_anchors}) must be at least "
+                          f"train.eval_served_tokens ({config.train.eval_served_tokens}): the held-out micro-batches "
+                          f"are packed by it and the walk reads an anchor at every one of those positions")
 
 
 def lookup(config: Config, key: str):

@@ -187,6 +187,16 @@ class StoreReader:
             ) from exc
         return sample
 
+    def read_tokens(self, i: int) -> dict:
+        """Sample i's input_ids int64, loss_mask bool and labels int64 (or None), without its features."""
+        name = self.shard_names[self.sample_shard[i]]
+        start = int(self.sample_start[i])
+        stop = start + int(self.sample_length[i])
+        arrays = self._shard_arrays(name)
+        return {"input_ids": arrays["input_ids"][start:stop].astype(np.int64),
+                "loss_mask": arrays["loss_mask"][start:stop].astype(bool),
+                "labels": arrays["labels"][start:stop].astype(np.int64) if "labels" in arrays else None}
+
     def prompt_groups(self) -> np.ndarray:
         """Per sample, the number of its prompt (the tokens before its first supervised one), equal
         for samples with equal prompts and numbered in order of first appearance: several answers to

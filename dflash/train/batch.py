@@ -23,13 +23,14 @@ import torch
 import torch.utils.data
 
 from dflash.data.chat import row_label
-from dflash.model.anchors import anchor_rng, sample_anchors
 from dflash.model import tiles
+from dflash.model.anchors import anchor_rng, sample_anchors
 from dflash.model.loss import label_rows
 from dflash.model.masks import layer_windows
 from dflash.model.tiles import PADDING_DOC, gather_context_keys, keys_key, tile_layout, tiles_key
 from dflash.padding import micro_batch_multiple, round_up
 from dflash.store.schema import CorruptShardError
+from dflash.train.served import window_anchors
 
 
 class StoreDataset(torch.utils.data.Dataset):
@@ -39,11 +40,15 @@ class StoreDataset(torch.utils.data.Dataset):
     not its store index, so a sample keeps its anchors when the store is re-planned (other
     bucket edges or shard sizes reorder the index but not the row ids), and the draw does not
     depend on the worker or the order of reads.
+
+    With `served_tokens` (the held-out tau as served, dflash.train.served), a sample's anchors are
+    every position of its answer's first `served_tokens` tokens instead.
     """
 
-    def __init__(self, reader, max_anchors: int, seed: int, skip_corrupt: bool = False):
+    def __init__(self, reader, max_anchors: int, seed: int, skip_corrupt: bool = False, served_tokens: int = 0):
         self.reader = reader
         self.max_anchors = max_anchors
+        self.served_tokens = served_tokens
         self.seed = seed
         self.skip_corrupt = skip_corrupt
 
@@ -65,8 +70,11 @@ class StoreDataset(torch.utils.data.Dataset):
                 f"sample {index} ({row_label(sample['row_id'])}): hidden has {sample['hidden'].shape[0]} rows, "
                 f"input_ids {num_tokens}, loss_mask {len(sample['loss_mask'])}"
             )
-        rng = anchor_rng(self.seed, epoch, int(sample["row_id"]))
-        anchors = sample_anchors(sample["loss_mask"], self.max_anchors, rng)
+        if self.served_tokens:
+            anchors = window_anchors(sample["loss_mask"], self.served_tokens)
+        else:
+            anchors = sample_anchors(sample["loss_mask"], self.max_anchors, anchor_rng(self.seed, epoch,
+                                                                                      int(sample["row_id"])))
         return {
             **sample,
             "anchors": anchors,

@@ -21,13 +21,14 @@ from dflash.config import Config, ConfigError
 from dflash.dist import DistState, broadcast_object
 from dflash.store.reader import StoreReader
 from dflash.store.schema import CorruptShardError
+from dflash.train import served
 from dflash.train.batch import StoreDataset, collate_options, collate_packed, epoch_loader
 from dflash.train.compile_cache import CompileProgress, artifacts_path, save_compile_artifacts
 from dflash.train.follow import FollowStopped, FollowTimeout, StoreFollower
 from dflash.train.metrics import MetricsLogger, StepStats
 from dflash.train.resume import save_run
 from dflash.train.sampler import DataCursor, held_out_micro_batches
-from dflash.train.step import TrainContext, evaluate, learning_rate, to_device, train_step
+from dflash.train.step import TrainContext, evaluate, evaluate_served, learning_rate, to_device, train_step
 
 
 @dataclass
@@ -138,6 +139,7 @@ def loop(state: TrainState) -> None:
     loader_options = collate_options(ctx.backend, ctx.args)
     collate = functools.partial(collate_packed, **loader_options)
     eval_micro_batches = {}  # by held-out set size: a following run's set only grows
+    served_micro_batches = {}  # the same, for train.eval_served_tokens
     bar = tqdm(total=state.total_steps, initial=state.step, unit="step", disable=not dist.is_main, dynamic_ncols=True,
                desc="train")
     window = StepStats(ctx.args.block_size, ctx.device)
@@ -198,6 +200,8 @@ def loop(state: TrainState) -> None:
                 try:
                     result.eval_metrics = evaluate(dist, state.wrapped, ctx, dataset, collate,
                                                    eval_micro_batches[state.eval_indices.size])
+                    if config.train.eval_served_tokens:
+                        result.eval_metrics.update(evaluate_served_held_out(state, collate, served_micro_batches))
                 except CorruptShardError as error:
                     raise corrupt_stop(error, state, window) from None
                 state.logger.log(step, {f"eval/{k}": v for k, v in result.eval_metrics.items()})
@@ -329,6 +333,24 @@ def save(state: TrainState, window: StepStats) -> Path:
     follow_state = state.follower.to_dict() if state.follower is not None else None
     return save_run(state.config, state.dist, state.model, state.optimizer, state.step, state.cursor,
                     state.result.tokens_seen, follow_state)
+
+
+def evaluate_served_held_out(state: TrainState, collate, micro_batches: dict) -> dict:
+    """eval/served_tau (train.eval_served_tokens): the held-out answers that are the target's greedy ones,
+    their micro-batches chosen once per held-out set size."""
+    config, reader, dist = state.config, state.reader, state.dist
+    tokens = config.train.eval_served_tokens
+    if state.eval_indices.size not in micro_batches:
+        greedy = served.greedy_held_out(reader, state.eval_indices, tokens, state.ctx.args.block_size)
+        micro_batches[state.eval_indices.size] = held_out_micro_batches(config, reader, greedy, dist.rank,
+                                                                        dist.world_size)
+        if dist.is_main:
+            tqdm.write(f"held-out tau as served: {greedy.size} of the {state.eval_indices.size} held-out answers are "
+                       f"the target's greedy ones, walked over their first {tokens} tokens")
+    dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards,
+                           served_tokens=tokens)
+    return evaluate_served(dist, state.wrapped, state.ctx, dataset, collate, micro_batches[state.eval_indices.size],
+                           tokens)
 
 
 def print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step,

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as torch_dist
 
 from dflash.config import Config
 from dflash.dist import DistState
@@ -21,6 +22,7 @@ from dflash.model.export import load_exported
 from dflash.model.loss import block_labels, default_gamma, dflash_loss, gamma_weights
 from dflash.model.masks import build_masks, default_backend
 from dflash.store import codecs
+from dflash.train import served
 from dflash.train.metrics import StepStats
 
 
@@ -166,6 +168,37 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
     stats.grad_norm = grad_norm.detach()
     stats.record_step(torch.cat([stats.loss_flags(), (~finite).reshape(1)]).float(), step)
     return stats
+
+
+@torch.no_grad()
+def evaluate_served(dist: DistState, wrapped, ctx: TrainContext, dataset, collate, micro_batches,
+                    tokens: int) -> dict:
+    """The held-out tau as serving measures it (dflash.train.served): `dataset` gives every anchor of
+    each answer's first `tokens` tokens, and each answer is walked as the temperature-0 serving loop
+    would. sync: one transfer per micro-batch (evaluations only)."""
+    totals = torch.zeros(3, dtype=torch.float64)  # acceptance lengths' sum, verifications, answers
+    wrapped.eval()
+    for micro_batch in micro_batches:
+        items = [item for item in (dataset[(0, int(i))] for i in micro_batch) if "corrupt" not in item]
+        if not items:
+            continue
+        host = collate(items)
+        out, valid_AB = forward_loss(wrapped, ctx, to_device(host, ctx.device))
+        lengths_A = served.accepted_lengths(out.correct, valid_AB).cpu().numpy()
+        real = int(host["num_real_anchors"])
+        docs, positions = host["anchor_doc"].numpy()[:real], host["anchor_pos"].numpy()[:real]
+        for doc, item in enumerate(items):
+            here = docs == doc
+            walk = served.serve_walk(dict(zip(positions[here].tolist(), lengths_A[:real][here].tolist())),
+                                     served.answer_start(item["loss_mask"]), served.answer_end(item["loss_mask"]),
+                                     tokens)
+            totals += torch.tensor([sum(walk), len(walk), 1], dtype=torch.float64)
+    wrapped.train()
+    if dist.is_distributed:
+        totals = totals.to(ctx.device)
+        torch_dist.all_reduce(totals)
+    lengths_sum, verifications, answers = totals.tolist()
+    return {"served_tau": lengths_sum / verifications, "served_answers": answers} if verifications else {}
 
 
 @torch.no_grad()
