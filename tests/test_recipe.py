@@ -21,7 +21,8 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
                MORE_SAMPLES="0", MORE_ARGS="--limit 16",  # the defaults: code-complete, MAIN_ONLY
                EXTRA="--set train.max_steps=4 --set train.holdout_fraction=0.2 --set train.eval_every=2 "
                      "--set train.save_every=2 --set train.epochs=8 "
-                     "--set data.num_workers=1 --set train.num_workers=0")
+                     "--set data.num_workers=1 --set train.num_workers=0 "
+                     "--set store.labels=target --set train.eval_served_tokens=8")
     result = subprocess.run(["bash", "tools/recipe.sh", "run"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -32,13 +33,17 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     assert all(rc == "0" for _, _, rc in timing)
     summary = (work / "results" / "summary.txt").read_text()
     assert "teacher-forced held-out tau" in summary and summary.count("served tau") == 5
+    walked = re.search(r"teacher-forced held-out tau as served ([\d.]+) \((\d+) greedy held-out answers", summary)
+    assert walked and 1.0 <= float(walked.group(1)) <= 16 and int(walked.group(2)) > 0  # train.eval_served_tokens
+    assert "greedy ones, walked over their first 8 tokens" in (work / "logs" / "train.log").read_text()
     assert "served curve" in summary
     split = re.search(r"training split: ([\d,]+) tokens, ([\d,]+) of them", summary)
     assert split and 0 < int(split.group(2).replace(",", "")) < int(split.group(1).replace(",", ""))
     curve = summary.split("served curve", 1)[1].splitlines()[1:]
     assert [row.split(",")[0].strip() for row in curve] == ["2", "4"]  # an earlier checkpoint, then the last
     assert all("passes)" in row for row in curve[1:])  # tokens seen over the training split's tokens
-    assert all(row.split(",")[-2].strip() != "None" for row in curve)  # each beside its teacher-forced tau
+    assert all(row.split(",")[-3].strip() != "None" for row in curve)  # each beside its teacher-forced tau
+    assert all(row.split(",")[-2].strip() != "None" for row in curve)  # and that tau walked as served
     answers = [json.loads(line) for part in sorted((work / "answers").glob("part-*.jsonl"))
                for line in part.read_text().splitlines()]
     assert [row["sample"] for row in answers] == [0, 1] * 16  # the greedy answer and one sampled, per prompt

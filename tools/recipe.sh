@@ -88,7 +88,8 @@ recipe() {
       "${more_extra[@]}"
   fi
   part extract "${dflash[@]}" stage1-extract "${common[@]}"
-  part train "${dflash[@]}" stage2-train "${common[@]}"
+  # TORCH_LOGS=recompiles (the default here; TORCH_LOGS= turns it off) names every recompile's failed guard in train.log
+  part train env "TORCH_LOGS=${TORCH_LOGS-recompiles}" "${dflash[@]}" stage2-train "${common[@]}"
   local checkpoint
   checkpoint=$(ls -d "$WORK"/drafter/checkpoints/step-* | sort | tail -n 1)
   part export "${dflash[@]}" export "$checkpoint" "$WORK/export"
@@ -158,8 +159,13 @@ plan = re.search(r"train: ([\d,]+) tokens, ([\d,]+) of them answer tokens", (wor
 unique, answers = (int(group.replace(",", "")) for group in plan.groups()) if plan else (0, 0)
 if unique:
     print(f"  training split: {unique:,} tokens, {answers:,} of them the target's answers (unique data)")
+recompiles = (work / "logs" / "train.log").read_text().count("Recompiling function")
+print(f"  recompiles while training: {recompiles} (TORCH_LOGS=recompiles: logs/train.log names each one's guard)")
 if held:
     print(f"  teacher-forced held-out tau {held[-1]['eval/tau']:.3f} at step {held[-1]['step']}")
+if held and "eval/served_tau" in held[-1]:  # train.eval_served_tokens: walked as serving walks the answers
+    print(f"  teacher-forced held-out tau as served {held[-1]['eval/served_tau']:.3f} "
+          f"({held[-1]['eval/served_answers']:.0f} greedy held-out answers, train.eval_served_tokens)")
 for name in ("eval-heldout", "eval-heldout-main", "eval-humaneval", "eval-heldout-t1"):
     path = work / "results" / f"{name}.json"
     if path.exists():
@@ -168,19 +174,22 @@ for name in ("eval-heldout", "eval-heldout-main", "eval-humaneval", "eval-heldou
               f"{result['num_prompts']} prompts, speedup {result['speedup']:.2f}x")
 seen = {line["step"]: line["tokens_seen"] for line in lines if "tokens_seen" in line}
 held_by_step = {line["step"]: line["eval/tau"] for line in held}
+served_by_step = {line["step"]: line["eval/served_tau"] for line in held if "eval/served_tau" in line}
 heldout_path = work / "results" / "eval-heldout.json"
 curve = json.loads(heldout_path.read_text())["results"] if heldout_path.exists() else []
 curve = curve[1:] + curve[:1]  # the earlier checkpoints in order, then the last one
 last_step = max((line["step"] for line in lines), default=0)  # the last checkpoint's
 if len(curve) > 1:
-    print("  served curve (held-out prompts, temperature 0): step, tokens seen, teacher-forced held-out tau, served tau")
+    print("  served curve (held-out prompts, temperature 0): step, tokens seen, teacher-forced held-out tau, "
+          "teacher-forced as served, served tau")
     for result in curve:
         tail = result["drafter"].rstrip("/").split("-")[-1]
         step = int(tail) if tail.isdigit() else last_step
         tokens = seen.get(max((s for s in seen if s <= step), default=0), 0)
-        tf = held_by_step.get(step)
+        tf, walked = held_by_step.get(step), served_by_step.get(step)
         passes = f" ({tokens / unique:.1f} passes)" if unique else ""
-        print(f"    {step}, {tokens:,.0f}{passes}, {tf if tf is None else round(tf, 3)}, {result['tau']:.3f}")
+        print(f"    {step}, {tokens:,.0f}{passes}, {tf if tf is None else round(tf, 3)}, "
+              f"{walked if walked is None else round(walked, 3)}, {result['tau']:.3f}")
 PY
 }
 
