@@ -11,7 +11,11 @@ case ${1:-27b} in
     timeout 120 "${B[@]}" --modes default --steps 4 --distinct-steps 2 --compile-artifacts /tmp/art-default.bin \
       --out "$OUT/warm-default.json" > "$OUT/warm-default.log" 2>&1
     timeout 150 "${B[@]}" --modes peer --steps 6 --distinct-steps 1 --compile-artifacts /tmp/art-peer.bin \
-      --out "$OUT/cold-peer.json" > "$OUT/cold-peer.log" 2>&1 ;;
+      --out "$OUT/cold-peer.json" > "$OUT/cold-peer.log" 2>&1
+    # kernels compiled in the process, one at a time: each kernel's own seconds, and whether the worker pool's
+    # wait (34.6 s of the default budget's 72.5 on 12-02) is more than the kernels' own compile time
+    [ -n "${SERIAL:-}" ] && timeout 200 "${B[@]}" --cold-serial --modes default --steps 4 --distinct-steps 2 \
+      --out "$OUT/cold-default-serial.json" > "$OUT/cold-default-serial.log" 2>&1 ;;
   small)
     S=("${B[@]}" --target smollm2-135m --modes default --lengths 100,1500 --token-budget 16384 --accum-steps 2
        --steps 20 --anchor-budget 4096 --compile-artifacts /tmp/art-small.bin)

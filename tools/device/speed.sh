@@ -10,3 +10,6 @@ for variant in "--anchor-budget 4096 --token-budget 16384" "--anchor-budget 8192
   echo "== $variant"
   timeout "${LIMIT:-100}" "${S[@]}" $variant --out "$OUT/speed-$name.json" 2>&1 | grep -v Warning | tail -3
 done
+# where the recipe's step spends its time (kernel time by class): PROFILE=1
+[ -n "${PROFILE:-}" ] && timeout "${LIMIT:-100}" "${S[@]}" --anchor-budget 4096 --token-budget 16384 \
+  --profile /tmp/prof --out "$OUT/speed-profile.json" 2>&1 | grep -v Warning | tail -40
