@@ -145,3 +145,60 @@ def test_the_loss_reads_the_stored_labels_not_the_data_tokens(labelled):
     finally:
         shutdown(dist)
     assert torch.equal(data, without) and not torch.equal(stored, data)
+
+
+def test_the_held_out_tau_as_served_packed_equals_each_answer_walked_alone(labelled, monkeypatch):
+    """`evaluate_served` over packed micro-batches gives the walk of each answer evaluated on its own (the
+    acceptance at every window position, then `serve_walk`); `read_tokens` reads what `read_sample` does.
+    An untrained drafter accepts nothing, so the slots' correctness is made a function of their labels
+    (about 3 in 4 correct), the same in both paths: the walks then take steps of every length."""
+    from dflash.dist import init_distributed, shutdown
+    from dflash.model.anchors import eligible_anchors
+    from dflash.model.loss import block_labels
+
+    forward_loss = train_step.forward_loss
+
+    def forward_with_correct_by_label(model, ctx, batch):
+        out, valid_AB = forward_loss(model, ctx, batch)
+        labels_AB, _ = block_labels(batch["labels"], batch["loss_mask"], batch["doc_ids"], batch["anchor_index"],
+                                    batch["anchor_valid"], valid_AB.shape[1])
+        out.correct = (labels_AB % 4 != 0) & valid_AB
+        return out, valid_AB
+
+    monkeypatch.setattr(train_step, "forward_loss", forward_with_correct_by_label)
+    from dflash.train import served
+    from dflash.train.batch import StoreDataset, collate_packed
+
+    root, config_path = labelled
+    reader = StoreReader(root / "store")
+    indices = list(range(min(len(reader), 9)))
+    for tokens, sample in zip(reader.read_tokens(indices[::-1]), [reader.read_sample(i) for i in indices[::-1]]):
+        for key in ("input_ids", "loss_mask", "labels"):
+            np.testing.assert_array_equal(tokens[key], sample[key])
+    window = 24
+    dataset = StoreDataset(reader, max_anchors=32, seed=0, served_tokens=window)
+    item = dataset[(0, 0)]
+    start = served.answer_start(item["loss_mask"])
+    assert item["anchors"].tolist() == [a for a in eligible_anchors(item["loss_mask"]).tolist()
+                                        if start <= a < start + window]
+    config = load_config(config_path)
+    dist = init_distributed("cpu")
+    try:
+        args = sizing.build_drafter_args(config, reader.attrs)
+        model = train_step.build_model(config, args, dist)
+        ctx = train_step.build_context(config, args, reader, dist)
+        collate = lambda items: collate_packed(items, pad_multiple=16, block_size=args.block_size)  # noqa: E731
+        packed = train_step.evaluate_served(dist, model, ctx, dataset, collate, [indices[:4], indices[4:]], window)
+        lengths = []
+        with torch.no_grad():
+            for i in indices:
+                one = dataset[(0, i)]
+                out, valid_AB = train_step.forward_loss(model, ctx, collate([one]))
+                accepted = served.accepted_lengths(out.correct, valid_AB)[:len(one["anchors"])].tolist()
+                lengths += served.serve_walk(dict(zip(one["anchors"].tolist(), accepted)), served.answer_start(
+                    one["loss_mask"]), served.answer_end(one["loss_mask"]), window)
+    finally:
+        shutdown(dist)
+    assert len(set(lengths)) > 3  # steps of several lengths
+    assert packed["served_answers"] == len(indices)
+    assert packed["served_tau"] == pytest.approx(sum(lengths) / len(lengths))

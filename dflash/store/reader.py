@@ -187,15 +187,22 @@ class StoreReader:
             ) from exc
         return sample
 
-    def read_tokens(self, i: int) -> dict:
-        """Sample i's input_ids int64, loss_mask bool and labels int64 (or None), without its features."""
-        name = self.shard_names[self.sample_shard[i]]
-        start = int(self.sample_start[i])
-        stop = start + int(self.sample_length[i])
-        arrays = self._shard_arrays(name)
-        return {"input_ids": arrays["input_ids"][start:stop].astype(np.int64),
-                "loss_mask": arrays["loss_mask"][start:stop].astype(bool),
-                "labels": arrays["labels"][start:stop].astype(np.int64) if "labels" in arrays else None}
+    def read_tokens(self, indices) -> list[dict]:
+        """The samples' input_ids int64, loss_mask bool and labels int64 (or None), without their
+        features, in the order given; each shard's token arrays are read once."""
+        by_shard = {}
+        for i in indices:
+            by_shard.setdefault(int(self.sample_shard[i]), []).append(int(i))
+        samples = {}
+        for shard, members in by_shard.items():
+            arrays = self._shard_arrays(self.shard_names[shard])
+            columns = {key: arrays[key][:] for key in ("input_ids", "loss_mask", "labels") if key in arrays}
+            for i in members:
+                rows = slice(int(self.sample_start[i]), int(self.sample_start[i] + self.sample_length[i]))
+                samples[i] = {"input_ids": columns["input_ids"][rows].astype(np.int64),
+                              "loss_mask": columns["loss_mask"][rows].astype(bool),
+                              "labels": columns["labels"][rows].astype(np.int64) if "labels" in columns else None}
+        return [samples[int(i)] for i in indices]
 
     def prompt_groups(self) -> np.ndarray:
         """Per sample, the number of its prompt (the tokens before its first supervised one), equal

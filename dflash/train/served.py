@@ -85,9 +85,8 @@ def answer_end(loss_mask: np.ndarray) -> int:
 def greedy_held_out(reader, eval_indices: np.ndarray, tokens: int, block_size: int) -> np.ndarray:
     """The held-out samples whose answers are the target's greedy ones (GREEDY_SHARE of their window
     tokens equal to the target's labels), in order. Reads their tokens and labels, not their features."""
-    keep = []
-    for index in eval_indices.tolist():
-        sample = reader.read_tokens(index)
-        if greedy_share(sample["input_ids"], sample["labels"], sample["loss_mask"], tokens, block_size) >= GREEDY_SHARE:
-            keep.append(index)
+    samples = reader.read_tokens(eval_indices.tolist())
+    shares = [greedy_share(sample["input_ids"], sample["labels"], sample["loss_mask"], tokens, block_size)
+              for sample in samples]
+    keep = [index for index, share in zip(eval_indices.tolist(), shares) if share >= GREEDY_SHARE]
     return np.asarray(keep, dtype=np.int64)
