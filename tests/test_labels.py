@@ -5,6 +5,7 @@ The store comes from the embedded tiny Qwen3.5 target over real offline rows; th
 compared with an independent forward of the whole target (transformers' own LM head and argmax).
 """
 
+import contextlib
 import subprocess
 import sys
 
@@ -21,6 +22,21 @@ from dflash.train import step as train_step
 from stages import extract, inspect, train
 
 pytestmark = pytest.mark.slow
+
+
+@contextlib.contextmanager
+def untrained_drafter(config_path, reader):
+    """(dist, drafter args, model, train context) of the config's drafter on the CPU, freshly initialised."""
+    from dflash.dist import init_distributed, shutdown
+
+    config = load_config(config_path)
+    dist = init_distributed("cpu")
+    try:
+        args = sizing.build_drafter_args(config, reader.attrs)
+        yield dist, args, train_step.build_model(config, args, dist), train_step.build_context(config, args, reader,
+                                                                                               dist)
+    finally:
+        shutdown(dist)
 
 
 @pytest.fixture(scope="module")
@@ -129,21 +145,11 @@ def test_the_loss_reads_the_stored_labels_not_the_data_tokens(labelled):
     np.testing.assert_array_equal(batch["labels"][:int(batch["num_real_tokens"])].numpy(),
                                   np.concatenate([item["labels"] for item in items]))
     assert not torch.equal(batch["labels"], batch["input_ids"])
-    from dflash.dist import init_distributed, shutdown
-
-    config = load_config(config_path)
-    dist = init_distributed("cpu")
-    try:
-        args = sizing.build_drafter_args(config, reader.attrs)
-        model = train_step.build_model(config, args, dist)
-        ctx = train_step.build_context(config, args, reader, dist)
-        with torch.no_grad():
-            stored = train_step.forward_loss(model, ctx, batch)[0].loss
-            as_data = dict(batch, labels=batch["input_ids"])
-            data = train_step.forward_loss(model, ctx, as_data)[0].loss
-            without = train_step.forward_loss(model, ctx, {k: v for k, v in batch.items() if k != "labels"})[0].loss
-    finally:
-        shutdown(dist)
+    with untrained_drafter(config_path, reader) as (_, _, model, ctx), torch.no_grad():
+        stored = train_step.forward_loss(model, ctx, batch)[0].loss
+        as_data = dict(batch, labels=batch["input_ids"])
+        data = train_step.forward_loss(model, ctx, as_data)[0].loss
+        without = train_step.forward_loss(model, ctx, {k: v for k, v in batch.items() if k != "labels"})[0].loss
     assert torch.equal(data, without) and not torch.equal(stored, data)
 
 
@@ -152,7 +158,6 @@ def test_the_held_out_tau_as_served_packed_equals_each_answer_walked_alone(label
     acceptance at every window position, then `serve_walk`); `read_tokens` reads what `read_sample` does.
     An untrained drafter accepts nothing, so the slots' correctness is made a function of their labels
     (about 3 in 4 correct), the same in both paths: the walks then take steps of every length."""
-    from dflash.dist import init_distributed, shutdown
     from dflash.model.anchors import eligible_anchors
     from dflash.model.loss import block_labels
 
@@ -181,12 +186,7 @@ def test_the_held_out_tau_as_served_packed_equals_each_answer_walked_alone(label
     start = served.answer_start(item["loss_mask"])
     assert item["anchors"].tolist() == [a for a in eligible_anchors(item["loss_mask"]).tolist()
                                         if start <= a < start + window]
-    config = load_config(config_path)
-    dist = init_distributed("cpu")
-    try:
-        args = sizing.build_drafter_args(config, reader.attrs)
-        model = train_step.build_model(config, args, dist)
-        ctx = train_step.build_context(config, args, reader, dist)
+    with untrained_drafter(config_path, reader) as (dist, args, model, ctx):
         collate = lambda items: collate_packed(items, pad_multiple=16, block_size=args.block_size)  # noqa: E731
         packed = train_step.evaluate_served(dist, model, ctx, dataset, collate, [indices[:4], indices[4:]], window)
         lengths = []
@@ -197,8 +197,6 @@ def test_the_held_out_tau_as_served_packed_equals_each_answer_walked_alone(label
                 accepted = served.accepted_lengths(out.correct, valid_AB)[:len(one["anchors"])].tolist()
                 lengths += served.serve_walk(dict(zip(one["anchors"].tolist(), accepted)), served.answer_start(
                     one["loss_mask"]), served.answer_end(one["loss_mask"]), window)
-    finally:
-        shutdown(dist)
     assert len(set(lengths)) > 3  # steps of several lengths
     assert packed["served_answers"] == len(indices)
     assert packed["served_tau"] == pytest.approx(sum(lengths) / len(lengths))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from dflash.config import Config, ConfigError
+from dflash.config import Config, ConfigError, replace
 from dflash.dist import DistState, broadcast_object
 from dflash.store.reader import StoreReader
 from dflash.store.schema import CorruptShardError
@@ -342,11 +342,15 @@ def evaluate_served_held_out(state: TrainState, collate, micro_batches: dict) ->
     tokens = config.train.eval_served_tokens
     if state.eval_indices.size not in micro_batches:
         greedy = served.greedy_held_out(reader, state.eval_indices, tokens, state.ctx.args.block_size)
-        micro_batches[state.eval_indices.size] = held_out_micro_batches(config, reader, greedy, dist.rank,
+        # packed by their window's anchors (at most `tokens` each), not their training anchors: more answers a batch
+        packing = replace(config, train={"max_anchors": min(config.train.max_anchors, tokens)})
+        micro_batches[state.eval_indices.size] = held_out_micro_batches(packing, reader, greedy, dist.rank,
                                                                         dist.world_size)
         if dist.is_main:
+            walked = sum(len(micro_batch) for micro_batch in micro_batches[state.eval_indices.size]) * dist.world_size
             tqdm.write(f"held-out tau as served: {greedy.size} of the {state.eval_indices.size} held-out answers are "
-                       f"the target's greedy ones, walked over their first {tokens} tokens")
+                       f"the target's greedy ones; about {walked} of them (train.eval_batches micro-batches) walked "
+                       f"over their first {tokens} tokens")
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards,
                            served_tokens=tokens)
     return evaluate_served(dist, state.wrapped, state.ctx, dataset, collate, micro_batches[state.eval_indices.size],
