@@ -208,6 +208,12 @@ def dflash_loss(
     return LossOutput(loss=loss, loss_sum=loss_sum, weight_sum=weight_sum, correct=correct_AB)
 
 
+def accepted_slots(correct_AB: torch.Tensor, valid_AB: torch.Tensor) -> torch.Tensor:
+    """Per anchor, the consecutive correct and valid slots from slot 1 (int64): the drafts one
+    verification from that anchor accepts."""
+    return torch.cumprod((correct_AB & valid_AB)[:, 1:].long(), dim=1).sum(dim=1)
+
+
 def block_metrics(correct_AB: torch.Tensor, valid_AB: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-slot top-1 accuracy and the expected acceptance length tau, as device tensors.
 
@@ -218,7 +224,7 @@ def block_metrics(correct_AB: torch.Tensor, valid_AB: torch.Tensor) -> dict[str,
     hits_AK = (correct_AB & valid_AB)[:, 1:].float()
     slot_correct = hits_AK.sum(dim=0)
     slot_valid = valid_AB[:, 1:].float().sum(dim=0)
-    accepted_A = torch.cumprod(hits_AK, dim=1).sum(dim=1)
+    accepted_A = accepted_slots(correct_AB, valid_AB).float()
     real_block_A = valid_AB.any(dim=1).float()
     num_blocks = real_block_A.sum()
     accepted_sum = (accepted_A * real_block_A).sum()

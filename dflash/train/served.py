@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dflash.model.anchors import eligible_anchors
+from dflash.model.loss import accepted_slots
 
 GREEDY_SHARE = 0.98  # of an answer's window tokens equal to the target's labels: the target's greedy answer
 
@@ -50,10 +51,8 @@ def greedy_share(input_ids: np.ndarray, labels: np.ndarray, loss_mask: np.ndarra
 
 
 def accepted_lengths(correct_AB: torch.Tensor, valid_AB: torch.Tensor) -> torch.Tensor:
-    """Per anchor, the tokens one verification from it commits: 1 + the consecutive correct slots from
-    slot 1 (`block_metrics`' rule, per anchor instead of summed)."""
-    hits_AK = (correct_AB & valid_AB)[:, 1:].to(torch.int32)
-    return 1 + torch.cumprod(hits_AK, dim=1).sum(dim=1)
+    """Per anchor, the tokens one verification from it commits: its accepted drafts and the target's token."""
+    return 1 + accepted_slots(correct_AB, valid_AB)
 
 
 def serve_walk(lengths_at: dict[int, int], start: int, end: int, tokens: int) -> list[int]:
