@@ -1,13 +1,33 @@
 #!/usr/bin/env bash
 # Device calls 3..: wait for the recipe (at most WAIT s), then copy its results and log tails into $OUT
 # as one archive (a call brings back a limited number of files).
+# COLD="serial default" (optional): once the recipe's evals have started (batch-1 decoding leaves the GPU and
+# most cores idle), run cold.sh's default-budget cold starts beside them, in that order ("serial": kernels
+# compiled in-process), each at most COLD_LIMIT s; their logs and JSON come back in the archive.
 set -u
 export PYTHONPATH=$PWD:/tmp/site
 work=${WORK:-/tmp/rw}
-WORK=$work LOGS=$OUT WAIT=${WAIT:-560} bash tools/recipe.sh collect
+deadline=$((SECONDS + ${WAIT:-560}))
+if [ -n "${COLD:-}" ]; then
+  until grep -q '] eval-heldout:' "$work/results/progress.txt" 2>/dev/null || [ $SECONDS -ge $deadline ] \
+      || ! pgrep -f "recipe.sh run" > /dev/null; do sleep 5; done
+  mkdir -p /tmp/collect
+  for variant in $COLD; do
+    left=$((deadline - SECONDS - 40)); limit=${COLD_LIMIT:-100}; [ $left -lt $limit ] && limit=$left
+    [ $limit -gt 30 ] || break
+    flag=(); [ "$variant" = serial ] && flag=(--cold-serial)
+    echo "[$(date +%H:%M:%S)] cold $variant (limit $limit s)" | tee -a /tmp/collect/cold.txt
+    timeout "$limit" python3 tools/bench_stage2.py --compile --cold "${flag[@]}" --modes default --steps 4 \
+      --distinct-steps 2 --out "/tmp/collect/cold-$variant.json" > "/tmp/collect/cold-$variant.log" 2>&1
+    grep -a "first optimizer step\|graphs;\|Recompiling\|triggered by" "/tmp/collect/cold-$variant.log" | cut -c1-400 \
+      | tee -a /tmp/collect/cold.txt
+  done
+fi
+WORK=$work LOGS=$OUT WAIT=$((deadline - SECONDS > 0 ? deadline - SECONDS : 1)) bash tools/recipe.sh collect
 mkdir -p /tmp/collect/logs
 for f in "$work"/logs/*.log; do tr '\r' '\n' < "$f" | grep -av 'it/s\]\|s/it\]\|step/s\]\|answer/s\]\|tok/s\]' \
   | tail -c 20000 > "/tmp/collect/logs/$(basename "$f")"; done
 cp "$work"/drafter/metrics.jsonl /tmp/collect/ 2>/dev/null
-tar czf "$OUT/logs.tgz" -C /tmp/collect . && rm -rf /tmp/collect
+grep -a -A4 "Recompiling function" "$work/logs/train.log" 2>/dev/null | head -c 30000 > /tmp/collect/logs/recompiles.txt
+tar czf "$OUT/logs.tgz" -C /tmp/collect . && rm -rf /tmp/collect/logs /tmp/collect/metrics.jsonl
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
