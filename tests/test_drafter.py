@@ -131,3 +131,41 @@ def test_compiled_layers_share_one_graph_per_half_and_match_eager():
     from the first call, so the second shape adds no graph (unmarked, it compiled all four again)."""
     assert compiled_graph_count(2) == compiled_graph_count(6) == 4
 
+
+
+def test_held_out_passes_reuse_the_compiled_training_graphs():
+    """Compiled graphs are guarded on the grad mode: a held-out pass under no_grad compiled the halves
+    again (and flex attention, on the GPU). `evaluation_mode` runs it with gradients on, so it reuses
+    the training graphs; the inductor setting that kept a size check from guarding the rows is set."""
+    import torch._inductor.config as inductor_config
+
+    from dflash.model.drafter import compile_layers, is_compiled
+    from dflash.train.step import evaluation_mode
+
+    graphs = []
+
+    def counting_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    args = drafter_args("tiny")
+    model = DFlashDrafter(args)
+    assert not is_compiled(model) and isinstance(evaluation_mode(model)[1], torch.no_grad)
+    torch._dynamo.reset()
+    compile_layers(model, backend=counting_backend)
+    assert is_compiled(model) and inductor_config.triton.mix_order_reduction_non_strict_mode
+    num_context, anchor_pos = 40, torch.tensor([3, 11, 30])
+    meta = {"doc_ids": torch.zeros(num_context, dtype=torch.long), "position_ids": torch.arange(num_context),
+            "anchor_doc": torch.zeros(3, dtype=torch.long), "anchor_pos": anchor_pos}
+    masks = build_masks(meta, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
+    inputs = (torch.randn(num_context, args.context_feature_size), torch.randn(3 * args.block_size, args.hidden_size),
+              meta["position_ids"], block_positions(anchor_pos, args.block_size), masks)
+    model(*inputs).square().mean().backward()
+    trained = len(graphs)
+    evaluated, grad_mode = evaluation_mode(model)
+    with grad_mode:
+        held_out = evaluated(*inputs)
+    assert len(graphs) == trained, "the held-out pass compiled graphs of its own"
+    with torch.no_grad():
+        torch.testing.assert_close(model(*inputs), held_out.detach())
+    assert len(graphs) > trained  # what evaluation_mode avoids

@@ -287,10 +287,23 @@ def compile_layers(model: "DFlashDrafter", **compile_options) -> None:
     Their row axes are marked dynamic at every call, so the first micro-batch already compiles the
     shape-generic graph; unmarked, the first shape compiles a static graph and the second a generic one
     (twice the cold start)."""
+    # Inductor fuses the RMSNorm backward's row and column reductions only above a size it checks on the
+    # dynamic row count, and that check becomes a guard: a micro-batch on the other side of it compiled both
+    # halves again (H200, 12-03: `192*block_QH.size()[0] + 192*context_TH.size()[0] >= 5242880`). Non-strict,
+    # it fuses whenever it can, as it already did at the training sizes, and guards on nothing.
+    import torch._inductor.config as inductor_config
+
+    if hasattr(inductor_config.triton, "mix_order_reduction_non_strict_mode"):
+        inductor_config.triton.mix_order_reduction_non_strict_mode = True
     halves = tuple(rows_dynamic(torch.compile(fn, **compile_options), ROW_AXES[fn])
                    for fn in (attention_inputs, layer_output))
     for layer in model.layers:
         layer.halves = halves
+
+
+def is_compiled(model: "DFlashDrafter") -> bool:
+    """Whether `compile_layers` gave the model's layers their compiled halves."""
+    return bool(model.layers) and model.layers[0].halves[0] is not attention_inputs
 
 
 def rows_dynamic(compiled, axes):

@@ -17,7 +17,8 @@ import torch.distributed as torch_dist
 
 from dflash.config import Config
 from dflash.dist import DistState
-from dflash.model.drafter import DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers
+from dflash.model.drafter import (DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers,
+                                  is_compiled)
 from dflash.model.export import load_exported
 from dflash.model.loss import block_labels, default_gamma, dflash_loss, gamma_weights
 from dflash.model.masks import build_masks, default_backend
@@ -170,21 +171,34 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
     return stats
 
 
-@torch.no_grad()
+def evaluation_mode(wrapped):
+    """The module held-out batches run through, and the grad mode they run in.
+
+    Compiled layers run with gradients on, as in training: compiled graphs are guarded on the grad mode,
+    so a held-out pass without it compiled the halves and flex attention once more (4 graphs, 24 s of the
+    recipe's first evaluation on the H200, 12-03). Nothing calls backward; each batch's graph is freed
+    with its outputs. DDP's wrapper is left out either way (no backward follows: nothing to reduce)."""
+    model = getattr(wrapped, "module", wrapped)
+    return model, torch.enable_grad() if is_compiled(model) else torch.no_grad()
+
+
 def evaluate_served(dist: DistState, wrapped, ctx: TrainContext, dataset, collate, micro_batches,
                     tokens: int) -> dict:
     """The held-out tau as serving measures it (dflash.train.served): `dataset` gives every anchor of
     each answer's first `tokens` tokens, and each answer is walked as the temperature-0 serving loop
     would. sync: one transfer per micro-batch (evaluations only)."""
     totals = torch.zeros(3, dtype=torch.float64)  # acceptance lengths' sum, verifications, answers
-    wrapped.eval()
+    model, grad_mode = evaluation_mode(wrapped)
+    model.eval()
     for micro_batch in micro_batches:
         items = [item for item in (dataset[(0, int(i))] for i in micro_batch) if "corrupt" not in item]
         if not items:
             continue
         host = collate(items)
-        out, valid_AB = forward_loss(wrapped, ctx, to_device(host, ctx.device))
+        with grad_mode:
+            out, valid_AB = forward_loss(model, ctx, to_device(host, ctx.device))
         lengths_A = served.accepted_lengths(out.correct, valid_AB).cpu().numpy()
+        del out  # its graph (compiled layers) before the next batch's
         real = int(host["num_real_anchors"])
         docs, positions = host["anchor_doc"].numpy()[:real], host["anchor_pos"].numpy()[:real]
         for doc, item in enumerate(items):
@@ -193,7 +207,7 @@ def evaluate_served(dist: DistState, wrapped, ctx: TrainContext, dataset, collat
                                      served.answer_start(item["loss_mask"]), served.answer_end(item["loss_mask"]),
                                      tokens)
             totals += torch.tensor([sum(walk), len(walk), 1], dtype=torch.float64)
-    wrapped.train()
+    model.train()
     if dist.is_distributed:
         totals = totals.to(ctx.device)
         torch_dist.all_reduce(totals)
@@ -201,16 +215,18 @@ def evaluate_served(dist: DistState, wrapped, ctx: TrainContext, dataset, collat
     return {"served_tau": lengths_sum / verifications, "served_answers": answers} if verifications else {}
 
 
-@torch.no_grad()
 def evaluate(dist: DistState, wrapped, ctx: TrainContext, dataset, collate, micro_batches) -> dict:
     """Held-out loss, accuracy and tau (epoch 0 anchors, so every evaluation sees the same blocks)."""
     stats = StepStats(ctx.args.block_size, ctx.device)
-    wrapped.eval()
+    model, grad_mode = evaluation_mode(wrapped)
+    model.eval()
     for micro_batch in micro_batches:
         batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
         if batch.get("empty"):
             continue
-        out, valid_AB = forward_loss(wrapped, ctx, batch)
-        stats.add(out, valid_AB, batch)
-    wrapped.train()
+        with grad_mode:
+            out, valid_AB = forward_loss(model, ctx, batch)
+        stats.add(out, valid_AB, batch)  # detached
+        del out
+    model.train()
     return stats.summarize(dist, with_grad_norm=False)
