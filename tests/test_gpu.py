@@ -50,14 +50,15 @@ class RandomReader:
 
 def micro_batch(seed: int, device, masks: str = "tiles") -> dict:
     """A packed micro-batch; `masks`: "tiles", the block-mask tiles the trainer's loader lays out;
-    "gathered", over each query tile's own context keys; "rule", none (create_block_mask builds them)."""
+    "gathered", over each query tile's own context keys; "split", over the context keys alone (the blocks'
+    own keys attended densely beside flex); "rule", none (create_block_mask builds them)."""
     rng = np.random.default_rng(seed)
     reader = RandomReader(rng.integers(40, 400, 6).tolist(), seed)
     items = [StoreDataset(reader, max_anchors=32, seed=seed)[(0, i)] for i in range(len(reader))]
     args = drafter_args("tiny")
     windows = layer_windows(args.layer_types, args.sliding_window) if masks != "rule" else None
     return to_device(collate_packed(items, pad_multiple=128, block_size=args.block_size, mask_windows=windows,
-                                    gather_keys=masks == "gathered"), device)
+                                    gather_keys=masks == "gathered", split_block=masks == "split"), device)
 
 
 def context(backend: str, device, seed: int = 0) -> TrainContext:
@@ -75,7 +76,7 @@ def fresh_drafter(args, device) -> DFlashDrafter:
     return DFlashDrafter(args).to(device)
 
 
-@pytest.mark.parametrize("masks", ["tiles", "gathered", "rule"])
+@pytest.mark.parametrize("masks", ["tiles", "gathered", "split", "rule"])
 @pytest.mark.parametrize("seed", range(3))
 def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks):
     """Every way of building the flex block masks (the collate's tiles, over gathered keys,

@@ -361,3 +361,96 @@ def test_both_layer_types_share_one_compiled_flex_graph():
             torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] - before == 1
     assert not torch.equal(dense[LAYER_TYPES[0]], dense[LAYER_TYPES[1]])  # two different rules all the same
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_context_only_tiles_equal_create_block_mask_over_the_context_keys(seed):
+    """`tile_layout(block_keys=False)` (the split attention's flex part) lists exactly the tiles the rule
+    gives over the context keys alone."""
+    rng = np.random.default_rng(500 + seed)
+    meta = tiled_packed_meta(rng, 16)
+    num_queries, num_context = len(meta["anchor_doc"]) * 16, len(meta["doc_ids"])
+    for window in (int(rng.integers(16, 200)), None):
+        layout = tile_layout(*(meta[k].numpy() for k in ("doc_ids", "position_ids", "anchor_doc", "anchor_pos")),
+                             16, window, block_keys=False)
+        assert layout.shape == (2, num_queries // TILE, num_context // TILE + 1)
+        mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
+                                 16, window)
+        expected = create_block_mask(mask_mod, 1, 1, num_queries, num_context, device="cpu")
+        for kind, (num, indices) in enumerate([(expected.kv_num_blocks, expected.kv_indices),
+                                               (expected.full_kv_num_blocks, expected.full_kv_indices)]):
+            num, indices = num[0, 0].numpy(), indices[0, 0].numpy()
+            assert np.array_equal(layout[kind, :, 0], num)
+            for tile, count in enumerate(num):
+                assert np.array_equal(layout[kind, tile, 1:1 + count], indices[tile, :count])
+
+
+def plain_attention_lse(q_1NQD, k_1NKD, v_1NKD, mask_11QK):
+    """Softmax attention and its log-sum-exp, written out (a float64 stand-in for flex's `return_lse`):
+    a row with no visible key gives output 0 and log-sum-exp -inf, as flex does."""
+    scores = ((q_1NQD @ k_1NKD.transpose(-1, -2)) / q_1NQD.shape[-1] ** 0.5).masked_fill(~mask_11QK, float("-inf"))
+    lse = scores.logsumexp(dim=-1)
+    weights = torch.where(torch.isfinite(lse)[..., None], (scores - lse[..., None]).exp(), torch.zeros_like(scores))
+    return weights @ v_1NKD, lse
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_attention_equals_one_attention_over_all_keys_with_gradients(seed):
+    """The context part (over the context keys, with its log-sum-exp), each block's dense attention over its
+    own keys, and their merge give the attention over `[context ; block]` keys under the whole rule, and the
+    same gradients for queries, keys and values: float64, fresh random inputs, both layer types (padded
+    anchors and anchors at position 0 see no context: their rows take the block part alone)."""
+    from dflash.model.masks import block_attention, merge_attention
+
+    rng = np.random.default_rng(600 + seed)
+    meta = tiled_packed_meta(rng, 16)
+    num_queries, num_context = len(meta["anchor_doc"]) * 16, len(meta["doc_ids"])
+    generator = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(1, 3, rows, 8, generator=generator, dtype=torch.float64)
+              for rows in (num_queries, num_context + num_queries, num_context + num_queries)]
+    for window in (int(rng.integers(16, 150)), None):
+        mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
+                                 16, window)
+        whole = create_mask(mask_mod, 1, 1, num_queries, num_context + num_queries, device="cpu")
+        results = []
+        for split in (False, True):
+            q, k, v = (x.clone().requires_grad_() for x in inputs)
+            if split:
+                out_c, lse_c = plain_attention_lse(q, k[:, :, :num_context], v[:, :, :num_context],
+                                                   whole[..., :num_context])
+                out_b, lse_b = block_attention(q, k[:, :, num_context:], v[:, :, num_context:], 16, window is not None)
+                out = merge_attention(out_c, lse_c, out_b, lse_b).to(q.dtype)
+            else:
+                out = plain_attention(q, k, v, whole)
+            (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+            results.append((out.detach(), q.grad, k.grad, v.grad))
+        for whole_result, split_result in zip(*results):
+            assert torch.isfinite(split_result).all()
+            torch.testing.assert_close(split_result, whole_result)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_over_the_collates_context_tiles_equals_dense_sdpa():
+    """collate_packed(split_block=True) -> build_masks -> attend: flex over the context keys merged with the
+    dense blocks, as dense SDPA over all keys (the CPU runs flex's forward only)."""
+    from dflash.model.masks import SplitMask
+    from dflash.train.batch import collate_packed
+
+    rng = np.random.default_rng(6)
+    items = []
+    for row, length in enumerate([300, 41, 170]):
+        loss_mask = np.zeros(length, dtype=bool)
+        loss_mask[length // 4:] = True
+        anchors = np.sort(rng.choice(np.flatnonzero(loss_mask[1:]), size=30, replace=False))
+        items.append({"hidden": np.zeros((length, 8), dtype=np.uint16), "scale": None,
+                      "input_ids": rng.integers(0, 50, length), "loss_mask": loss_mask, "row_id": row,
+                      "anchors": anchors, "sample_index": row, "epoch": 0, "bucket": 0})
+    windows = layer_windows(LAYER_TYPES, 96)
+    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, split_block=True)
+    flex = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="flex", device="cpu")
+    dense = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="dense", device="cpu")
+    assert all(isinstance(flex[layer_type], SplitMask) for layer_type in LAYER_TYPES)
+    assert_flex_attends_like_dense(batch, flex, dense, 16, 2)
+    with pytest.raises(ValueError, match="choose one"):
+        collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, split_block=True,
+                       gather_keys=True)

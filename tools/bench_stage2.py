@@ -182,12 +182,12 @@ def synthetic_item(pool: FeaturePool, length: int, row_id: int, bucket: int, max
 
 
 def collate_options(ctx, mask_rule: bool = False) -> dict:
-    """What the trainer's loop passes to the collate (`--gather-keys` changes it); `mask_rule` (`--mask-rule`):
-    no tile layouts, so the block masks come from create_block_mask."""
+    """What the trainer's loop passes to the collate (`--gather-keys`, `--split-block` change it);
+    `mask_rule` (`--mask-rule`): no tile layouts, so the block masks come from create_block_mask."""
     from dflash.train.batch import collate_options as trainer_options
 
     options = trainer_options(ctx.backend, ctx.args)
-    return dict(options, mask_windows=None, gather_keys=False) if mask_rule else options
+    return dict(options, mask_windows=None, gather_keys=False, split_block=False) if mask_rule else options
 
 
 def peer_steps(pool, args_drafter, num_distinct: int, seed: int, options: dict) -> list[list[dict]]:
@@ -655,6 +655,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gather-keys", action="store_true",
                         help="each query tile its own copy of the context keys it reads (dflash.model.tiles."
                              "GATHER_CONTEXT_KEYS): no key tile read by two query tiles in flex's backward")
+    parser.add_argument("--split-block", action="store_true",
+                        help="flex attention over the context keys alone, each block's own keys attended densely "
+                             "beside it and merged by log-sum-exp (dflash.model.tiles.SPLIT_BLOCK_KEYS): no "
+                             "block-diagonal key tile in flex")
     parser.add_argument("--flex-options", default="",
                         help="flex attention's Triton kernel options, NAME=INT comma list (BLOCK_M, BLOCK_N, "
                              "BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages; "
@@ -748,6 +752,10 @@ def run(args, argv, dist) -> int:
         from dflash.model import tiles
 
         tiles.GATHER_CONTEXT_KEYS = True
+    if args.split_block:
+        from dflash.model import tiles
+
+        tiles.SPLIT_BLOCK_KEYS = True
     if args.flex_options or args.flex_autotune:
         from dflash.model import masks
 
@@ -767,6 +775,7 @@ def run(args, argv, dist) -> int:
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
         f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
+        f"{', block keys apart' if args.split_block else ''}"
         f"{', flex options ' + args.flex_options if args.flex_options else ''}"
         f"{', flex autotuned' if args.flex_autotune else ''}, "
         f"device {device}, "
@@ -775,7 +784,8 @@ def run(args, argv, dist) -> int:
                        device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "block_masks": "rule" if args.mask_rule else "tiles", "flex_key_heads": "grouped" if args.flex_gqa
-               else "repeated", "gathered_keys": args.gather_keys, "flex_options": parse_flex_options(args.flex_options),
+               else "repeated", "gathered_keys": args.gather_keys,
+               "split_block": args.split_block, "flex_options": parse_flex_options(args.flex_options),
                "flex_autotune": args.flex_autotune, "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None

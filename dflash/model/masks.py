@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
-from dflash.model.tiles import PADDING_DOC, TILE, keys_key, tiles_key
+from dflash.model.tiles import PADDING_DOC, TILE, context_tiles_key, keys_key, tiles_key
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
@@ -139,6 +139,46 @@ def gather_keys(x_1NKD: torch.Tensor, index_M: torch.Tensor) -> torch.Tensor:
     return _GatherKeys.apply(x_1NKD, index_M)
 
 
+class SplitMask:
+    """Attention in two parts (`tiles.SPLIT_BLOCK_KEYS`): flex over the context keys alone (`block_mask`,
+    keys `[0, num_context)`, the same rule), and each block's queries over its own block's keys, a dense
+    `(B, B)` attention per block (`block_attention`; causal in sliding layers, whole in full ones), merged
+    by the two parts' log-sum-exps (`merge_attention`). The block-diagonal key tile of every query tile,
+    always partial, is then no flex work."""
+
+    def __init__(self, block_mask: BlockMask, num_context: int, block_size: int, causal: bool):
+        self.block_mask, self.num_context, self.block_size, self.causal = block_mask, num_context, block_size, causal
+
+
+def block_attention(q_1NQD: torch.Tensor, k_1NQD: torch.Tensor, v_1NQD: torch.Tensor, block_size: int,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's `block_size` queries over its own block's keys (row r of q, k, v: slot r % B of block
+    r // B): the output `(1, N, Q, D)` and the scores' log-sum-exp `(1, N, Q)`, softmax in float32 at least."""
+    _, heads, rows, dim = q_1NQD.shape
+    shape = (heads, rows // block_size, block_size, dim)
+    q_NABD, k_NABD, v_NABD = (x[0].reshape(shape) for x in (q_1NQD, k_1NQD, v_1NQD))
+    scores_NABB = (q_NABD @ k_NABD.transpose(-1, -2)).to(_at_least_float32(q_1NQD.dtype)) * dim ** -0.5
+    if causal:
+        later = torch.ones(block_size, block_size, dtype=torch.bool, device=q_1NQD.device).triu(1)
+        scores_NABB = scores_NABB.masked_fill(later, float("-inf"))
+    lse_NAB = scores_NABB.logsumexp(dim=-1)
+    out_NABD = (scores_NABB - lse_NAB[..., None]).exp().to(v_NABD.dtype) @ v_NABD
+    return out_NABD.reshape(1, heads, rows, dim), lse_NAB.reshape(1, heads, rows)
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    """Softmax attention over the union of two disjoint key sets from each set's output and log-sum-exp
+    (in float32 at least). A row that sees no key of the first set (log-sum-exp -inf) takes the second's
+    output, and no gradient reaches the first part for it."""
+    dtype = _at_least_float32(out_a.dtype)
+    share_a = torch.sigmoid(lse_a.to(dtype) - lse_b.to(dtype))[..., None]
+    return out_a.to(dtype) * share_a + out_b.to(dtype) * (1 - share_a)
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _optional_field(batch_meta, name: str):
     return batch_meta.get(name) if isinstance(batch_meta, Mapping) else getattr(batch_meta, name, None)
 
@@ -184,7 +224,12 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
         mask_mod = make_mask_mod(*tensors, block_size, layer_window)
         layout = _optional_field(batch_meta, tiles_key(layer_type))
         keys = _optional_field(batch_meta, keys_key(layer_type))
-        if backend == "flex" and layout is not None and keys is not None:
+        context_layout = _optional_field(batch_meta, context_tiles_key(layer_type))
+        if backend == "flex" and context_layout is not None:
+            num_context = num_keys - num_queries
+            block_mask = block_mask_from_layout(context_layout.to(device), mask_mod, num_queries, num_context)
+            masks[layer_type] = SplitMask(block_mask, num_context, block_size, causal=layer_window is not None)
+        elif backend == "flex" and layout is not None and keys is not None:
             keys = keys.to(device)
             block_mask = block_mask_from_layout(layout.to(device), gathered_mask_mod(mask_mod, keys), num_queries,
                                                 keys.shape[1])
@@ -217,8 +262,8 @@ def _compiled_flex_attention():
 
 def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mask) -> torch.Tensor:
     """Attention with grouped KV heads; the backend follows the mask (BlockMask -> flex, GatheredMask ->
-    flex over gathered keys, tensor -> SDPA)."""
-    if not isinstance(mask, (BlockMask, GatheredMask)):
+    flex over gathered keys, SplitMask -> flex over the context and dense blocks, tensor -> SDPA)."""
+    if not isinstance(mask, (BlockMask, GatheredMask, SplitMask)):
         return F.scaled_dot_product_attention(q_1NQD, k_1MKD, v_1MKD, attn_mask=mask, enable_gqa=True)
     attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
     if FLEX_KERNEL_OPTIONS:
@@ -228,7 +273,7 @@ def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mas
         return attention(q_1NQD, gather_keys(k_1MKD, mask.source_K), gather_keys(v_1MKD, mask.source_K),
                          block_mask=mask.block_mask, enable_gqa=True)
     group = q_1NQD.shape[1] // k_1MKD.shape[1]
-    if group > 1 and not FLEX_REPEAT_KV:
+    if group > 1 and not FLEX_REPEAT_KV and not isinstance(mask, SplitMask):
         return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask, enable_gqa=True)
     if group > 1:
         # Each key head repeated for its query heads (the same attention). With grouped heads, flex's
@@ -238,4 +283,11 @@ def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mas
         # the repeat's backward sums the key and value gradients of the group.
         k_1MKD = k_1MKD.repeat_interleave(group, dim=1)
         v_1MKD = v_1MKD.repeat_interleave(group, dim=1)
+    if isinstance(mask, SplitMask):
+        context = mask.num_context
+        out_1NQD, lse_1NQ = attention(q_1NQD, k_1MKD[:, :, :context], v_1MKD[:, :, :context],
+                                      block_mask=mask.block_mask, return_lse=True)
+        out_b, lse_b = block_attention(q_1NQD, k_1MKD[:, :, context:], v_1MKD[:, :, context:], mask.block_size,
+                                       mask.causal)
+        return merge_attention(out_1NQD, lse_1NQ, out_b, lse_b).to(q_1NQD.dtype)
     return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask)

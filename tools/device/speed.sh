@@ -5,7 +5,9 @@ export PYTHONPATH=$PWD:/tmp/site
 S=(python3 tools/bench_stage2.py --target smollm2-135m --modes default --lengths 100,1500 --accum-steps 2 --compile
    --steps 20)
 for variant in "--anchor-budget 4096 --token-budget 16384" "--anchor-budget 8192 --token-budget 32768" \
-               "--anchor-budget 4096 --token-budget 16384 --flex-options BLOCK_M=64,BLOCK_N=64" ${SPEED_VARIANTS:-}; do
+               "--anchor-budget 4096 --token-budget 16384 --flex-options BLOCK_M=64,BLOCK_N=64" \
+               "--anchor-budget 4096 --token-budget 16384 --split-block" \
+               "--anchor-budget 8192 --token-budget 32768 --split-block" ${SPEED_VARIANTS:-}; do
   name=$(echo "$variant" | tr -dc '0-9a-zA-Z')
   echo "== $variant"
   timeout "${LIMIT:-100}" "${S[@]}" $variant --out "$OUT/speed-$name.json" 2>&1 | grep -v Warning | tail -3
