@@ -418,7 +418,8 @@ def test_split_attention_equals_one_attention_over_all_keys_with_gradients(seed)
             if split:
                 out_c, lse_c = plain_attention_lse(q, k[:, :, :num_context], v[:, :, :num_context],
                                                    whole[..., :num_context])
-                out_b, lse_b = block_attention(q, k[:, :, num_context:], v[:, :, num_context:], 16, window is not None)
+                reach = torch.tensor(1 if window is not None else 16)
+                out_b, lse_b = block_attention(q, k[:, :, num_context:], v[:, :, num_context:], 16, reach)
                 out = merge_attention(out_c, lse_c, out_b, lse_b).to(q.dtype)
             else:
                 out = plain_attention(q, k, v, whole)
@@ -454,3 +455,24 @@ def test_flex_over_the_collates_context_tiles_equals_dense_sdpa():
     with pytest.raises(ValueError, match="choose one"):
         collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, split_block=True,
                        gather_keys=True)
+
+
+def test_the_blocks_and_merge_compile_one_graph_for_both_layer_types_and_every_row_count():
+    """The split attention's dense half takes the in-block reach as a tensor and its rows dynamic: compiled,
+    one graph serves the sliding and the full layers at every micro-batch size (a cold start compiles it once),
+    and it equals the eager function."""
+    from torch._dynamo.utils import counters
+
+    from dflash.model.masks import blocks_and_merge
+
+    torch._dynamo.reset()
+    compiled = torch.compile(blocks_and_merge, dynamic=True, backend="aot_eager")
+    before = counters["stats"]["unique_graphs"]
+    generator = torch.Generator().manual_seed(7)
+    for rows in (128, 384):
+        q, k, v, out = (torch.randn(1, 2, rows, 8, generator=generator) for _ in range(4))
+        lse = torch.randn(1, 2, rows, generator=generator).masked_fill(torch.arange(rows) % 5 == 0, float("-inf"))
+        for reach in (torch.tensor(1), torch.tensor(16)):
+            expected = blocks_and_merge(out, lse, q, k, v, 16, reach)
+            torch.testing.assert_close(compiled(out, lse, q, k, v, 16, reach), expected)
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -146,21 +146,23 @@ class SplitMask:
     by the two parts' log-sum-exps (`merge_attention`). The block-diagonal key tile of every query tile,
     always partial, is then no flex work."""
 
-    def __init__(self, block_mask: BlockMask, num_context: int, block_size: int, causal: bool):
-        self.block_mask, self.num_context, self.block_size, self.causal = block_mask, num_context, block_size, causal
+    def __init__(self, block_mask: BlockMask, num_context: int, block_size: int, reach: torch.Tensor):
+        self.block_mask, self.num_context, self.block_size, self.reach = block_mask, num_context, block_size, reach
 
 
 def block_attention(q_1NQD: torch.Tensor, k_1NQD: torch.Tensor, v_1NQD: torch.Tensor, block_size: int,
-                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    reach: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each block's `block_size` queries over its own block's keys (row r of q, k, v: slot r % B of block
-    r // B): the output `(1, N, Q, D)` and the scores' log-sum-exp `(1, N, Q)`, softmax in float32 at least."""
+    r // B), slot s seeing the keys j with `j - s < reach` (the rule's in-block reach, a 0-d tensor: 1 is
+    causal, B the whole block): the output `(1, N, Q, D)` and the scores' log-sum-exp `(1, N, Q)`, softmax in
+    float32 at least."""
     _, heads, rows, dim = q_1NQD.shape
     shape = (heads, rows // block_size, block_size, dim)
     q_NABD, k_NABD, v_NABD = (x[0].reshape(shape) for x in (q_1NQD, k_1NQD, v_1NQD))
     scores_NABB = (q_NABD @ k_NABD.transpose(-1, -2)).to(_at_least_float32(q_1NQD.dtype)) * dim ** -0.5
-    if causal:
-        later = torch.ones(block_size, block_size, dtype=torch.bool, device=q_1NQD.device).triu(1)
-        scores_NABB = scores_NABB.masked_fill(later, float("-inf"))
+    slots = torch.arange(block_size, device=q_1NQD.device)
+    hidden_BB = slots[None, :] - slots[:, None] >= reach
+    scores_NABB = scores_NABB.masked_fill(hidden_BB, float("-inf"))
     lse_NAB = scores_NABB.logsumexp(dim=-1)
     out_NABD = (scores_NABB - lse_NAB[..., None]).exp().to(v_NABD.dtype) @ v_NABD
     return out_NABD.reshape(1, heads, rows, dim), lse_NAB.reshape(1, heads, rows)
@@ -177,6 +179,19 @@ def merge_attention(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
 
 def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
+
+
+def blocks_and_merge(out_1NQD, lse_1NQ, q_1NQD, k_1NQD, v_1NQD, block_size: int, reach: torch.Tensor):
+    """The split attention's second half: the blocks' dense attention merged with flex's context part."""
+    out_b, lse_b = block_attention(q_1NQD, k_1NQD, v_1NQD, block_size, reach)
+    return merge_attention(out_1NQD, lse_1NQ, out_b, lse_b).to(q_1NQD.dtype)
+
+
+@cache
+def _compiled_blocks_and_merge():
+    # One fused graph for both layer types (the reach is a tensor) instead of a dozen eager passes over
+    # (Q, D) float32 tensors per layer; rows dynamic from the first call, as flex.
+    return torch.compile(blocks_and_merge, dynamic=True)
 
 
 def _optional_field(batch_meta, name: str):
@@ -228,7 +243,8 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
         if backend == "flex" and context_layout is not None:
             num_context = num_keys - num_queries
             block_mask = block_mask_from_layout(context_layout.to(device), mask_mod, num_queries, num_context)
-            masks[layer_type] = SplitMask(block_mask, num_context, block_size, causal=layer_window is not None)
+            masks[layer_type] = SplitMask(block_mask, num_context, block_size,
+                                          _rule_constants(layer_window, block_size, device)[1])
         elif backend == "flex" and layout is not None and keys is not None:
             keys = keys.to(device)
             block_mask = block_mask_from_layout(layout.to(device), gathered_mask_mod(mask_mod, keys), num_queries,
@@ -287,7 +303,7 @@ def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mas
         context = mask.num_context
         out_1NQD, lse_1NQ = attention(q_1NQD, k_1MKD[:, :, :context], v_1MKD[:, :, :context],
                                       block_mask=mask.block_mask, return_lse=True)
-        out_b, lse_b = block_attention(q_1NQD, k_1MKD[:, :, context:], v_1MKD[:, :, context:], mask.block_size,
-                                       mask.causal)
-        return merge_attention(out_1NQD, lse_1NQ, out_b, lse_b).to(q_1NQD.dtype)
+        merge = _compiled_blocks_and_merge() if q_1NQD.is_cuda else blocks_and_merge
+        return merge(out_1NQD, lse_1NQ, q_1NQD, k_1MKD[:, :, context:], v_1MKD[:, :, context:], mask.block_size,
+                     mask.reach)
     return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask)
