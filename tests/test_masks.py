@@ -245,6 +245,16 @@ def test_flex_with_repeated_key_heads_equals_grouped_heads(monkeypatch):
     torch.testing.assert_close(repeated, attend(q, k, v, mask), atol=1e-6, rtol=1e-6)
 
 
+def assert_layout_lists(layout: np.ndarray, expected) -> None:
+    """A `tile_layout` lists exactly a `BlockMask`'s partial and full tiles, in its order."""
+    for kind, (num, indices) in enumerate([(expected.kv_num_blocks, expected.kv_indices),
+                                           (expected.full_kv_num_blocks, expected.full_kv_indices)]):
+        num, indices = num[0, 0].numpy(), indices[0, 0].numpy()
+        assert np.array_equal(layout[kind, :, 0], num)
+        for tile, count in enumerate(num):
+            assert np.array_equal(layout[kind, tile, 1:1 + count], indices[tile, :count])
+
+
 def gathered(meta: dict, block_size: int, window):
     """The tile layout over each query tile's own context keys, and those keys (tiles.gather_context_keys)."""
     return gather_context_keys(layout_of(meta, block_size, window), len(meta["doc_ids"]))
@@ -263,12 +273,7 @@ def test_gathered_tiles_equal_create_block_mask_over_the_gathered_keys(seed):
                                  16, window)
         expected = create_block_mask(gathered_mask_mod(mask_mod, torch.from_numpy(keys)), 1, 1, num_queries,
                                      keys.shape[1], device="cpu")
-        for kind, (num, indices) in enumerate([(expected.kv_num_blocks, expected.kv_indices),
-                                               (expected.full_kv_num_blocks, expected.full_kv_indices)]):
-            num, indices = num[0, 0].numpy(), indices[0, 0].numpy()
-            assert np.array_equal(layout[kind, :, 0], num)
-            for tile, count in enumerate(num):
-                assert np.array_equal(layout[kind, tile, 1:1 + count], indices[tile, :count])
+        assert_layout_lists(layout, expected)
         readers = (expected.q_num_blocks + expected.full_q_num_blocks)[0, 0].numpy()
         assert readers.max() == 1, "a gathered key tile is read by more than one query tile"
 
@@ -308,28 +313,6 @@ def test_attention_over_gathered_keys_equals_shared_keys_with_gradients(seed):
         results.append((out.detach(), q.grad, k.grad, v.grad))
     for shared, gathered_result in zip(*results):
         torch.testing.assert_close(gathered_result, shared)
-
-
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_over_the_collates_gathered_keys_equals_dense_sdpa():
-    """collate_packed(gather_keys=True) -> build_masks -> attend: flex over gathered keys, as dense SDPA."""
-    from dflash.train.batch import collate_packed
-
-    rng = np.random.default_rng(5)
-    items = []
-    for row, length in enumerate([300, 41, 170]):
-        loss_mask = np.zeros(length, dtype=bool)
-        loss_mask[length // 4:] = True
-        anchors = np.sort(rng.choice(np.flatnonzero(loss_mask[1:]), size=30, replace=False))
-        items.append({"hidden": np.zeros((length, 8), dtype=np.uint16), "scale": None,
-                      "input_ids": rng.integers(0, 50, length), "loss_mask": loss_mask, "row_id": row,
-                      "anchors": anchors, "sample_index": row, "epoch": 0, "bucket": 0})
-    windows = layer_windows(LAYER_TYPES, 96)
-    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, gather_keys=True)
-    flex = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="flex", device="cpu")
-    dense = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="dense", device="cpu")
-    assert all(isinstance(flex[layer_type], GatheredMask) for layer_type in LAYER_TYPES)
-    assert_flex_attends_like_dense(batch, flex, dense, 16, 1)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -377,12 +360,7 @@ def test_context_only_tiles_equal_create_block_mask_over_the_context_keys(seed):
         mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
                                  16, window)
         expected = create_block_mask(mask_mod, 1, 1, num_queries, num_context, device="cpu")
-        for kind, (num, indices) in enumerate([(expected.kv_num_blocks, expected.kv_indices),
-                                               (expected.full_kv_num_blocks, expected.full_kv_indices)]):
-            num, indices = num[0, 0].numpy(), indices[0, 0].numpy()
-            assert np.array_equal(layout[kind, :, 0], num)
-            for tile, count in enumerate(num):
-                assert np.array_equal(layout[kind, tile, 1:1 + count], indices[tile, :count])
+        assert_layout_lists(layout, expected)
 
 
 def plain_attention_lse(q_1NQD, k_1NKD, v_1NKD, mask_11QK):
@@ -430,14 +408,8 @@ def test_split_attention_equals_one_attention_over_all_keys_with_gradients(seed)
             torch.testing.assert_close(split_result, whole_result)
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_over_the_collates_context_tiles_equals_dense_sdpa():
-    """collate_packed(split_block=True) -> build_masks -> attend: flex over the context keys merged with the
-    dense blocks, as dense SDPA over all keys (the CPU runs flex's forward only)."""
-    from dflash.model.masks import SplitMask
-    from dflash.train.batch import collate_packed
-
-    rng = np.random.default_rng(6)
+def collate_items(rng: np.random.Generator) -> list[dict]:
+    """Three `StoreDataset`-like items (300, 41 and 170 tokens, 30 anchors each) for collate_packed."""
     items = []
     for row, length in enumerate([300, 41, 170]):
         loss_mask = np.zeros(length, dtype=bool)
@@ -446,12 +418,27 @@ def test_flex_over_the_collates_context_tiles_equals_dense_sdpa():
         items.append({"hidden": np.zeros((length, 8), dtype=np.uint16), "scale": None,
                       "input_ids": rng.integers(0, 50, length), "loss_mask": loss_mask, "row_id": row,
                       "anchors": anchors, "sample_index": row, "epoch": 0, "bucket": 0})
+    return items
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("layout", ["gathered", "split"])
+def test_flex_over_the_collates_other_layouts_equals_dense_sdpa(layout):
+    """collate_packed(gather_keys=True) or (split_block=True) -> build_masks -> attend: flex over gathered
+    keys, or flex over the context keys merged with the dense blocks, as dense SDPA over all keys (the CPU
+    runs flex's forward only)."""
+    from dflash.model.masks import SplitMask
+    from dflash.train.batch import collate_packed
+
+    items = collate_items(np.random.default_rng(5))
     windows = layer_windows(LAYER_TYPES, 96)
-    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, split_block=True)
+    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows,
+                           gather_keys=layout == "gathered", split_block=layout == "split")
     flex = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="flex", device="cpu")
     dense = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="dense", device="cpu")
-    assert all(isinstance(flex[layer_type], SplitMask) for layer_type in LAYER_TYPES)
-    assert_flex_attends_like_dense(batch, flex, dense, 16, 2)
+    kind = GatheredMask if layout == "gathered" else SplitMask
+    assert all(isinstance(flex[layer_type], kind) for layer_type in LAYER_TYPES)
+    assert_flex_attends_like_dense(batch, flex, dense, 16, 1)
     with pytest.raises(ValueError, match="choose one"):
         collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, split_block=True,
                        gather_keys=True)
