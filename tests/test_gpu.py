@@ -16,7 +16,7 @@ from dflash.model.drafter import DFlashDrafter, compile_layers, drafter_args
 from dflash.model.loss import gamma_weights
 from dflash.model.masks import layer_windows
 from dflash.train.batch import StoreDataset, collate_packed
-from dflash.train.step import TrainContext, forward_loss, to_device, train_step
+from dflash.train.step import TrainContext, evaluation_mode, forward_loss, to_device, train_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -135,7 +135,7 @@ def test_compiled_layers_equal_eager_over_one_optimizer_step():
 
 def test_the_compiled_step_compiles_nothing_more_for_micro_batches_of_other_shapes():
     """Compiled layers, flex attention and the loss have their row axes dynamic from the first step
-    (issue 25): micro-batches of three other shapes after the first add no graph."""
+    (issue 25): micro-batches of three other shapes after the first add no graph, nor does a held-out pass."""
     from torch._dynamo.utils import counters
 
     device = torch.device("cuda")
@@ -153,6 +153,11 @@ def test_the_compiled_step_compiles_nothing_more_for_micro_batches_of_other_shap
         torch.cuda.synchronize()
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1:] == graphs[:1] * 3, f"graphs after each step: {graphs}"
+    held_out, grad_mode = evaluation_mode(model)  # a held-out pass reuses the training graphs (grad mode on)
+    with grad_mode:
+        forward_loss(held_out, ctx, batches[0])
+    torch.cuda.synchronize()
+    assert counters["stats"]["unique_graphs"] == graphs[-1], "the held-out pass compiled graphs of its own"
 
 
 def test_fp8_capture_on_the_gpu_equals_the_cpu_encode_and_labels_equal_the_argmax(tiny_target_dir):
