@@ -23,7 +23,7 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, create_mask, flex_attention
 
 from dflash.model.tiles import PADDING_DOC, TILE, context_tiles_key, keys_key, tiles_key
 
@@ -301,9 +301,9 @@ def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mas
         v_1MKD = v_1MKD.repeat_interleave(group, dim=1)
     if isinstance(mask, SplitMask):
         context = mask.num_context
-        out_1NQD, lse_1NQ = attention(q_1NQD, k_1MKD[:, :, :context], v_1MKD[:, :, :context],
-                                      block_mask=mask.block_mask, return_lse=True)
+        out_1NQD, aux = attention(q_1NQD, k_1MKD[:, :, :context], v_1MKD[:, :, :context],
+                                  block_mask=mask.block_mask, return_aux=AuxRequest(lse=True))
         merge = _compiled_blocks_and_merge() if q_1NQD.is_cuda else blocks_and_merge
-        return merge(out_1NQD, lse_1NQ, q_1NQD, k_1MKD[:, :, context:], v_1MKD[:, :, context:], mask.block_size,
+        return merge(out_1NQD, aux.lse, q_1NQD, k_1MKD[:, :, context:], v_1MKD[:, :, context:], mask.block_size,
                      mask.reach)
     return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask)
