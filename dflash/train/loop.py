@@ -292,7 +292,7 @@ def count_skipped(micro_batches: list[dict], result: "TrainResult", bar) -> None
 
 
 def first_step_notice(ctx: TrainContext, dist: DistState) -> str:
-    """What the progress bar says while the first step compiles (CUDA only): minutes on a cold
+    """What the progress bar says while the first step compiles (CUDA only): up to a minute on a cold
     compile cache, during which nothing else moves (under DDP the ranks wait for the slowest)."""
     if ctx.device.type != "cuda":
         return ""
@@ -302,7 +302,7 @@ def first_step_notice(ctx: TrainContext, dist: DistState) -> str:
     except ImportError:
         cache = "the inductor cache"
     ranks = f"; each of the {dist.world_size} ranks compiles for its own GPU" if dist.is_distributed else ""
-    return f"first step: compiling kernels, minutes on a cold cache ({cache}){ranks}"
+    return f"first step: compiling kernels, up to a minute on a cold cache ({cache}){ranks}"
 
 
 def log_window(config, dist, window: StepStats, lr, timer, logger, step, bar, result) -> None:
