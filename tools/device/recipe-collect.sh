@@ -4,6 +4,8 @@
 # COLD="serial default" (optional): once the recipe's evals have started (batch-1 decoding leaves the GPU and
 # most cores idle), run cold.sh's default-budget cold starts beside them, in that order ("serial": kernels
 # compiled in-process), each at most COLD_LIMIT s; their logs and JSON come back in the archive.
+# SPEED=1 (optional): once the recipe has finished, speed.sh's step variants in the call's time left (each at
+# most LIMIT s), into the archive's speed/.
 set -u
 export PYTHONPATH=$PWD:/tmp/site
 work=${WORK:-/tmp/rw}
@@ -23,11 +25,16 @@ if [ -n "${COLD:-}" ]; then
       | tee -a /tmp/collect/cold.txt
   done
 fi
-WORK=$work LOGS=$OUT WAIT=$((deadline - SECONDS > 0 ? deadline - SECONDS : 1)) bash tools/recipe.sh collect
 mkdir -p /tmp/collect/logs
+WORK=$work LOGS=/tmp/collect/results WAIT=$((deadline - SECONDS > 0 ? deadline - SECONDS : 1)) bash tools/recipe.sh collect
+cp /tmp/collect/results/summary.txt /tmp/collect/results/progress.txt "$OUT"/ 2>/dev/null
+if [ -n "${SPEED:-}" ] && [ -f "$work/results/summary.txt" ]; then
+  mkdir -p /tmp/collect/speed
+  OUT=/tmp/collect/speed DEADLINE=$(($(date +%s) + deadline - SECONDS)) bash "$(dirname "$0")/speed.sh" 2>&1 | tee /tmp/collect/speed/speed.txt
+fi
 for f in "$work"/logs/*.log; do tr '\r' '\n' < "$f" | grep -av 'it/s\]\|s/it\]\|step/s\]\|answer/s\]\|tok/s\]' \
   | tail -c 20000 > "/tmp/collect/logs/$(basename "$f")"; done
 cp "$work"/drafter/metrics.jsonl /tmp/collect/ 2>/dev/null
 grep -a -A4 "Recompiling function" "$work/logs/train.log" 2>/dev/null | head -c 30000 > /tmp/collect/logs/recompiles.txt
-tar czf "$OUT/logs.tgz" -C /tmp/collect . && rm -rf /tmp/collect/logs /tmp/collect/metrics.jsonl
+tar czf "$OUT/logs.tgz" -C /tmp/collect . && rm -rf /tmp/collect/logs /tmp/collect/metrics.jsonl /tmp/collect/results
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
