@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dflash.model.drafter import DFlashDrafter, compile_layers, drafter_args
+from dflash.model import masks as dflash_masks
 from dflash.model.loss import gamma_weights
 from dflash.model.masks import layer_windows
 from dflash.train.batch import StoreDataset, collate_packed
@@ -76,11 +77,14 @@ def fresh_drafter(args, device) -> DFlashDrafter:
     return DFlashDrafter(args).to(device)
 
 
+@pytest.mark.parametrize("kernel", ["default", "small-head"])
 @pytest.mark.parametrize("masks", ["tiles", "gathered", "split", "rule"])
 @pytest.mark.parametrize("seed", range(3))
-def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks):
+def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks, kernel, monkeypatch):
     """Every way of building the flex block masks (the collate's tiles, over gathered keys,
-    create_block_mask) gives the dense mask's loss and gradients."""
+    create_block_mask), under inductor's default kernel tiles and the small heads' 64 x 64 ones
+    (`masks.SMALL_HEAD_OPTIONS`), gives the dense mask's loss and gradients."""
+    monkeypatch.setattr(dflash_masks, "FLEX_KERNEL_OPTIONS", {} if kernel == "default" else dflash_masks.SMALL_HEAD_OPTIONS)
     device = torch.device("cuda")
     batch = micro_batch(seed, device, masks)
     results = {}

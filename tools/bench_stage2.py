@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
 
 from dflash.train.compile_cache import CompileProgress, compile_summary, describe_compile  # noqa: E402
+from dflash.model.masks import flex_kernel_options  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12
 SYNC_EVENT_NAMES = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "Memcpy DtoH")
@@ -662,7 +663,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--flex-options", default="",
                         help="flex attention's Triton kernel options, NAME=INT comma list (BLOCK_M, BLOCK_N, "
                              "BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages; "
-                             "dflash.model.masks.FLEX_KERNEL_OPTIONS)")
+                             "dflash.model.masks.FLEX_KERNEL_OPTIONS); 'default': inductor's own for the head "
+                             "dim; unset: the trainer's (64 x 64 tiles for heads of at most 64 dims)")
     parser.add_argument("--flex-autotune", action="store_true",
                         help="compile flex attention with mode max-autotune-no-cudagraphs: inductor times its "
                              "candidate kernel configs on the first call and logs them (a longer cold start)")
@@ -730,6 +732,8 @@ def main(argv: list[str]) -> int:
 def parse_flex_options(text: str) -> dict:
     """`BLOCK_M=64,num_warps=4` -> {"BLOCK_M": 64, "num_warps": 4}."""
     options = {}
+    if text.strip() == "default":
+        return options
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, _, value = item.partition("=")
         if not value.strip().isdigit():
@@ -759,7 +763,7 @@ def run(args, argv, dist) -> int:
     if args.flex_options or args.flex_autotune:
         from dflash.model import masks
 
-        masks.FLEX_KERNEL_OPTIONS = parse_flex_options(args.flex_options)
+        masks.FLEX_KERNEL_OPTIONS = parse_flex_options(args.flex_options) if args.flex_options else None
         masks.FLEX_COMPILE_MODE = "max-autotune-no-cudagraphs" if args.flex_autotune else None
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
         from dflash.train.compile_cache import load_compile_artifacts, own_or_first
@@ -776,7 +780,7 @@ def run(args, argv, dist) -> int:
         f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
         f"{', block keys apart' if args.split_block else ''}"
-        f"{', flex options ' + args.flex_options if args.flex_options else ''}"
+        f", flex options {flex_kernel_options(ctx.args.head_dim) or 'inductor defaults'}"
         f"{', flex autotuned' if args.flex_autotune else ''}, "
         f"device {device}, "
         f"world size {dist.world_size}")
@@ -785,7 +789,7 @@ def run(args, argv, dist) -> int:
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "block_masks": "rule" if args.mask_rule else "tiles", "flex_key_heads": "grouped" if args.flex_gqa
                else "repeated", "gathered_keys": args.gather_keys,
-               "split_block": args.split_block, "flex_options": parse_flex_options(args.flex_options),
+               "split_block": args.split_block, "flex_options": flex_kernel_options(ctx.args.head_dim),
                "flex_autotune": args.flex_autotune, "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None

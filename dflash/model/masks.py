@@ -32,10 +32,15 @@ BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean m
 # Flex attention gets each key head repeated for its query heads (`attend`); False: grouped heads (enable_gqa).
 FLEX_REPEAT_KV = True
 # Flex's Triton kernel options (BLOCK_M, BLOCK_N, BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
-# num_stages; empty: inductor's defaults for the head dim) and the compile mode of flex on CUDA
-# ("max-autotune-no-cudagraphs" times inductor's candidate configs on the first call): both set by
-# tools/bench_stage2.py (--flex-options, --flex-autotune) to find a faster config for small heads.
-FLEX_KERNEL_OPTIONS: dict = {}
+# num_stages; empty: inductor's defaults for the head dim; None: `flex_kernel_options` by head dim) and the
+# compile mode of flex on CUDA ("max-autotune-no-cudagraphs" times inductor's candidate configs on the first
+# call): both set by tools/bench_stage2.py (--flex-options, --flex-autotune) to compare configs.
+FLEX_KERNEL_OPTIONS: dict | None = None
+# Heads of at most 64 dims (the SmolLM2-sized drafter's 9 x 64): 64 x 64 tiles instead of inductor's default
+# (128 x 64 on an H200). The small drafter's step on an H200 (12-03): 88.3K -> 96.4K tokens/s at 4,096 anchors
+# per micro-batch; 128-dim heads (the 27B-shaped drafter) keep inductor's defaults, where they were measured.
+SMALL_HEAD_DIM = 64
+SMALL_HEAD_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64}
 FLEX_COMPILE_MODE: str | None = None
 
 
@@ -276,14 +281,22 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=True, mode=FLEX_COMPILE_MODE)
 
 
+def flex_kernel_options(head_dim: int) -> dict:
+    """Flex's kernel options on CUDA: FLEX_KERNEL_OPTIONS when set, else 64 x 64 tiles for small heads."""
+    if FLEX_KERNEL_OPTIONS is not None:
+        return dict(FLEX_KERNEL_OPTIONS)
+    return dict(SMALL_HEAD_OPTIONS) if head_dim <= SMALL_HEAD_DIM else {}
+
+
 def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mask) -> torch.Tensor:
     """Attention with grouped KV heads; the backend follows the mask (BlockMask -> flex, GatheredMask ->
     flex over gathered keys, SplitMask -> flex over the context and dense blocks, tensor -> SDPA)."""
     if not isinstance(mask, (BlockMask, GatheredMask, SplitMask)):
         return F.scaled_dot_product_attention(q_1NQD, k_1MKD, v_1MKD, attn_mask=mask, enable_gqa=True)
     attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
-    if FLEX_KERNEL_OPTIONS:
-        attention = functools.partial(attention, kernel_options=dict(FLEX_KERNEL_OPTIONS))
+    options = flex_kernel_options(q_1NQD.shape[-1]) if q_1NQD.is_cuda else {}
+    if options:
+        attention = functools.partial(attention, kernel_options=options)
     if isinstance(mask, GatheredMask):
         # Every key tile is read by one query tile: the grouped heads' loop in flex's backward is short.
         return attention(q_1NQD, gather_keys(k_1MKD, mask.source_K), gather_keys(v_1MKD, mask.source_K),
