@@ -24,8 +24,8 @@ TILE = 128  # rows and keys per BlockMask tile (flex attention's default block s
 GATHER_CONTEXT_KEYS = False
 # Whether the collate lays out the context keys alone (`tile_layout(block_keys=False)`): flex attention then
 # reads only the context, and each block's own keys are attended densely beside it (`masks.SplitMask`): the
-# block-diagonal key tile, partial in every query tile, leaves flex. Measured by tools/bench_stage2.py
-# --split-block before it becomes the default.
+# block-diagonal key tile, partial in every query tile, leaves flex. Measured slower on an H200 (12-03: the
+# small drafter 78.1K vs 88.3K tokens/s at 4,096 anchors): a bench option (tools/bench_stage2.py --split-block).
 SPLIT_BLOCK_KEYS = False
 
 
