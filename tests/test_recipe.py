@@ -29,7 +29,7 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     timing = [line.split("\t") for line in (work / "results" / "timing.tsv").read_text().splitlines()]
     assert [name for name, _, _ in timing] == ["generate", "generate-more", "extract", "train", "export",
                                                "export-00000002", "eval-heldout", "eval-heldout-main",
-                                               "eval-humaneval", "eval-heldout-t1", "evals (side by side)"]
+                                               "eval-humaneval", "eval-heldout-t1", "evals (side by side)", "walk"]
     assert all(rc == "0" for _, _, rc in timing)
     summary = (work / "results" / "summary.txt").read_text()
     assert "teacher-forced held-out tau" in summary and summary.count("served tau") == 5
@@ -38,13 +38,23 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     assert re.search(r"greedy ones; about \d+ of them \(train.eval_batches micro-batches\) walked over their first 8 "
                      r"tokens", (work / "logs" / "train.log").read_text())
     assert "served curve" in summary
+    # tools/heldout_walk.py: the served prompts' greedy answers walked teacher-forced, per checkpoint served at 0
+    assert summary.count("own prompts") == 3  # eval-heldout's two drafters (the curve), eval-heldout-main's one
+    walks = json.loads((work / "results" / "walk.json").read_text())["walks"]
+    assert [Path(entry["checkpoint"]).name for entry in walks] == ["step-00000004", "step-00000002", "step-00000004"]
+    for entry in walks:
+        assert entry["walked_prompts"] >= 1
+        for prompt in entry["prompts"]:
+            if prompt["teacher_forced_lengths"] is not None:  # the walk records what serving recorded
+                assert prompt["teacher_forced_lengths"] == prompt["served_lengths"]
     split = re.search(r"training split: ([\d,]+) tokens, ([\d,]+) of them", summary)
     assert split and 0 < int(split.group(2).replace(",", "")) < int(split.group(1).replace(",", ""))
     curve = summary.split("served curve", 1)[1].splitlines()[1:]
     assert [row.split(",")[0].strip() for row in curve] == ["2", "4"]  # an earlier checkpoint, then the last
     assert all("passes)" in row for row in curve[1:])  # tokens seen over the training split's tokens
-    assert all(row.split(",")[-3].strip() != "None" for row in curve)  # each beside its teacher-forced tau
-    assert all(row.split(",")[-2].strip() != "None" for row in curve)  # and that tau walked as served
+    assert all(row.split(",")[-4].strip() != "None" for row in curve)  # each beside its teacher-forced tau
+    assert all(row.split(",")[-3].strip() != "None" for row in curve)  # that tau walked as served
+    assert all(row.split(",")[-2].strip() != "None" for row in curve)  # and walked on the served prompts
     answers = [json.loads(line) for part in sorted((work / "answers").glob("part-*.jsonl"))
                for line in part.read_text().splitlines()]
     assert [row["sample"] for row in answers] == [0, 1] * 16  # the greedy answer and one sampled, per prompt

@@ -771,6 +771,7 @@ def run(args, argv, dist) -> int:
         path = own_or_first(args.compile_artifacts, dist.device.index or 0)
         print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
     model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target)
+    flex_options = flex_kernel_options(ctx.args.head_dim) if device.type == "cuda" else {}  # as masks.attend uses them
     from dflash.model.drafter import count_parameters
 
     say = print if dist.is_main else (lambda *a, **k: None)
@@ -780,7 +781,7 @@ def run(args, argv, dist) -> int:
         f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
         f"{', block keys apart' if args.split_block else ''}"
-        f", flex options {flex_kernel_options(ctx.args.head_dim) or 'inductor defaults'}"
+        f", flex options {flex_options or 'inductor defaults'}"
         f"{', flex autotuned' if args.flex_autotune else ''}, "
         f"device {device}, "
         f"world size {dist.world_size}")
@@ -789,7 +790,7 @@ def run(args, argv, dist) -> int:
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "block_masks": "rule" if args.mask_rule else "tiles", "flex_key_heads": "grouped" if args.flex_gqa
                else "repeated", "gathered_keys": args.gather_keys,
-               "split_block": args.split_block, "flex_options": flex_kernel_options(ctx.args.head_dim),
+               "split_block": args.split_block, "flex_options": flex_options,
                "flex_autotune": args.flex_autotune, "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None

@@ -21,6 +21,8 @@
 #                run side by side on the GPU (PARALLEL_EVALS=1, the default: batch-1 decoding of a small
 #                target leaves it mostly idle; their speedups are then measured beside each other) or in
 #                turn (PARALLEL_EVALS=0, for speedups measured alone)
+#   6. walk      tools/heldout_walk.py: stage two's teacher-forced tau walked as served on the very prompts the
+#                temperature-0 held-out evals served (results/walk.json), beside their served tau
 # Results: $WORK/results/timing.tsv (part, seconds), eval-*.json, the training log's held-out tau
 # beside the served tau and the served curve against tokens seen (summary.txt). All of it under $WORK; logs under $LOGS.
 #
@@ -69,7 +71,7 @@ part() {  # part NAME COMMAND...: run it, log it, record its wall seconds; stop 
   local rc=$?
   printf '%s\t%d\t%d\n' "$name" $((SECONDS - start)) "$rc" >> "${TIMING:-$WORK/results/timing.tsv}"
   echo "[$(date +%H:%M:%S)] $name: rc $rc after $((SECONDS - start)) s" | tee -a "$WORK/results/progress.txt"
-  [ "$rc" -eq 0 ] || { tail -n 30 "$WORK/logs/$name.log"; exit "$rc"; }
+  [ "$rc" -eq 0 ] || [ -n "${SOFT:-}" ] || { tail -n 30 "$WORK/logs/$name.log"; exit "$rc"; }
 }
 
 recipe() {
@@ -119,6 +121,12 @@ recipe() {
   evals+=(eval_humaneval)
   [ "$T1" = 1 ] && evals+=(eval_heldout_t1)
   side_by_side "${evals[@]}"
+  # Stage two's teacher-forced walk on the very prompts the temperature-0 evals served (each prompt's greedy
+  # answer in the store, through the checkpoint behind each export); a failure here leaves the summary without it
+  local walked=(--eval "$WORK/results/eval-heldout.json")
+  [ -n "$MAIN_ONLY" ] && walked+=(--eval "$WORK/results/eval-heldout-main.json")
+  SOFT=1 part walk python3 tools/heldout_walk.py "${common[@]}" --checkpoints "$WORK/drafter/checkpoints" \
+    "${walked[@]}" --out "$WORK/results/walk.json"
   summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"
 }
 
@@ -172,6 +180,13 @@ for name in ("eval-heldout", "eval-heldout-main", "eval-humaneval", "eval-heldou
         result = json.loads(path.read_text())["results"][0]
         print(f"  served tau ({name}, temperature {result['temperature']:g}): {result['tau']:.3f} over "
               f"{result['num_prompts']} prompts, speedup {result['speedup']:.2f}x")
+walk_path = work / "results" / "walk.json"  # tools/heldout_walk.py: the same prompts, teacher-forced as served
+walks = json.loads(walk_path.read_text())["walks"] if walk_path.exists() else []
+for entry in walks:
+    print(f"  teacher-forced as served on {Path(entry['eval']).stem}'s own prompts ({entry['checkpoint'].rsplit('/', 1)[-1]}, "
+          f"{entry['walked_prompts']} with a greedy answer in the store): {entry['teacher_forced_tau']:.3f} beside "
+          f"served {entry['served_tau_same_prompts']:.3f} on them ({100 * (entry['ratio'] - 1):+.1f}%)")
+walk_by_drafter = {entry["drafter"]: entry for entry in walks if entry["eval"].endswith("eval-heldout.json")}
 seen = {line["step"]: line["tokens_seen"] for line in lines if "tokens_seen" in line}
 held_by_step = {line["step"]: line["eval/tau"] for line in held}
 served_by_step = {line["step"]: line["eval/served_tau"] for line in held if "eval/served_tau" in line}
@@ -181,15 +196,17 @@ curve = curve[1:] + curve[:1]  # the earlier checkpoints in order, then the last
 last_step = max((line["step"] for line in lines), default=0)  # the last checkpoint's
 if len(curve) > 1:
     print("  served curve (held-out prompts, temperature 0): step, tokens seen, teacher-forced held-out tau, "
-          "teacher-forced as served, served tau")
+          "teacher-forced as served, the same on the served prompts, served tau")
     for result in curve:
         tail = result["drafter"].rstrip("/").split("-")[-1]
         step = int(tail) if tail.isdigit() else last_step
         tokens = seen.get(max((s for s in seen if s <= step), default=0), 0)
         tf, walked = held_by_step.get(step), served_by_step.get(step)
         passes = f" ({tokens / unique:.1f} passes)" if unique else ""
+        same = walk_by_drafter.get(result["drafter"], {}).get("teacher_forced_tau")
         print(f"    {step}, {tokens:,.0f}{passes}, {tf if tf is None else round(tf, 3)}, "
-              f"{walked if walked is None else round(walked, 3)}, {result['tau']:.3f}")
+              f"{walked if walked is None else round(walked, 3)}, {same if same is None else round(same, 3)}, "
+              f"{result['tau']:.3f}")
 PY
 }
 

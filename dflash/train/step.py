@@ -183,10 +183,11 @@ def evaluation_mode(wrapped):
 
 
 def evaluate_served(dist: DistState, wrapped, ctx: TrainContext, dataset, collate, micro_batches,
-                    tokens: int) -> dict:
+                    tokens: int, walks: list | None = None) -> dict:
     """The held-out tau as serving measures it (dflash.train.served): `dataset` gives every anchor of
     each answer's first `tokens` tokens, and each answer is walked as the temperature-0 serving loop
-    would. sync: one transfer per micro-batch (evaluations only)."""
+    would; `walks` (a list) gets `(sample index, acceptance lengths)` of each answer (this rank's).
+    sync: one transfer per micro-batch (evaluations only)."""
     totals = torch.zeros(3, dtype=torch.float64)  # acceptance lengths' sum, verifications, answers
     model, grad_mode = evaluation_mode(wrapped)
     model.eval()
@@ -207,6 +208,8 @@ def evaluate_served(dist: DistState, wrapped, ctx: TrainContext, dataset, collat
                                      served.answer_start(item["loss_mask"]), served.answer_end(item["loss_mask"]),
                                      tokens)
             totals += torch.tensor([sum(walk), len(walk), 1], dtype=torch.float64)
+            if walks is not None:
+                walks.append((item["sample_index"], walk))
     model.train()
     if dist.is_distributed:
         totals = totals.to(ctx.device)

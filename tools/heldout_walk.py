@@ -1,0 +1,177 @@
+"""Stage two's held-out tau as served, on exactly the prompts `dflash eval --prompts heldout` served.
+
+`dflash eval` serves the first N held-out prompts; stage two's `eval/served_tau` walks a few hundred
+held-out greedy answers (`train.eval_batches` micro-batches). To put the two side by side on the same
+prompts, this reads an eval's JSON, finds each served prompt's greedy answer in the store (the answer
+of that prompt whose tokens are the target's labels, `dflash.train.served.GREEDY_SHARE`), and walks it
+from the stored features through the training checkpoint's drafter as the temperature-0 serving loop
+walks it (`dflash.train.step.evaluate_served`, one answer per micro-batch), over the eval's
+`max_new_tokens`. Every drafter of the eval JSON is matched to its checkpoint: `.../export-<step>` to
+`<checkpoints>/step-<step>`, any other to the last complete checkpoint (the recipe's `export`).
+
+    python tools/heldout_walk.py -c configs/smollm2-recipe.toml --set store.path=... \\
+        --checkpoints runs/recipe/drafter/checkpoints --eval runs/recipe/results/eval-heldout.json \\
+        --out runs/recipe/results/walk-heldout.json
+
+Prints, per drafter, the served tau, the teacher-forced walk's tau over the same prompts and their
+ratio, and per prompt both; writes them to `--out`.
+"""
+
+import argparse
+import functools
+import json
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash.config import ConfigError, load_config  # noqa: E402
+from dflash.dist import init_distributed  # noqa: E402
+from dflash.model.drafter import DFlashDrafter  # noqa: E402
+from dflash.store.reader import StoreReader  # noqa: E402
+from dflash.train import served  # noqa: E402
+from dflash.train.batch import StoreDataset, collate_options, collate_packed  # noqa: E402
+from dflash.train.checkpoint import complete_checkpoints, load_checkpoint, step_dir_name  # noqa: E402
+from dflash.train.sampler import holdout_groups, split_holdout  # noqa: E402
+from dflash.train.step import build_context, evaluate_served  # noqa: E402
+from stages.export import checkpoint_drafter_args  # noqa: E402
+
+SAMPLE_ID = re.compile(r"\(sample (\d+)\)$")  # dflash.serve.evaluation.heldout_prompts' prompt ids
+
+
+def served_samples(eval_result: dict) -> list[int]:
+    """The store sample index behind each prompt of an eval result (`--prompts heldout` only)."""
+    indices = []
+    for prompt in eval_result["per_prompt"]:
+        found = SAMPLE_ID.search(prompt["prompt_id"])
+        if not found:
+            raise ValueError(f"prompt {prompt['prompt_id']!r} is not a held-out sample of the store: "
+                             f"walk the evals of `dflash eval --prompts heldout` only")
+        indices.append(int(found.group(1)))
+    return indices
+
+
+def greedy_answers(config, reader, samples: list[int], tokens: int, block_size: int) -> list[int | None]:
+    """For each served sample, the held-out sample of its prompt whose answer is the target's greedy one
+    (None: that prompt has no greedy answer in the store)."""
+    groups = holdout_groups(config, reader)
+    _, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed, groups)
+    answers = []
+    for sample in samples:
+        same_prompt = eval_indices[groups[eval_indices] == groups[sample]] if groups is not None else np.array([sample])
+        if sample not in set(same_prompt.tolist()):
+            raise ValueError(f"sample {sample} is not held out under this config (train.holdout_fraction, "
+                             f"train.seed, train.holdout_by): the eval read another split")
+        greedy = served.greedy_held_out(reader, same_prompt, tokens, block_size)
+        answers.append(int(greedy[0]) if greedy.size else None)
+    return answers
+
+
+def checkpoint_for(drafter: str, checkpoints: Path) -> Path:
+    """`.../export-<step>` -> `<checkpoints>/step-<step>`; anything else -> the last complete checkpoint."""
+    tail = Path(drafter.rstrip("/")).name.rsplit("-", 1)[-1]
+    if tail.isdigit():
+        path = checkpoints / step_dir_name(int(tail))
+        if not path.is_dir():
+            raise FileNotFoundError(f"drafter {drafter}: no checkpoint {path}")
+        return path
+    found = complete_checkpoints(checkpoints)
+    if not found:
+        raise FileNotFoundError(f"no complete checkpoint under {checkpoints}")
+    return found[-1]
+
+
+def walk(config, reader, checkpoint: Path, answers: list[int | None], tokens: int, dist) -> list[list[int] | None]:
+    """Each answer's acceptance lengths walked as served (None where the prompt had no greedy answer)."""
+    loaded = load_checkpoint(checkpoint)
+    args = checkpoint_drafter_args(loaded)
+    model = DFlashDrafter(args)
+    model.load_state_dict(loaded.model_state)
+    model.to(dist.device)
+    ctx = build_context(config, args, reader, dist)
+    dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, served_tokens=tokens)
+    collate = functools.partial(collate_packed, **collate_options(ctx.backend, args))
+    walks = []
+    for answer in answers:
+        if answer is None:
+            walks.append(None)
+            continue
+        found = []
+        evaluate_served(dist, model, ctx, dataset, collate, [np.array([answer])], tokens, walks=found)
+        walks.append(found[0][1] if found else None)
+    return walks
+
+
+def tau(lengths: list[list[int]]) -> float:
+    """The mean over verifications, as `dflash eval` reports it."""
+    flat = [length for walk in lengths for length in walk]
+    return float(np.mean(flat)) if flat else float("nan")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("-c", "--config", required=True, help="the config stage two trained with (store, split)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config overrides, as the dflash commands take them")
+    parser.add_argument("--checkpoints", required=True, help="stage two's checkpoints folder (train.out_dir/checkpoints)")
+    parser.add_argument("--eval", dest="evals", action="append", required=True,
+                        help="a `dflash eval --prompts heldout` JSON at temperature 0 (repeat for several)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", help="JSON of the served and teacher-forced walks, per drafter and prompt")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as error:
+        parser.error(str(error))
+    dist = init_distributed(args.device)
+    reader = StoreReader(config.store.path)
+    if not reader.has_labels:
+        parser.error(f"store {config.store.path} holds the dataset's labels (store.labels), not the target's: "
+                     f"the walk needs the target's greedy token at every position")
+    report = []
+    for eval_path in args.evals:
+        for result in json.loads(Path(eval_path).read_text())["results"]:
+            if result["temperature"] != 0:
+                print(f"{eval_path}: {result['drafter']} served at temperature {result['temperature']:g}; "
+                      f"the walk is temperature 0's, left out")
+                continue
+            tokens = result["max_new_tokens"]
+            samples = served_samples(result)
+            checkpoint = checkpoint_for(result["drafter"], Path(args.checkpoints))
+            answers = greedy_answers(config, reader, samples, tokens, result["block_size"])
+            walks = walk(config, reader, checkpoint, answers, tokens, dist)
+            prompts = [{"prompt_id": prompt["prompt_id"], "greedy_sample": answer,
+                        "served_tau": float(np.mean(prompt["acceptance_lengths"])),
+                        "teacher_forced_tau": tau([lengths]) if lengths else None,
+                        "served_lengths": prompt["acceptance_lengths"], "teacher_forced_lengths": lengths}
+                       for prompt, answer, lengths in zip(result["per_prompt"], answers, walks)]
+            both = [(prompt["served_lengths"], prompt["teacher_forced_lengths"]) for prompt in prompts
+                    if prompt["teacher_forced_lengths"]]
+            entry = {"eval": eval_path, "drafter": result["drafter"], "checkpoint": str(checkpoint),
+                     "prompts_source": result["prompts_source"], "max_new_tokens": tokens,
+                     "served_tau": result["tau"], "served_tau_same_prompts": tau([pair[0] for pair in both]),
+                     "teacher_forced_tau": tau([pair[1] for pair in both]), "walked_prompts": len(both),
+                     "prompts": prompts}
+            entry["ratio"] = entry["teacher_forced_tau"] / entry["served_tau_same_prompts"]
+            report.append(entry)
+            print(f"{Path(eval_path).name} {result['drafter']} ({checkpoint.name}): served tau {result['tau']:.3f} "
+                  f"over {len(samples)} prompts; on the {len(both)} with a greedy answer in the store: served "
+                  f"{entry['served_tau_same_prompts']:.3f}, teacher-forced as served {entry['teacher_forced_tau']:.3f} "
+                  f"({100 * (entry['ratio'] - 1):+.1f}%)")
+            for prompt in prompts:
+                forced = prompt["teacher_forced_tau"]
+                print(f"    {prompt['prompt_id']}: served {prompt['served_tau']:.2f}, teacher-forced "
+                      f"{'-' if forced is None else f'{forced:.2f}'}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"walks": report}, indent=1) + "\n")
+        print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
