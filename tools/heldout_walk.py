@@ -55,11 +55,16 @@ def served_samples(eval_result: dict) -> list[int]:
     return indices
 
 
-def greedy_answers(config, reader, samples: list[int], tokens: int, block_size: int) -> list[int | None]:
-    """For each served sample, the held-out sample of its prompt whose answer is the target's greedy one
-    (None: that prompt has no greedy answer in the store)."""
+def held_out_split(config, reader) -> tuple[np.ndarray | None, np.ndarray]:
+    """Stage two's prompt groups and held-out sample indices under `config` (as the trainer splits)."""
     groups = holdout_groups(config, reader)
-    _, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed, groups)
+    return groups, split_holdout(len(reader), config.train.holdout_fraction, config.train.seed, groups)[1]
+
+
+def greedy_answers(reader, split, samples: list[int], tokens: int, block_size: int) -> list[int | None]:
+    """For each served sample, the held-out sample of its prompt whose answer is the target's greedy one
+    (None: that prompt has no greedy answer in the store); `split`: `held_out_split`'s."""
+    groups, eval_indices = split
     answers = []
     for sample in samples:
         same_prompt = eval_indices[groups[eval_indices] == groups[sample]] if groups is not None else np.array([sample])
@@ -85,16 +90,20 @@ def checkpoint_for(drafter: str, checkpoints: Path) -> Path:
     return found[-1]
 
 
-def walk(config, reader, checkpoint: Path, answers: list[int | None], tokens: int, dist) -> list[list[int] | None]:
-    """Each answer's acceptance lengths walked as served (None where the prompt had no greedy answer)."""
+@functools.cache
+def load_drafter(checkpoint: Path, device: torch.device) -> DFlashDrafter:
+    """A checkpoint's drafter on `device`, once per checkpoint (several evals serve the last one)."""
     loaded = load_checkpoint(checkpoint)
-    args = checkpoint_drafter_args(loaded)
-    model = DFlashDrafter(args)
+    model = DFlashDrafter(checkpoint_drafter_args(loaded))
     model.load_state_dict(loaded.model_state)
-    model.to(dist.device)
-    ctx = build_context(config, args, reader, dist)
+    return model.to(device)
+
+
+def walk(config, reader, model: DFlashDrafter, ctx, answers: list[int | None], tokens: int,
+         dist) -> list[list[int] | None]:
+    """Each answer's acceptance lengths walked as served (None where the prompt had no greedy answer)."""
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, served_tokens=tokens)
-    collate = functools.partial(collate_packed, **collate_options(ctx.backend, args))
+    collate = functools.partial(collate_packed, **collate_options(ctx.backend, model.args))
     walks = []
     for answer in answers:
         if answer is None:
@@ -133,6 +142,8 @@ def main(argv=None) -> int:
     if not reader.has_labels:
         parser.error(f"store {config.store.path} holds the dataset's labels (store.labels), not the target's: "
                      f"the walk needs the target's greedy token at every position")
+    split = held_out_split(config, reader)
+    ctx = None
     report = []
     for eval_path in args.evals:
         for result in json.loads(Path(eval_path).read_text())["results"]:
@@ -143,8 +154,11 @@ def main(argv=None) -> int:
             tokens = result["max_new_tokens"]
             samples = served_samples(result)
             checkpoint = checkpoint_for(result["drafter"], Path(args.checkpoints))
-            answers = greedy_answers(config, reader, samples, tokens, result["block_size"])
-            walks = walk(config, reader, checkpoint, answers, tokens, dist)
+            answers = greedy_answers(reader, split, samples, tokens, result["block_size"])
+            model = load_drafter(checkpoint, dist.device)
+            if ctx is None or ctx.args != model.args:  # the frozen embeddings and head: read once per drafter shape
+                ctx = build_context(config, model.args, reader, dist)
+            walks = walk(config, reader, model, ctx, answers, tokens, dist)
             prompts = [{"prompt_id": prompt["prompt_id"], "greedy_sample": answer,
                         "served_tau": float(np.mean(prompt["acceptance_lengths"])),
                         "teacher_forced_tau": tau([lengths]) if lengths else None,
