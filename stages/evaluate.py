@@ -28,8 +28,8 @@ from dflash.data.tokenizer import load_target_tokenizer
 from dflash.dist import resolve_device
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
 from dflash.model.modeling_dflash import greedy_generate
-from dflash.serve.evaluation import (HELDOUT, EvalResult, decode_prompt, load_drafter, load_prompts, plot, print_report,
-                                     summarize, timed, warm_up, write_json)
+from dflash.serve.evaluation import (HELDOUT, EvalResult, decode_prompt, load_drafter, load_prompts, mark_code, plot,
+                                     print_report, summarize, timed, warm_up, write_json)
 
 
 @dataclass(frozen=True)
@@ -69,9 +69,9 @@ def run(config: Config, options: EvalOptions) -> list[EvalResult]:
         input_ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)[None]
         baseline = timed(device, lambda: greedy_generate(target, input_ids, options.max_new_tokens, stops))
         for draft, result in zip(drafts, results):
-            result.per_prompt.append(decode_prompt(draft, target, prompt_id, input_ids, baseline,
-                                                   options.max_new_tokens, options.temperature, stops, generator,
-                                                   device))
+            result.per_prompt.append(mark_code(decode_prompt(draft, target, prompt_id, input_ids, baseline,
+                                                             options.max_new_tokens, options.temperature, stops,
+                                                             generator, device), tokenizer))
         bar.set_postfix(tau="/".join(f"{summarize(result).tau:.2f}" for result in results))
     bar.close()
     for result in results:

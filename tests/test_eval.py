@@ -166,6 +166,33 @@ def test_a_mismatch_at_a_rounding_tie_is_told_apart_from_a_real_one():
     assert lossless_verdict(summarize(result)) == "NO: 1 prompts differ (+1 near-ties)"
 
 
+def test_tau_is_split_between_code_blocks_and_prose():
+    """Each verification counts inside a ``` block when its first committed token does: the fence
+    count of the text before it is odd; a fence split over two tokens counts once it is whole."""
+    from dflash.serve.evaluation import PromptResult, mark_code
+
+    class Chars:  # one token per character
+        @staticmethod
+        def decode(ids):
+            return "".join(map(chr, ids))
+
+    text = "Hi\n```py\nx = 1\n```\nDone."
+    lengths = [3, 2, 4, 5, 4, 3, 3]  # verifications starting at 0 "Hi", 3 "``", 5 "`py", 9 "x =", 14, 18, 21
+    assert sum(lengths) == len(text)
+    prompt = mark_code(PromptResult("row 1", 4, len(text), lengths, len(lengths), 1.0,
+                                    generated_ids=[ord(c) for c in text]), Chars)
+    assert prompt.text == text
+    starts = [0, 3, 5, 9, 14, 18, 21]
+    assert prompt.in_code == [text[:start].count("```") % 2 == 1 for start in starts]
+    assert prompt.in_code == [False, False, False, True, True, False, False]  # at 5 the fence is not whole yet
+    result = summarize(EvalResult("d", "t", "p", "cpu", "float32", 16, 0.0, 64, per_prompt=[prompt]))
+    assert (result.verifications_in_code, result.verifications_outside_code) == (2, 5)
+    assert result.tau_in_code == pytest.approx(9 / 2) and result.tau_outside_code == pytest.approx(15 / 5)
+    unmarked = PromptResult("row 2", 4, 5, [5], 1, 1.0)  # no text: counted in tau, not in the split
+    result = summarize(EvalResult("d", "t", "p", "cpu", "float32", 16, 0.0, 64, per_prompt=[prompt, unmarked]))
+    assert result.verifications == 8 and result.verifications_in_code + result.verifications_outside_code == 7
+
+
 def test_prompts_are_filtered_by_their_text(qwen_tokenizer):
     """--match keeps the prompts whose rendered text matches, --exclude drops them; the first ones
     that pass, as many as asked for."""

@@ -6,18 +6,18 @@
 #                prompt of $SOURCE, up to $NEW_TOKENS tokens each
 #                and (MORE_SOURCE, by default embedded:code-complete: HumanEval-worded prompts) the greedy
 #                answer, and $MORE_SAMPLES (0) sampled ones, to the first 16,000 prompts of that source
-#                (MORE_ARGS="--limit 16000"), into answers/more; the held-out prompts are then a mix, and
-#                MAIN_ONLY (with code-complete "Complete the following") also serves $SOURCE's held-out
-#                prompts alone.
+#                (MORE_ARGS="--limit 16000"), into answers/more; the held-out prompts are then a mix, told
+#                apart by MAIN_ONLY (with code-complete "Complete the following": the other source's wording).
 #                MORE_SOURCE= (empty) leaves the second source out
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
 #   3. train     `dflash stage2-train`: train.holdout_by = prompt, so the held-out prompts' answers are
 #                never trained on and its held-out tau is measured on the target's own answers
 #   4. export    `dflash export` of the last checkpoint, and (CURVE=1, the default) of every earlier one
-#   5. eval      `dflash eval` at temperature 0 on the held-out prompts (--prompts heldout) for all those
-#                checkpoints in one run (one target load, one baseline per prompt: the served curve), and
-#                for the last one on $EVAL_SOURCE (HumanEval, never trained on), $EVAL_PROMPTS x
-#                $EVAL_TOKENS each; and (T1=1, the default) temperature 1 on the held-out prompts. The evals
+#   5. eval      `dflash eval` at temperature 0, $EVAL_PROMPTS x $EVAL_TOKENS each, for all those checkpoints
+#                in one run each (one target load, one baseline per prompt: the served curve): on $SOURCE's
+#                held-out prompts (eval-heldout) and on $EVAL_SOURCE (HumanEval, never trained on:
+#                eval-humaneval); for the last one on MORE_SOURCE's held-out prompts (eval-heldout-more) and
+#                (T1=1, the default) at temperature 1 on eval-heldout's prompts. The evals
 #                run side by side on the GPU (PARALLEL_EVALS=1, the default: batch-1 decoding of a small
 #                target leaves it mostly idle; their speedups are then measured beside each other) or in
 #                turn (PARALLEL_EVALS=0, for speedups measured alone)
@@ -110,21 +110,24 @@ recipe() {
     part "$name" "${dflash[@]}" eval "${common[@]}" "$@" --num-prompts "$EVAL_PROMPTS" \
       --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/$name.json" "${eval_args[@]}"
   }
-  eval_heldout() { eval_part eval-heldout "${drafters[@]}" --prompts heldout; }
-  # With MORE_SOURCE the held-out prompts are a mix (so is the training log's held-out tau): MAIN_ONLY, a
-  # regular expression of the other source's wording, serves the last checkpoint on $SOURCE's alone too.
-  eval_heldout_main() { eval_part eval-heldout-main --drafter "$WORK/export" --prompts heldout --exclude "$MAIN_ONLY"; }
-  eval_humaneval() { eval_part eval-humaneval --drafter "$WORK/export" --prompts "$EVAL_SOURCE"; }
-  eval_heldout_t1() { eval_part eval-heldout-t1 --drafter "$WORK/export" --prompts heldout --temperature 1; }
+  # The held-out prompts of $SOURCE alone: with MORE_SOURCE its answers sort first, so the first held-out
+  # prompts by row would all be MORE_SOURCE's; MAIN_ONLY (that source's wording, a regular expression) tells them apart.
+  local heldout=(--prompts heldout)
+  [ -n "$MAIN_ONLY" ] && heldout+=(--exclude "$MAIN_ONLY")
+  eval_heldout() { eval_part eval-heldout "${drafters[@]}" "${heldout[@]}"; }
+  # (soft: a split that held none of MORE_SOURCE's prompts out loses this eval alone)
+  eval_heldout_more() { SOFT=1 eval_part eval-heldout-more --drafter "$WORK/export" --prompts heldout --match "$MAIN_ONLY"; }
+  eval_humaneval() { eval_part eval-humaneval "${drafters[@]}" --prompts "$EVAL_SOURCE"; }
+  eval_heldout_t1() { eval_part eval-heldout-t1 --drafter "$WORK/export" "${heldout[@]}" --temperature 1; }
   local evals=(eval_heldout)
-  [ -n "$MAIN_ONLY" ] && evals+=(eval_heldout_main)
+  [ -n "$MAIN_ONLY" ] && evals+=(eval_heldout_more)
   evals+=(eval_humaneval)
   [ "$T1" = 1 ] && evals+=(eval_heldout_t1)
   side_by_side "${evals[@]}"
   # Stage two's teacher-forced walk on the very prompts the temperature-0 evals served (each prompt's greedy
   # answer in the store, through the checkpoint behind each export); a failure here leaves the summary without it
   local walked=(--eval "$WORK/results/eval-heldout.json")
-  [ -n "$MAIN_ONLY" ] && walked+=(--eval "$WORK/results/eval-heldout-main.json")
+  [ -n "$MAIN_ONLY" ] && walked+=(--eval "$WORK/results/eval-heldout-more.json")
   SOFT=1 part walk python3 tools/heldout_walk.py "${common[@]}" --checkpoints "$WORK/drafter/checkpoints" \
     "${walked[@]}" --out "$WORK/results/walk.json"
   summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"
@@ -157,7 +160,7 @@ side_by_side() {  # side_by_side FUNCTION...: the eval parts, at once on the one
 summarize() {  # the parts' times, the last held-out teacher-forced tau and the served taus
   echo "recipe: $1 s end to end"
   awk -F'\t' '{printf "  %-20s %6d s  (rc %d)\n", $1, $2, $3}' "$WORK/results/timing.tsv"
-  python3 - "$WORK" <<'PY'
+  python3 - "$WORK" "$SOURCE" "${MORE_SOURCE:-none}" "$EVAL_SOURCE" <<'PY'
 import json, re, sys
 from pathlib import Path
 work = Path(sys.argv[1])
@@ -174,12 +177,20 @@ if held:
 if held and "eval/served_tau" in held[-1]:  # train.eval_served_tokens: walked as serving walks the answers
     print(f"  teacher-forced held-out tau as served {held[-1]['eval/served_tau']:.3f} "
           f"({held[-1]['eval/served_answers']:.0f} greedy held-out answers, train.eval_served_tokens)")
-for name in ("eval-heldout", "eval-heldout-main", "eval-humaneval", "eval-heldout-t1"):
+sources = dict(zip(("main", "more", "eval"), sys.argv[2:5]))
+evals = {"eval-heldout": f"{sources['main']}'s held-out prompts", "eval-heldout-more": f"{sources['more']}'s held-out prompts",
+         "eval-humaneval": sources["eval"], "eval-heldout-t1": f"{sources['main']}'s held-out prompts"}
+served = {}  # eval name -> its results, the last checkpoint's first
+for name, prompts in evals.items():
     path = work / "results" / f"{name}.json"
     if path.exists():
-        result = json.loads(path.read_text())["results"][0]
-        print(f"  served tau ({name}, temperature {result['temperature']:g}): {result['tau']:.3f} over "
+        served[name] = results = json.loads(path.read_text())["results"]
+        result = results[0]
+        print(f"  served tau ({name}: {prompts}, temperature {result['temperature']:g}): {result['tau']:.3f} over "
               f"{result['num_prompts']} prompts, speedup {result['speedup']:.2f}x")
+        if result.get("verifications_in_code"):  # dflash eval: verifications starting inside ``` blocks, and outside
+            print(f"    inside code blocks {result['tau_in_code']:.3f} ({result['verifications_in_code']} verifications), "
+                  f"outside {result['tau_outside_code']:.3f} ({result['verifications_outside_code']})")
 walk_path = work / "results" / "walk.json"  # tools/heldout_walk.py: the same prompts, teacher-forced as served
 walks = json.loads(walk_path.read_text())["walks"] if walk_path.exists() else []
 for entry in walks:
@@ -190,13 +201,13 @@ walk_by_drafter = {entry["drafter"]: entry for entry in walks if entry["eval"].e
 seen = {line["step"]: line["tokens_seen"] for line in lines if "tokens_seen" in line}
 held_by_step = {line["step"]: line["eval/tau"] for line in held}
 served_by_step = {line["step"]: line["eval/served_tau"] for line in held if "eval/served_tau" in line}
-heldout_path = work / "results" / "eval-heldout.json"
-curve = json.loads(heldout_path.read_text())["results"] if heldout_path.exists() else []
+curve = served.get("eval-heldout", [])
+humaneval = {result["drafter"]: result["tau"] for result in served.get("eval-humaneval", [])}
 curve = curve[1:] + curve[:1]  # the earlier checkpoints in order, then the last one
 last_step = max((line["step"] for line in lines), default=0)  # the last checkpoint's
 if len(curve) > 1:
-    print("  served curve (held-out prompts, temperature 0): step, tokens seen, teacher-forced held-out tau, "
-          "teacher-forced as served, the same on the served prompts, served tau")
+    print(f"  served curve (temperature 0): step, tokens seen, teacher-forced held-out tau, teacher-forced as served, "
+          f"the same on eval-heldout's prompts, served tau on them, served tau on {sources['eval']}")
     for result in curve:
         tail = result["drafter"].rstrip("/").split("-")[-1]
         step = int(tail) if tail.isdigit() else last_step
@@ -204,9 +215,10 @@ if len(curve) > 1:
         tf, walked = held_by_step.get(step), served_by_step.get(step)
         passes = f" ({tokens / unique:.1f} passes)" if unique else ""
         same = walk_by_drafter.get(result["drafter"], {}).get("teacher_forced_tau")
+        other = humaneval.get(result["drafter"])
         print(f"    {step}, {tokens:,.0f}{passes}, {tf if tf is None else round(tf, 3)}, "
               f"{walked if walked is None else round(walked, 3)}, {same if same is None else round(same, 3)}, "
-              f"{result['tau']:.3f}")
+              f"{result['tau']:.3f}, {other if other is None else round(other, 3)}")
 PY
 }
 

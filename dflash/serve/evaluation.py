@@ -29,6 +29,7 @@ from dflash.model.modeling_dflash import DFlashDraftModel, greedy_generate, spec
 
 HELDOUT = "heldout"  # --prompts: the samples stage two holds out of the config's store
 TIE_ULPS = 4  # a logit gap within this many rounding steps of the dtype is a near-tie
+CODE_FENCE = "```"  # the served text's code blocks: tau inside them and outside (prose) is reported apart
 
 
 @dataclass
@@ -45,6 +46,9 @@ class PromptResult:
     mismatch_gap: float | None = None  # target logit of the baseline's token minus the speculative one's there
     tie_tolerance: float | None = None  # the largest gap that is a rounding near-tie at that point
     near_tie: bool = False  # the outputs differ only where the target's top two tokens tie within rounding
+    generated_ids: list[int] = field(default_factory=list)  # the speculative output's tokens
+    text: str = ""  # ... decoded
+    in_code: list[bool] = field(default_factory=list)  # per verification: its first token lies in a ``` block
 
 
 @dataclass
@@ -68,6 +72,10 @@ class EvalResult:
     speedup: float = 0.0
     mismatched_prompts: int = 0  # near-ties included
     near_tie_prompts: int = 0
+    tau_in_code: float = 0.0  # verifications whose first token lies inside a ``` code block of the output
+    verifications_in_code: int = 0
+    tau_outside_code: float = 0.0  # ... outside every code block (prose)
+    verifications_outside_code: int = 0
     per_prompt: list[PromptResult] = field(default_factory=list)
 
 
@@ -216,7 +224,7 @@ def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseli
     result = PromptResult(prompt_id=prompt_id, prompt_tokens=input_ids.shape[1], generated_tokens=len(spec.generated),
                           acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
                           spec_seconds=spec_seconds, baseline_tokens=len(baseline_tokens),
-                          baseline_seconds=baseline_seconds)
+                          baseline_seconds=baseline_seconds, generated_ids=list(spec.generated))
     if temperature <= 0 and spec.generated != baseline_tokens:
         index = next((i for i, (a, b) in enumerate(zip(spec.generated, baseline_tokens)) if a != b),
                      min(len(spec.generated), len(baseline_tokens)))
@@ -244,6 +252,16 @@ def tie_tolerance(logits: torch.Tensor) -> float:
     return TIE_ULPS * torch.finfo(logits.dtype).eps * max(float(logits.float().abs().max()), 1.0)
 
 
+def mark_code(prompt: PromptResult, tokenizer) -> PromptResult:
+    """Fill the prompt's `text` and, per verification, whether its first committed token lies inside
+    a ``` code block (an odd number of fences in the text before it)."""
+    ids = prompt.generated_ids
+    prompt.text = tokenizer.decode(ids)
+    starts = np.cumsum([0] + prompt.acceptance_lengths[:-1]).tolist()
+    prompt.in_code = [tokenizer.decode(ids[:start]).count(CODE_FENCE) % 2 == 1 for start in starts]
+    return prompt
+
+
 # ----------------------------------------------------------------------------- reporting
 
 
@@ -266,6 +284,13 @@ def summarize(result: EvalResult) -> EvalResult:
     result.speedup = result.spec_tokens_per_s / result.baseline_tokens_per_s if result.baseline_tokens_per_s else 0.0
     result.mismatched_prompts = sum(prompt.first_mismatch is not None for prompt in result.per_prompt)
     result.near_tie_prompts = sum(prompt.near_tie for prompt in result.per_prompt)
+    marked = [(length, code) for prompt in result.per_prompt if len(prompt.in_code) == len(prompt.acceptance_lengths)
+              for length, code in zip(prompt.acceptance_lengths, prompt.in_code)]
+    inside = [length for length, code in marked if code]
+    outside = [length for length, code in marked if not code]
+    result.verifications_in_code, result.verifications_outside_code = len(inside), len(outside)
+    result.tau_in_code = float(np.mean(inside)) if inside else 0.0
+    result.tau_outside_code = float(np.mean(outside)) if outside else 0.0
     return result
 
 
@@ -285,6 +310,10 @@ def print_report(results: list[EvalResult]) -> None:
         print(f"{result.drafter}:\n  tokens committed per verification (1..B): "
               + " ".join(f"{k}:{count / total:.1%}" for k, count in enumerate(result.histogram, start=1) if count))
         print("  slot acceptance (slot 1..B-1): " + " ".join(f"{value:.2f}" for value in result.slot_acceptance))
+        if result.verifications_in_code:
+            print(f"  by text: inside {CODE_FENCE} code blocks tau {result.tau_in_code:.3f} over "
+                  f"{result.verifications_in_code:,} verifications, outside them {result.tau_outside_code:.3f} over "
+                  f"{result.verifications_outside_code:,}")
         if result.temperature > 0:
             print("  lossless check: not applicable at temperature > 0 (sampled outputs differ by design)")
         elif result.mismatched_prompts == 0:

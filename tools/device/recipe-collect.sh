@@ -6,6 +6,9 @@
 # compiled in-process), each at most COLD_LIMIT s; their logs and JSON come back in the archive.
 # SPEED=1 (optional): once the recipe has finished, speed.sh's step variants in the call's time left (each at
 # most LIMIT s), into the archive's speed/.
+# EXPORT=1 (optional): once the recipe has finished, the last checkpoint's export (about 39 MB for the SmolLM2
+# drafter) as $OUT/export.tar.NN, parts of 15 MiB (a call brings back 8 files of at most 16 MiB); join them with
+# `cat export.tar.* | tar x` to serve or study the drafter on the CPU (`dflash eval --device cpu`).
 set -u
 export PYTHONPATH=$PWD:/tmp/site
 work=${WORK:-/tmp/rw}
@@ -31,6 +34,10 @@ cp /tmp/collect/results/summary.txt /tmp/collect/results/progress.txt "$OUT"/ 2>
 if [ -n "${SPEED:-}" ] && [ -f "$work/results/summary.txt" ]; then
   mkdir -p /tmp/collect/speed
   OUT=/tmp/collect/speed DEADLINE=$(($(date +%s) + deadline - SECONDS)) bash "$(dirname "$0")/speed.sh" 2>&1 | tee /tmp/collect/speed/speed.txt
+fi
+if [ -n "${EXPORT:-}" ] && [ -f "$work/results/summary.txt" ]; then
+  tar cf - -C "$work" export | split -b 15m -d - "$OUT/export.tar."
+  ls -l "$OUT"/export.tar.*
 fi
 for f in "$work"/logs/*.log; do tr '\r' '\n' < "$f" | grep -av 'it/s\]\|s/it\]\|step/s\]\|answer/s\]\|tok/s\]' \
   | tail -c 20000 > "/tmp/collect/logs/$(basename "$f")"; done
