@@ -123,6 +123,11 @@ class TrainConfig:
     clip: float = setting(1.0, "gradient-norm clipping")
     token_budget: int = setting(16_384, "real (unpadded) context tokens per micro-batch at most", positive=True)
     accum_steps: int = setting(4, "micro-batches per rank per optimizer step", positive=True)
+    fuse_accum: bool = setting(False, "run each rank's accum_steps micro-batches of a step (different length buckets) "
+                               "as one packed micro-batch: the same samples, anchors and loss (each micro-batch's "
+                               "mean, averaged), one forward and backward instead of accum_steps; faster where a "
+                               "micro-batch leaves the GPU underused (the small drafter), accum_steps times the "
+                               "activation memory")
     max_anchors: int = setting(512, "anchors (blocks) sampled per sequence at most, fresh every epoch", positive=True)
     anchor_budget: int = setting(1024, "anchors per micro-batch at most (x block size = drafter rows); bounds "
                                  "short-sequence packs", positive=True)

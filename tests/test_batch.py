@@ -165,3 +165,43 @@ def test_loader_with_workers_matches_loader_without():
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)
     assert {b["epoch"].item() for b in serial} == {0, 1}
+
+
+def test_a_fused_step_loads_the_micro_batches_of_each_step_together():
+    """train.fuse_accum: the loader gives one micro-batch per step holding the rank's accum_steps
+    micro-batches' samples in order, each anchor tagged with its micro-batch (`anchor_group`), and
+    each micro-batch's bucket; an ordinary micro-batch carries neither."""
+    from dflash.train.batch import epoch_loader
+    from dflash.train.sampler import build_epoch_schedule
+
+    reader = make_reader(num_samples=60)
+    dataset = StoreDataset(reader, max_anchors=6, seed=0)
+    schedule = build_epoch_schedule(reader.index["length"], reader.index["bucket"], 48, 1, 2, 0, 0)
+    options = dict(pad_multiple=8, block_size=BLOCK_SIZE, num_workers=0, pin_memory=False)
+    plain = list(epoch_loader(dataset, schedule, 0, 1, **options))
+    fused = list(epoch_loader(dataset, schedule, 0, 1, **options, fuse=True))
+    assert len(plain) == 2 * len(fused) == 2 * (schedule.num_steps - 1)
+    assert "anchor_group" not in plain[0] and "group_buckets" not in plain[0]
+    for step, batch in enumerate(fused):
+        first, second = plain[2 * step], plain[2 * step + 1]
+        assert batch["sample_indices"].tolist() == first["sample_indices"].tolist() + second["sample_indices"].tolist()
+        assert batch["group_buckets"] == [int(first["bucket"]), int(second["bucket"])]
+        assert int(batch["bucket"]) == -1 or first["bucket"] == second["bucket"]
+        real = int(batch["num_real_anchors"])
+        assert real == int(first["num_real_anchors"]) + int(second["num_real_anchors"])
+        expected = [0] * int(first["num_real_anchors"]) + [1] * int(second["num_real_anchors"])
+        assert batch["anchor_group"][:real].tolist() == expected
+        parts = [part["anchor_pos"][:int(part["num_real_anchors"])].tolist() for part in (first, second)]
+        assert batch["anchor_pos"][:real].tolist() == parts[0] + parts[1]
+
+
+def test_fused_groups_number_only_the_micro_batches_left_after_skipped_samples():
+    """A micro-batch whose every sample was unreadable drops out of the step (as the unfused step drops an
+    empty micro-batch), so the groups left are numbered 0..G-1 and each keeps its bucket."""
+    from dflash.train.batch import fused_groups
+
+    items = [{"group": 0, "bucket": 1}, {"group": 2, "bucket": 0}, {"group": 2, "bucket": 0}]
+    anchor_doc = np.array([0, 0, 1, 2, 2, -1, -1])
+    groups, buckets = fused_groups(items, anchor_doc)
+    assert groups.tolist() == [0, 0, 1, 1, 1, 0, 0] and buckets == [1, 0]
+    assert fused_groups([{"bucket": 1}], anchor_doc) is None

@@ -200,3 +200,61 @@ def test_the_held_out_tau_as_served_packed_equals_each_answer_walked_alone(label
     assert len(set(lengths)) > 3  # steps of several lengths
     assert packed["served_answers"] == len(indices)
     assert packed["served_tau"] == pytest.approx(sum(lengths) / len(lengths))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_fused_step_gives_the_loss_and_gradients_of_its_micro_batches_one_at_a_time(labelled, seed):
+    """train.fuse_accum against the unfused step on fresh random drafters: the step's micro-batches (several
+    length buckets) packed as one give the loss the unfused step averages over them, and the same gradients."""
+    from dflash.train.batch import StoreDataset, collate_packed
+    from dflash.train.sampler import build_epoch_schedule
+
+    root, config_path = labelled
+    reader = StoreReader(root / "store")
+    torch.manual_seed(seed)
+    with untrained_drafter(config_path, reader) as (dist, args, model, ctx):
+        dataset = StoreDataset(reader, max_anchors=8, seed=seed)
+        schedule = build_epoch_schedule(reader.index["length"], reader.index["bucket"], 512, 1, 3, seed, 0)
+        collate = lambda items: collate_packed(items, pad_multiple=16, block_size=args.block_size)  # noqa: E731
+        micro_batches = schedule.step(0)[0]
+        assert len({int(reader.index["bucket"][group[0]]) for group in micro_batches}) > 1  # lengths mixed
+
+        def loss_and_grads(batches):
+            model.zero_grad(set_to_none=True)
+            total = 0.0
+            for batch in batches:
+                out, _ = train_step.forward_loss(model, ctx, batch)
+                (out.loss / len(batches)).backward()
+                total += float(out.loss.detach()) / len(batches)
+            return total, [parameter.grad.clone() for parameter in model.parameters()]
+
+        one_at_a_time = [collate([dataset[(0, int(i))] for i in samples]) for samples in micro_batches]
+        fused = collate([dataset[(0, int(i), group)] for group, samples in enumerate(micro_batches) for i in samples])
+        assert fused["group_buckets"] == [int(batch["bucket"]) for batch in one_at_a_time]
+        loss, grads = loss_and_grads(one_at_a_time)
+        fused_loss, fused_grads = loss_and_grads([fused])
+        assert fused_loss == pytest.approx(loss, rel=1e-5) and loss > 0
+        for grad, fused_grad in zip(grads, fused_grads):
+            torch.testing.assert_close(fused_grad, grad, rtol=1e-4, atol=1e-7)
+        # A plain mean over the fused micro-batch weighs the micro-batches by their anchors: not the same loss.
+        out, _ = train_step.forward_loss(model, ctx, {k: v for k, v in fused.items() if k != "anchor_group"})
+        assert float(out.loss.detach()) != pytest.approx(loss, rel=1e-5)
+
+
+def test_stage_two_fused_trains_as_unfused(labelled, tmp_path):
+    """The trainer with train.fuse_accum: the same steps over the same samples, the same losses and, after
+    them, the same weights as without (up to float rounding)."""
+    from dflash.train.checkpoint import load_checkpoint
+
+    root, config_path = labelled
+    runs = {}
+    for fuse in (False, True):
+        out = tmp_path / f"fuse-{fuse}"
+        overrides = [f'train.out_dir="{out}"', f"train.fuse_accum={str(fuse).lower()}"]
+        runs[fuse] = train.run(load_config(config_path, overrides))
+    plain, fused = runs[False], runs[True]
+    assert fused.steps == plain.steps == 2 and fused.tokens_seen == plain.tokens_seen
+    assert fused.losses == pytest.approx(plain.losses, rel=1e-5)
+    weights = [load_checkpoint(run.checkpoint).model_state for run in (plain, fused)]
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -79,6 +79,8 @@ def bench_config(args):
         train["anchor_budget"] = args.anchor_budget
     if args.workers:
         train["num_workers"] = args.workers
+    if getattr(args, "fuse_accum", False):
+        train["fuse_accum"] = True
     data = {"max_length": min(4096, train.get("token_budget", Config().train.token_budget))}
     return replace(Config(), drafter={"size": size}, train=train, data=data)
 
@@ -217,7 +219,8 @@ def length_range(config, lengths_arg: str = "") -> tuple[int, int]:
 
 def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, options: dict,
                   lengths_arg: str = "") -> list[list[dict]]:
-    """Steps as the sampler builds them: bucketed packing under token_budget, accum_steps each."""
+    """Steps as the sampler builds them: bucketed packing under token_budget, accum_steps each (with
+    train.fuse_accum, one micro-batch of them all, as the trainer's loader packs them)."""
     from dflash.store.plan import assign_bucket
     from dflash.train.batch import collate_packed
     from dflash.train.sampler import build_epoch_schedule
@@ -234,12 +237,14 @@ def default_steps(pool, config, args_drafter, num_distinct: int, seed: int, opti
                                     anchor_budget=config.train.anchor_budget)
     steps = []
     for step in range(min(num_distinct, schedule.num_steps)):
-        micro_batches = []
-        for samples in schedule.step(step)[0]:
+        groups = []
+        for group, samples in enumerate(schedule.step(step)[0]):
             items = [synthetic_item(pool, int(lengths[i]), int(i), int(buckets[i]), config.train.max_anchors,
                                     args_drafter.vocab_size, rng, start=int(starts[i])) for i in samples]
-            micro_batches.append(collate_packed(items, **options))
-        steps.append(micro_batches)
+            groups.append([dict(item, group=group) for item in items] if config.train.fuse_accum else items)
+        if config.train.fuse_accum:
+            groups = [[item for items in groups for item in items]]
+        steps.append([collate_packed(items, **options) for items in groups])
     return steps
 
 
@@ -650,6 +655,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=0, help="override train.token_budget")
     parser.add_argument("--accum-steps", type=int, default=0, help="override train.accum_steps")
     parser.add_argument("--anchor-budget", type=int, default=0, help="override train.anchor_budget")
+    parser.add_argument("--fuse-accum", action="store_true",
+                        help="train.fuse_accum: each step's accum_steps micro-batches packed as one (the same samples "
+                             "and loss, one forward and backward)")
     parser.add_argument("--flex-gqa", action="store_true",
                         help="flex attention over grouped key heads (enable_gqa), as before, instead of each key "
                              "head repeated for its query heads (dflash.model.masks.FLEX_REPEAT_KV)")
@@ -778,7 +786,8 @@ def run(args, argv, dist) -> int:
     drafter_name = f"auto ({args.target})" if args.target else config.drafter.size
     say(f"drafter {drafter_name}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
-        f"{config.train.accum_steps}, compile {config.train.compile}, attention {ctx.backend}, block masks "
+        f"{config.train.accum_steps}{' fused' if config.train.fuse_accum else ''}, compile {config.train.compile}, "
+        f"attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
         f"{', block keys apart' if args.split_block else ''}"
         f", flex options {flex_options or 'inductor defaults'}"

@@ -180,8 +180,13 @@ def dflash_loss(
     weights_B: torch.Tensor,
     chunk_size: int = 1024,
     rows_L: torch.Tensor | None = None,
+    scale_A: torch.Tensor | None = None,
 ) -> LossOutput:
     """Gamma-weighted block cross entropy with the LM head applied `chunk_size` rows at a time.
+
+    `scale_A` (per anchor), when given, multiplies each anchor's slot weights and the loss is their
+    weighted sum, not its mean: a fused step's normalisation (`dflash.train.step.fused_scale`);
+    `weight_sum` stays the unscaled sum.
 
     `rows_L` (from `label_rows`, computed by the collate) restricts the LM head to the rows that
     carry a label; without it every row of slots 1.. goes through the head (unlabelled ones with
@@ -192,6 +197,9 @@ def dflash_loss(
     if hidden_QH.shape[0] != num_anchors * block_size:
         raise ValueError(f"loss: hidden has {hidden_QH.shape[0]} rows, labels need {num_anchors} x {block_size}")
     row_weight_AB = weights_B.to(device=hidden_QH.device, dtype=torch.float32)[None, :] * valid_AB
+    weight_sum = row_weight_AB.sum()
+    if scale_A is not None:
+        row_weight_AB = row_weight_AB * scale_A[:, None]
     if rows_L is None:  # slot 0 (the anchor token) is never a label: every other row, no sync
         rows_L = torch.arange(num_anchors * block_size, device=hidden_QH.device).view(num_anchors, block_size)[:, 1:]
         rows_L = rows_L.reshape(-1)
@@ -201,9 +209,8 @@ def dflash_loss(
     )
     argmax_AB = torch.full((num_anchors * block_size,), IGNORE_LABEL, dtype=argmax_L.dtype,
                            device=argmax_L.device).index_copy_(0, rows_L, argmax_L).view(num_anchors, block_size)
-    weight_sum = row_weight_AB.sum()
     # An all-padding micro-batch gives loss 0 (and zero gradients), not NaN.
-    loss = loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
+    loss = loss_sum if scale_A is not None else loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
     correct_AB = (argmax_AB == labels_AB) & valid_AB
     return LossOutput(loss=loss, loss_sum=loss_sum, weight_sum=weight_sum, correct=correct_AB)
 

@@ -55,8 +55,10 @@ class StoreDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.reader)
 
-    def __getitem__(self, key: tuple[int, int]) -> dict:
-        epoch, index = key
+    def __getitem__(self, key: tuple[int, ...]) -> dict:
+        """`(epoch, index)`, or `(epoch, index, group)`: the sample's micro-batch within a fused step
+        (`train.fuse_accum`), carried to the collate."""
+        epoch, index, *group = key
         try:
             sample = self.reader.read_sample(index)
         except CorruptShardError as error:
@@ -75,13 +77,16 @@ class StoreDataset(torch.utils.data.Dataset):
         else:
             anchors = sample_anchors(sample["loss_mask"], self.max_anchors, anchor_rng(self.seed, epoch,
                                                                                       int(sample["row_id"])))
-        return {
+        item = {
             **sample,
             "anchors": anchors,
             "sample_index": int(index),
             "epoch": int(epoch),
             "bucket": int(self.reader.index["bucket"][index]),
         }
+        if group:
+            item["group"] = int(group[0])
+        return item
 
 
 def _pack_tokens(items: list[dict], num_tokens: int) -> dict[str, np.ndarray]:
@@ -137,6 +142,21 @@ def _pack_anchors(items: list[dict], num_tokens: int, num_anchors: int) -> dict[
     return packed
 
 
+def fused_groups(items: list[dict], anchor_doc: np.ndarray) -> tuple[np.ndarray, list[int]] | None:
+    """For the samples of a fused step (`train.fuse_accum`: items carry their micro-batch as `group`):
+    each anchor's group `(A,)`, numbered 0..G-1 over the groups that have a readable sample (as the
+    unfused step drops a micro-batch whose every sample was skipped; padded anchors get 0), and each
+    group's bucket. None for an ordinary micro-batch."""
+    if not items or "group" not in items[0]:
+        return None
+    present = sorted({item["group"] for item in items})
+    number = {group: position for position, group in enumerate(present)}
+    doc_group = np.array([number[item["group"]] for item in items], dtype=np.int64)
+    anchor_group = np.where(anchor_doc >= 0, doc_group[np.maximum(anchor_doc, 0)], 0)
+    buckets = {number[item["group"]]: item["bucket"] for item in items}
+    return anchor_group.astype(np.int64), [int(buckets[g]) for g in range(len(present))]
+
+
 def collate_options(backend: str, args) -> dict:
     """What the trainer's collate takes for a drafter (`DrafterArgs`) and attention backend: the
     padding, the block size and, with flex attention, each layer type's window (the collate lays out the
@@ -165,7 +185,8 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     tiles instead of evaluating the rule over every (query, key) pair (with `gather_keys`, over each
     query tile's own copies of its context keys, `keys_key(layer_type)`: `tiles.gather_context_keys`;
     with `split_block`, over the context keys alone, under `context_tiles_key(layer_type)`);
-    and, when some samples
+    for the samples of a fused step (items with a `group`), `anchor_group (A,)` and the host list
+    `group_buckets` (`fused_groups`); and, when some samples
     could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
     whose every sample was skipped is `{"skipped": [...], "empty": True}`.
     """
@@ -189,7 +210,12 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
         "row_ids": np.array([item["row_id"] for item in items], dtype=np.int64),
         "sample_indices": np.array([item["sample_index"] for item in items], dtype=np.int64),
     }
+    groups = fused_groups(items, arrays["anchor_doc"])
+    if groups is not None:
+        arrays["anchor_group"], group_buckets = groups
     batch = {key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in arrays.items()}
+    if groups is not None:
+        batch["group_buckets"] = group_buckets
     if block_size is not None:
         batch["label_rows"] = label_rows(batch["loss_mask"], batch["doc_ids"], batch["anchor_index"],
                                          batch["anchor_valid"], block_size)
@@ -250,9 +276,19 @@ def build_loader(
 def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *, pad_multiple: int,
                  block_size: int | None, num_workers: int, pin_memory: bool,
                  mask_windows: dict[str, int | None] | None = None,
-                 gather_keys: bool = False, split_block: bool = False) -> torch.utils.data.DataLoader:
-    """Micro-batches of `rank` from `start_step` of the schedule on; skipped steps are never read."""
-    batches = [[(schedule.epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(rank, start_step)]
+                 gather_keys: bool = False, split_block: bool = False,
+                 fuse: bool = False) -> torch.utils.data.DataLoader:
+    """Micro-batches of `rank` from `start_step` of the schedule on; skipped steps are never read. With
+    `fuse`, one per step: the rank's accum_steps micro-batches packed together, each sample keyed with
+    its micro-batch (`fused_groups`)."""
+    if fuse:
+        steps: dict[int, list] = {}
+        for step, micro_step, samples in schedule.rank_batches(rank, start_step):
+            steps.setdefault(step, []).extend((schedule.epoch, int(i), micro_step) for i in samples)
+        batches = list(steps.values())
+    else:
+        batches = [[(schedule.epoch, int(i)) for i in samples]
+                   for _, _, samples in schedule.rank_batches(rank, start_step)]
     return build_loader(dataset, batches, pad_multiple=pad_multiple, block_size=block_size, mask_windows=mask_windows,
                         gather_keys=gather_keys, split_block=split_block, num_workers=num_workers,
                         pin_memory=pin_memory)

@@ -162,13 +162,15 @@ def loop(state: TrainState) -> None:
             raise ConfigError(f"epoch {state.cursor.epoch} has no optimizer step: too few samples for "
                               f"train.accum_steps x world size micro-batches")
         iterator = iter(epoch_loader(dataset, schedule, dist.rank, state.cursor.step, **loader_options,
-                                     num_workers=config.train.num_workers, pin_memory=dist.device.type == "cuda"))
+                                     num_workers=config.train.num_workers, pin_memory=dist.device.type == "cuda",
+                                     fuse=config.train.fuse_accum))
+        per_step = 1 if config.train.fuse_accum else config.train.accum_steps  # loaded micro-batches a step
         for step_in_epoch in range(state.cursor.step, schedule.num_steps):
             if not keep_going(state):
                 break
             wait_start = time.perf_counter()
             try:
-                micro_batches = [to_device(next(iterator), ctx.device) for _ in range(config.train.accum_steps)]
+                micro_batches = [to_device(next(iterator), ctx.device) for _ in range(per_step)]
             except CorruptShardError as error:
                 raise corrupt_stop(error, state, window) from None
             count_skipped(micro_batches, result, bar)

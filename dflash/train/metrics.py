@@ -163,7 +163,8 @@ class StepStats:
         self.host["max_len"] = max(self.host["max_len"], int(max(lengths)))
         self.host["num_seqs"] += len(lengths)
         self.host["len_sum"] += int(sum(lengths))
-        self.buckets[int(batch["bucket"])] = self.buckets.get(int(batch["bucket"]), 0) + 1
+        for bucket in batch.get("group_buckets", [int(batch["bucket"])]):  # a fused step: each micro-batch's
+            self.buckets[bucket] = self.buckets.get(bucket, 0) + 1
 
     def merge(self, other: "StepStats") -> None:
         self.values += other.values
