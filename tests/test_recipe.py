@@ -22,7 +22,7 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
                EXTRA="--set train.max_steps=4 --set train.holdout_fraction=0.3 --set train.eval_every=2 "
                      "--set train.save_every=2 --set train.epochs=8 "
                      "--set data.num_workers=1 --set train.num_workers=0 "
-                     "--set store.labels=target --set train.eval_served_tokens=8")
+                     "--set store.labels=target --set train.eval_served_tokens=8 --set train.fuse_accum=true")
     result = subprocess.run(["bash", "tools/recipe.sh", "run"], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

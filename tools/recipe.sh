@@ -5,8 +5,8 @@
 #   1. generate  `dflash generate`: greedy + $SAMPLES sampled answers (temperature $TEMPERATURE) to every
 #                prompt of $SOURCE, up to $NEW_TOKENS tokens each
 #                and (MORE_SOURCE, by default embedded:code-complete: HumanEval-worded prompts) the greedy
-#                answer, and $MORE_SAMPLES (0) sampled ones, to the first 16,000 prompts of that source
-#                (MORE_ARGS="--limit 16000"), into answers/more; the held-out prompts are then a mix, told
+#                answer, and $MORE_SAMPLES (0) sampled ones, to its 24,000 prompts
+#                (MORE_ARGS="--limit 24000"; 16,000 before 12-03), into answers/more; the held-out prompts are then a mix, told
 #                apart by MAIN_ONLY (with code-complete "Complete the following": the other source's wording).
 #                MORE_SOURCE= (empty) leaves the second source out
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
@@ -32,7 +32,7 @@
 #   WORK=/tmp/recipe LOGS=$OUT bash tools/recipe.sh collect   # waits (at most $WAIT s), copies the results
 # EXTRA="--set ..." adds overrides to every dflash command (a CPU dry run: CONFIG=configs/tiny.toml and
 # small budgets); GENERATE_ARGS / EVAL_ARGS add options to those commands alone, MORE_ARGS to the generate of
-# MORE_SOURCE alone (default "--limit 16000").
+# MORE_SOURCE alone (default "--limit 24000").
 set -uo pipefail
 command=${1:?usage: recipe.sh run|launch|status|collect}
 WORK=${WORK:-/tmp/dflash-recipe}
@@ -59,7 +59,7 @@ dflash=(python3 -m stages.cli)
 read -ra extra <<< "${EXTRA:-}"
 read -ra generate_args <<< "${GENERATE_ARGS:-}"
 read -ra eval_args <<< "${EVAL_ARGS:-}"
-read -ra more_extra <<< "${MORE_ARGS---limit 16000}"
+read -ra more_extra <<< "${MORE_ARGS---limit 24000}"
 common=(-c "$CONFIG" --set "data.cache_dir=$WORK/cache" --set "data.source=$WORK/answers"
         --set "store.path=$WORK/store" --set "train.out_dir=$WORK/drafter" ${GGUF:+--set "target.path=$GGUF"} "${extra[@]}")
 

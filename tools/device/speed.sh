@@ -4,11 +4,11 @@ set -u
 export PYTHONPATH=$PWD:/tmp/site
 S=(python3 tools/bench_stage2.py --target smollm2-135m --modes default --lengths 100,1500 --accum-steps 2 --compile
    --steps 20)
-# the most wanted first (a deadline may cut the rest): the trainer's step (flex 64 x 64 tiles for these 64-dim heads)
-# at the recipe's budget and at twice it, then inductor's own flex tiles beside it, then 2 pipeline stages
-for variant in "--anchor-budget 4096 --token-budget 16384" "--anchor-budget 8192 --token-budget 32768" \
+# the most wanted first (a deadline may cut the rest): the recipe's step (its 2 micro-batches fused, flex 64 x 64
+# tiles for these 64-dim heads), the same unfused, twice the micro-batch, then inductor's own flex tiles
+for variant in "--anchor-budget 4096 --token-budget 16384 --fuse-accum" "--anchor-budget 4096 --token-budget 16384" \
+               "--anchor-budget 8192 --token-budget 32768" \
                "--anchor-budget 4096 --token-budget 16384 --flex-options default" \
-               "--anchor-budget 4096 --token-budget 16384 --flex-options BLOCK_M=64,BLOCK_N=64,num_stages=2" \
                ${SPEED_VARIANTS:-}; do
   name=$(echo "$variant" | tr -dc '0-9a-zA-Z')
   limit=${LIMIT:-100}
