@@ -20,6 +20,7 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
                EVAL_PROMPTS="2", EVAL_TOKENS="8", GENERATE_ARGS="--limit 16", OMP_NUM_THREADS="1",
                MORE_SAMPLES="0", MORE_ARGS="--limit 16",  # the defaults: code-complete, MAIN_ONLY
                EXTRA="--set train.max_steps=4 --set train.holdout_fraction=0.3 --set train.eval_every=2 "
+                     "--set train.log_every=2 "
                      "--set train.save_every=2 --set train.epochs=8 "
                      "--set data.num_workers=1 --set train.num_workers=0 "
                      "--set store.labels=target --set train.eval_served_tokens=8 --set train.fuse_accum=true")
@@ -38,6 +39,7 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     assert re.search(r"greedy ones; about \d+ of them \(train.eval_batches micro-batches\) walked over their first 8 "
                      r"tokens", (work / "logs" / "train.log").read_text())
     assert "served curve" in summary
+    assert re.search(r"stage two: [\d,]+ tokens/s in the median window, [\d,]+ over the loop", summary)
     # tools/heldout_walk.py: the served prompts' greedy answers walked teacher-forced, per checkpoint served at 0
     assert summary.count("own prompts") == 3  # eval-heldout's two drafters (the curve), eval-heldout-more's one
     walks = json.loads((work / "results" / "walk.json").read_text())["walks"]

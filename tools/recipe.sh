@@ -171,6 +171,12 @@ unique, answers = (int(group.replace(",", "")) for group in plan.groups()) if pl
 if unique:
     print(f"  training split: {unique:,} tokens, {answers:,} of them the target's answers (unique data)")
 recompiles = (work / "logs" / "train.log").read_text().count("Recompiling function")
+windows = [line for line in lines if "tokens_per_s" in line]
+if len(windows) >= 2:  # stage two's rate: the median logging window (held-out evaluations fall in few), the whole loop
+    rates = sorted(line["tokens_per_s"] for line in windows[1:])
+    loop = (windows[-1]["tokens_seen"] - windows[0]["tokens_seen"]) / max(windows[-1]["time"] - windows[0]["time"], 1e-9)
+    print(f"  stage two: {rates[len(rates) // 2]:,.0f} tokens/s in the median window, {loop:,.0f} over the loop "
+          f"after the first window (held-out evaluations and checkpoints included)")
 print(f"  recompiles while training: {recompiles} (TORCH_LOGS=recompiles: logs/train.log names each one's guard)")
 if held:
     print(f"  teacher-forced held-out tau {held[-1]['eval/tau']:.3f} at step {held[-1]['step']}")
