@@ -3,6 +3,7 @@
 - flex attention with its BlockMask (from the collate's tiles, or compiled create_block_mask) vs the
   dense SDPA mask, through the training forward and backward of a tiny drafter;
 - the compiled drafter layers (`train.compile`) vs eager, one optimizer step each;
+- a fused step (`train.fuse_accum`) vs its micro-batches one after the other, compiled;
 - stage one's capture with the fp8 codec encoded on the GPU vs the same features encoded on
   the CPU, and target labels on the GPU vs the model's own argmax.
 Run on a GPU machine: `pytest -m gpu`.
@@ -49,13 +50,20 @@ class RandomReader:
         return dict(self.samples[i])
 
 
-def micro_batch(seed: int, device, masks: str = "tiles") -> dict:
-    """A packed micro-batch; `masks`: "tiles", the block-mask tiles the trainer's loader lays out;
-    "gathered", over each query tile's own context keys; "split", over the context keys alone (the blocks'
-    own keys attended densely beside flex); "rule", none (create_block_mask builds them)."""
+def random_items(seed: int, group: int | None = None) -> list[dict]:
+    """Six random samples' dataset items (each keyed with `group`, a fused step's micro-batch, when given)."""
     rng = np.random.default_rng(seed)
     reader = RandomReader(rng.integers(40, 400, 6).tolist(), seed)
-    items = [StoreDataset(reader, max_anchors=32, seed=seed)[(0, i)] for i in range(len(reader))]
+    keys = [(0, i) if group is None else (0, i, group) for i in range(len(reader))]
+    return [StoreDataset(reader, max_anchors=32, seed=seed)[key] for key in keys]
+
+
+def micro_batch(seed: int, device, masks: str = "tiles", items: list[dict] | None = None) -> dict:
+    """A packed micro-batch (of `items`, else `random_items(seed)`); `masks`: "tiles", the block-mask tiles
+    the trainer's loader lays out; "gathered", over each query tile's own context keys; "split", over the
+    context keys alone (the blocks' own keys attended densely beside flex); "rule", none (create_block_mask
+    builds them)."""
+    items = random_items(seed) if items is None else items
     args = drafter_args("tiny")
     windows = layer_windows(args.layer_types, args.sliding_window) if masks != "rule" else None
     return to_device(collate_packed(items, pad_multiple=128, block_size=args.block_size, mask_windows=windows,
@@ -135,6 +143,27 @@ def test_compiled_layers_equal_eager_over_one_optimizer_step():
     for index, (compiled_update, eager_update) in enumerate(zip(after[True][2], after[False][2])):
         gap = (compiled_update - eager_update).norm() / eager_update.norm().clamp_min(1e-12)
         assert gap < 2e-2, f"parameter {index}: the compiled update differs from eager by {gap:.2e} of its norm"
+
+
+def test_a_fused_step_equals_its_micro_batches_one_at_a_time_compiled():
+    """train.fuse_accum on the trainer's GPU path (flex from the collate's tiles, compiled layers): two
+    micro-batches packed as one give the loss and the update of the two run one after the other."""
+    device = torch.device("cuda")
+    apart = [micro_batch(20, device), micro_batch(21, device)]
+    fused = [micro_batch(0, device, items=random_items(20, group=0) + random_items(21, group=1))]
+    after = {}
+    for name, batches in (("apart", apart), ("fused", fused)):
+        ctx = context("flex", device)
+        model = fresh_drafter(ctx.args, device)
+        before = [p.detach().float().clone() for p in model.parameters()]
+        compile_layers(model)
+        stats = train_step(model, ctx, batches, UpdateByGradient(model.parameters()), lr=1.0, clip=1.0, step=1)
+        updates = [p.detach().float() - start for p, start in zip(model.parameters(), before)]
+        after[name] = (float(stats.values[0]) / stats.micro_batches, updates)
+    assert after["fused"][0] == pytest.approx(after["apart"][0], rel=5e-3)
+    for index, (fused_update, apart_update) in enumerate(zip(after["fused"][1], after["apart"][1])):
+        gap = (fused_update - apart_update).norm() / apart_update.norm().clamp_min(1e-12)
+        assert gap < 2e-2, f"parameter {index}: the fused update differs from the two micro-batches' by {gap:.2e}"
 
 
 def test_the_compiled_step_compiles_nothing_more_for_micro_batches_of_other_shapes():
