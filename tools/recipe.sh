@@ -5,8 +5,8 @@
 #   1. generate  `dflash generate`: greedy + $SAMPLES sampled answers (temperature $TEMPERATURE) to every
 #                prompt of $SOURCE, up to $NEW_TOKENS tokens each
 #                and (MORE_SOURCE, by default embedded:code-complete: HumanEval-worded prompts) the greedy
-#                answer, and $MORE_SAMPLES (0) sampled ones, to its 24,000 prompts
-#                (MORE_ARGS="--limit 24000"; 16,000 before 12-03), into answers/more; the held-out prompts are then a mix, told
+#                answer, and $MORE_SAMPLES (0) sampled ones, to its 24,000 prompts (MORE_ARGS="--limit
+#                24000"; 16,000 before 12-03), into answers/more; the held-out prompts are then a mix, told
 #                apart by MAIN_ONLY (with code-complete "Complete the following": the other source's wording).
 #                MORE_SOURCE= (empty) leaves the second source out
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
