@@ -180,13 +180,14 @@ def dflash_loss(
     weights_B: torch.Tensor,
     chunk_size: int = 1024,
     rows_L: torch.Tensor | None = None,
-    scale_A: torch.Tensor | None = None,
+    group_A: torch.Tensor | None = None,
+    num_groups: int = 1,
 ) -> LossOutput:
     """Gamma-weighted block cross entropy with the LM head applied `chunk_size` rows at a time.
 
-    `scale_A` (per anchor), when given, multiplies each anchor's slot weights and the loss is their
-    weighted sum, not its mean: a fused step's normalisation (`dflash.train.step.fused_scale`);
-    `weight_sum` stays the unscaled sum.
+    `group_A` (per anchor, 0..num_groups-1: a fused step's micro-batches, `train.fuse_accum`), when
+    given, makes the loss the mean of the groups' own weighted means, what the unfused step averages
+    over its micro-batches (on the device, no sync); `weight_sum` stays the sum over all groups.
 
     `rows_L` (from `label_rows`, computed by the collate) restricts the LM head to the rows that
     carry a label; without it every row of slots 1.. goes through the head (unlabelled ones with
@@ -198,8 +199,10 @@ def dflash_loss(
         raise ValueError(f"loss: hidden has {hidden_QH.shape[0]} rows, labels need {num_anchors} x {block_size}")
     row_weight_AB = weights_B.to(device=hidden_QH.device, dtype=torch.float32)[None, :] * valid_AB
     weight_sum = row_weight_AB.sum()
-    if scale_A is not None:
-        row_weight_AB = row_weight_AB * scale_A[:, None]
+    if group_A is not None:
+        sums_G = torch.zeros(num_groups, dtype=torch.float32, device=row_weight_AB.device).index_add_(
+            0, group_A, row_weight_AB.sum(1))
+        row_weight_AB = row_weight_AB / (num_groups * sums_G.clamp(min=torch.finfo(torch.float32).tiny))[group_A, None]
     if rows_L is None:  # slot 0 (the anchor token) is never a label: every other row, no sync
         rows_L = torch.arange(num_anchors * block_size, device=hidden_QH.device).view(num_anchors, block_size)[:, 1:]
         rows_L = rows_L.reshape(-1)
@@ -210,7 +213,7 @@ def dflash_loss(
     argmax_AB = torch.full((num_anchors * block_size,), IGNORE_LABEL, dtype=argmax_L.dtype,
                            device=argmax_L.device).index_copy_(0, rows_L, argmax_L).view(num_anchors, block_size)
     # An all-padding micro-batch gives loss 0 (and zero gradients), not NaN.
-    loss = loss_sum if scale_A is not None else loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
+    loss = loss_sum if group_A is not None else loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
     correct_AB = (argmax_AB == labels_AB) & valid_AB
     return LossOutput(loss=loss, loss_sum=loss_sum, weight_sum=weight_sum, correct=correct_AB)
 

@@ -123,22 +123,11 @@ def forward_loss(model, ctx: TrainContext, batch: dict):
                                        batch["doc_ids"], batch["anchor_index"], batch["anchor_valid"],
                                        args.block_size)
     # The final norm returns float32 under autocast; the loss casts the rows it uses to the head's dtype.
+    # A fused step's micro-batch (train.fuse_accum): each anchor's micro-batch, the loss their means' mean.
     out = dflash_loss(hidden_QH, ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B, ctx.loss_chunk,
-                      rows_L=batch.get("label_rows"), scale_A=fused_scale(batch, valid_AB, ctx.weights_B))
+                      rows_L=batch.get("label_rows"), group_A=batch.get("anchor_group"),
+                      num_groups=len(batch.get("group_buckets", [None])))
     return out, valid_AB
-
-
-def fused_scale(batch: dict, valid_AB: torch.Tensor, weights_B: torch.Tensor) -> torch.Tensor | None:
-    """Per anchor, 1 / (G x its group's weight sum) for a fused step's micro-batch (`anchor_group`, G
-    groups): the loss is then the mean of the G groups' own weighted means, what the unfused step
-    averages over its G micro-batches. None for an ordinary micro-batch. On the device, no sync."""
-    group_A = batch.get("anchor_group")
-    if group_A is None:
-        return None
-    num_groups = len(batch["group_buckets"])
-    weight_A = (valid_AB.float() * weights_B.to(valid_AB.device)[None, :]).sum(1)
-    sums_G = torch.zeros(num_groups, dtype=torch.float32, device=weight_A.device).index_add_(0, group_A, weight_A)
-    return 1.0 / (num_groups * sums_G.clamp(min=torch.finfo(torch.float32).tiny))[group_A]
 
 
 # Token- and anchor-axis tensors go to the device; per-sample bookkeeping (lengths, bucket,
