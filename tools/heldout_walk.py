@@ -104,15 +104,11 @@ def walk(config, reader, model: DFlashDrafter, ctx, answers: list[int | None], t
     """Each answer's acceptance lengths walked as served (None where the prompt had no greedy answer)."""
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, served_tokens=tokens)
     collate = functools.partial(collate_packed, **collate_options(ctx.backend, model.args))
-    walks = []
-    for answer in answers:
-        if answer is None:
-            walks.append(None)
-            continue
-        found = []
-        evaluate_served(dist, model, ctx, dataset, collate, [np.array([answer])], tokens, walks=found)
-        walks.append(found[0][1] if found else None)
-    return walks
+    found = []  # (sample index, acceptance lengths): one micro-batch per answer, in one evaluation
+    micro_batches = [np.array([answer]) for answer in answers if answer is not None]
+    evaluate_served(dist, model, ctx, dataset, collate, micro_batches, tokens, walks=found)
+    by_sample = dict(found)
+    return [None if answer is None else by_sample.get(answer) for answer in answers]
 
 
 def tau(lengths: list[list[int]]) -> float:
