@@ -266,8 +266,14 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
               help="auto (cuda:<local rank> when available), cpu, cuda:N.")
 @click.option("--gpus", help="Comma-separated GPU ids, one process each via torchrun (e.g. 0,1,2,3).")
 @click.option("--overwrite", is_flag=True, help="Replace answers generated with other settings in --out.")
+@click.option("--ask-temperature", default=0.0, show_default=True,
+              help="> 0: the target first writes each row's last user turn, continuing the row's text (a start "
+                   "such as embedded:ask-code's \"Write a Python function\") at this temperature until it ends the "
+                   "turn, then answers the prompt it wrote (rows marked \"asked\"); prompts it does not end "
+                   "within --max-new-tokens are dropped and counted. 0: the rows' prompts as they are.")
 def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, top_k, num_samples, with_greedy, seed,
-             engine, decode_attention, batch_size, rows_per_shard, limit, static_cache, device, gpus, overwrite):
+             engine, decode_attention, batch_size, rows_per_shard, limit, static_cache, device, gpus, overwrite,
+             ask_temperature):
     """Regenerate the answers of data.source with the target, for training on what it would say.
 
     Each row is rendered up to its last assistant turn with the chat template stage one uses;
@@ -275,7 +281,8 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
     the greedy one beside them); earlier turns are kept. Rows go out in source order as JSONL
     shards written atomically, so a killed run resumes (finished shards are kept). It says which
     decoding path runs, and its summary the tokens/s. Point data.source at --out to build a store
-    from the answers (docs/generate.md).
+    from the answers (docs/generate.md). With --ask-temperature the target writes the prompts too
+    (from starts such as `data.source = "embedded:ask-code"`'s), then answers them.
     """
     if gpus and not under_torchrun():
         relaunch_without_gpus(gpus)
@@ -287,7 +294,7 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
         out=out, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         num_samples=num_samples, with_greedy=with_greedy, seed=seed, engine=engine, decode_attention=decode_attention,
         batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache,
-        overwrite=overwrite)
+        overwrite=overwrite, ask_temperature=ask_temperature)
     generate_stage.run(config, options)
 
 

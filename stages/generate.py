@@ -37,7 +37,8 @@ from dflash.extract.target import (load_causal_lm, prepare_checkpoint_in_order, 
                                    weights_fingerprint)
 from dflash.outputs import write_text_atomic
 from dflash.serve.decoding import ATTENTIONS
-from dflash.serve.generation import (ENGINES, Answer, Generator, Job, Prompt, output_row, prepare_output, read_prompts,
+from dflash.serve.generation import (ASKED_CUT, ASKED_EMPTY, BAD_PROMPT_TOO_LONG, ENGINES, Answer, Generator, Job,
+                                     Prompt, ask_job, asked_prompt, output_row, prepare_output, read_prompts,
                                      sample_indices, shard_path)
 
 
@@ -59,6 +60,7 @@ class GenerateOptions:
     device: str = "auto"
     static_cache: str = "auto"  # "auto": on CUDA (compiled decoding), "on", "off"
     overwrite: bool = False
+    ask_temperature: float = 0.0  # > 0: the target first writes each row's last user turn, sampled at this
 
 
 @dataclass
@@ -72,6 +74,8 @@ class GenerateResult:
     answers: int = 0
     tokens: int = 0
     cut: int = 0
+    asked: int = 0  # prompts the target wrote (--ask-temperature), answered
+    ask_dropped: dict = field(default_factory=dict)  # reason -> prompts it wrote that were not answered
     seconds: float = 0.0
 
 
@@ -88,6 +92,9 @@ def check_options(options: GenerateOptions) -> None:
     for name in ("max_new_tokens", "rows_per_shard"):
         if getattr(options, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(options, name)}")
+    if options.ask_temperature < 0:
+        raise ConfigError(f"--ask-temperature must be >= 0 (0: answer the rows' prompts as they are), got "
+                          f"{options.ask_temperature}")
     if options.temperature < 0 or not 0 < options.top_p <= 1:
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {options.temperature}, "
                           f"{options.top_p}")
@@ -134,7 +141,10 @@ def generate(config: Config, options: GenerateOptions, dist: DistState) -> Gener
                               decode_attention=options.decode_attention)
         if dist.is_main:
             print(generator.describe())
-        generate_shards(generator, {k: shards[k] for k in todo}, out, options, dist, result)
+        todo_shards = {k: shards[k] for k in todo}
+        if options.ask_temperature > 0:
+            todo_shards = ask_shards(generator, tokenizer, todo_shards, options, config.data.max_length, dist, result)
+        generate_shards(generator, todo_shards, out, options, dist, result)
     dist.barrier()
     summarize(dist, result, options)
     return result
@@ -168,9 +178,42 @@ def generate_shards(generator: Generator, shards: dict[int, list[Prompt]], out: 
                 json.dumps(output_row(jobs[i], answers.pop(i)), ensure_ascii=False) + "\n" for i in members[shard]))
             result.shards_written += 1
 
+    for k, indices in members.items():  # a shard whose every prompt was dropped while asking: written empty
+        if not indices:
+            write_text_atomic(shard_path(out, k), "")
+            result.shards_written += 1
     generator.run(jobs, take)
     bar.close()
-    result.seconds = time.perf_counter() - start
+    result.seconds += time.perf_counter() - start
+
+
+def ask_shards(generator: Generator, tokenizer, shards: dict[int, list[Prompt]], options: GenerateOptions,
+               max_length: int, dist: DistState, result: GenerateResult) -> dict[int, list[Prompt]]:
+    """--ask-temperature: the target writes the rest of every prompt's last user turn (each from its own
+    sampling stream, so a resumed shard gets the same prompts), and those prompts replace the rows'; the
+    ones it did not finish, or left empty or too long, are dropped and counted by reason."""
+    jobs = [ask_job(prompt, tokenizer, k) for k, prompts in shards.items() for prompt in prompts]
+    asked: list[Prompt | str] = [""] * len(jobs)
+    start = time.perf_counter()
+    bar = tqdm(total=len(jobs), unit="prompt", disable=not dist.is_main, dynamic_ncols=True,
+               desc=f"ask (rank 0 of {dist.world_size})")
+
+    def take(index: int, answer: Answer) -> None:
+        asked[index] = asked_prompt(jobs[index].prompt, answer, tokenizer, max_length)
+        result.tokens += len(answer.token_ids)
+        bar.update(1)
+
+    generator.run(jobs, take, temperature=options.ask_temperature)
+    bar.close()
+    result.seconds += time.perf_counter() - start
+    kept: dict[int, list[Prompt]] = {k: [] for k in shards}
+    for job, made in zip(jobs, asked):
+        if isinstance(made, Prompt):
+            kept[job.shard].append(made)
+            result.asked += 1
+        else:
+            result.ask_dropped[made] = result.ask_dropped.get(made, 0) + 1
+    return kept
 
 
 def content_identity(config: Config, options: GenerateOptions, checkpoint: Path, tokenizer) -> dict:
@@ -184,6 +227,7 @@ def content_identity(config: Config, options: GenerateOptions, checkpoint: Path,
         **{key: value for key, value in asdict(options).items()
            if key in ("max_new_tokens", "temperature", "top_p", "top_k", "num_samples", "with_greedy", "seed",
                       "rows_per_shard", "limit")},
+        **({"ask_temperature": options.ask_temperature} if options.ask_temperature > 0 else {}),
     }
 
 
@@ -197,12 +241,19 @@ def report_plan(result: GenerateResult, num_shards: int, num_done: int) -> None:
 
 
 def summarize(dist: DistState, result: GenerateResult, options: GenerateOptions) -> None:
+    reasons = (ASKED_CUT, ASKED_EMPTY, BAD_PROMPT_TOO_LONG)
     totals = all_reduce_sum(dist, [result.shards_written, result.shards_kept, result.answers, result.tokens,
-                                   result.cut, result.seconds])
+                                   result.cut, result.seconds, result.asked,
+                                   *(result.ask_dropped.get(reason, 0) for reason in reasons)])
     if not dist.is_main:
         return
     written, kept, answers, tokens, cut = (int(v) for v in totals[:5])
     seconds = totals[5] / dist.world_size
+    if options.ask_temperature > 0:
+        asked, dropped = int(totals[6]), [int(v) for v in totals[7:]]
+        print(f"asked: the target wrote {asked + sum(dropped)} prompts (temperature {options.ask_temperature:g}), "
+              f"{asked} answered; dropped {dropped[0]} it did not end within --max-new-tokens, {dropped[1]} empty, "
+              f"{dropped[2]} of data.max_length tokens or more (tokens below count the prompts it wrote too)")
     rate = f"{tokens / seconds:,.0f} tokens/s" if seconds > 0 else "-"
     print(f"generate done: {answers} answers, {tokens:,} tokens in {seconds:.1f} s ({rate} over "
           f"{dist.world_size} process(es)); {cut} cut at --max-new-tokens ({options.max_new_tokens}); "

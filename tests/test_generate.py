@@ -191,3 +191,70 @@ def test_several_sampled_answers_beside_the_greedy_one(tmp_path, embedded_cache_
     assert len(set(groups)) == 5 and all(len(set(groups[source_rows == r])) == 1 for r in range(1, 6))
     train_indices, eval_indices = split_holdout(len(reader), 0.4, 0, groups)
     assert eval_indices.size and not set(source_rows[train_indices]) & set(source_rows[eval_indices])
+
+
+@pytest.mark.parametrize("engine", ["slots", "generate"])
+def test_the_target_writes_the_prompts_it_then_answers(tmp_path, embedded_cache_dir, llama_target_dir, monkeypatch,
+                                                       capsys, engine):
+    """--ask-temperature: each row's user turn is its start plus what the target wrote after it (sampled,
+    from its own stream: a second run writes the same files); the answer is the target's greedy answer to
+    that prompt; prompts it did not end are dropped and counted. A random target rarely ends a turn, so
+    one token in 16 ends it here."""
+    from dflash.data.embedded import ASK_CODE_SEEDS, ask_code_rows
+    from dflash.data.tokenizer import load_target_tokenizer
+    from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids
+
+    real_stops = stop_token_ids
+    monkeypatch.setattr(generate, "stop_token_ids",
+                        lambda tokenizer, model: sorted(set(real_stops(tokenizer, model)) | set(range(7, 240_000, 16))))
+    config = load_config(write_config(tmp_path, embedded_cache_dir, ask_code_rows()[:8], str(llama_target_dir)))
+    options = generate.GenerateOptions(out=str(tmp_path / "out"), max_new_tokens=24, ask_temperature=1.0,
+                                       rows_per_shard=3, batch_size=4, engine=engine)
+    result = generate.run(config, options)
+    summary = capsys.readouterr().out
+    assert result.asked + sum(result.ask_dropped.values()) == 8 and result.asked >= 3, (result, summary)
+    assert f"asked: the target wrote 8 prompts (temperature 1), {result.asked} answered" in summary
+    written = read_parts(tmp_path / "out")
+    assert len(written) == result.answers == result.asked
+    assert [row["source_row"] for row in written] == sorted(row["source_row"] for row in written)
+    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
+    tokenizer = load_target_tokenizer(checkpoint)
+    target = load_causal_lm(str(checkpoint), torch.float32, torch.device("cpu"))
+    stops = generate.stop_token_ids(tokenizer, target)
+    for row in written:
+        assert row["asked"] is True and row["sample"] == 0
+        user, answer = row["messages"][0]["content"], row["messages"][-1]["content"]
+        seed = ASK_CODE_SEEDS[(row["source_row"] - 1) % len(ASK_CODE_SEEDS)]
+        assert user.startswith(seed) and len(user) > len(seed)
+        ids = torch.tensor([samples.prompt_token_ids(row["messages"][:-1], tokenizer)])
+        expected = greedy_generate(target, ids, 24, stops)
+        cut = expected[-1] not in stops
+        assert (answer, row["cut"]) == (tokenizer.decode(expected if cut else expected[:-1], skip_special_tokens=True), cut)
+    assert len({row["messages"][0]["content"] for row in written}) == len(written)  # sampled: they differ
+    manifest = json.loads((tmp_path / "out" / generation.MANIFEST).read_text())["content"]
+    assert manifest["ask_temperature"] == 1.0
+    again = generate.run(config, generate.GenerateOptions(**{**options.__dict__, "out": str(tmp_path / "again")}))
+    assert again.asked == result.asked
+    for name in sorted(p.name for p in (tmp_path / "out").glob("part-*.jsonl")):
+        assert (tmp_path / "again" / name).read_text() == (tmp_path / "out" / name).read_text(), name
+
+
+def test_a_prompt_to_continue_ends_with_the_start_of_its_user_turn(embedded_cache_dir, qwen_tokenizer):
+    """ask_prompt_ids: the chat template's rendering cut right after the user turn's text (its end of turn
+    left for the target to write), and asked_prompt's reasons to drop what the target wrote."""
+    messages = [{"role": "user", "content": "Write a Python function"}]
+    ids = samples.ask_prompt_ids(messages, qwen_tokenizer)
+    text = qwen_tokenizer.decode(ids)
+    full = qwen_tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text.endswith("Write a Python function") and full.startswith(text) and len(full) > len(text)
+    with pytest.raises(ValueError, match="must end with a user turn"):
+        samples.ask_prompt_ids(messages + [{"role": "assistant", "content": "x"}], qwen_tokenizer)
+    prompt = generation.Prompt(4, messages, [])
+    made = generation.asked_prompt(prompt, generation.Answer([1], " that adds two numbers.", False), qwen_tokenizer, 256)
+    assert made.asked and made.row_id == 4
+    assert made.messages == [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    assert made.input_ids == samples.prompt_token_ids(made.messages, qwen_tokenizer)
+    assert generation.asked_prompt(prompt, generation.Answer([1], " that", True), qwen_tokenizer, 256) == generation.ASKED_CUT
+    assert generation.asked_prompt(prompt, generation.Answer([], " ", False), qwen_tokenizer, 256) == generation.ASKED_EMPTY
+    assert generation.asked_prompt(prompt, generation.Answer([1], " x", False), qwen_tokenizer, 8) == \
+        generation.BAD_PROMPT_TOO_LONG

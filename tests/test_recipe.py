@@ -18,7 +18,8 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     work = tmp_path / "recipe"
     env = dict(os.environ, CONFIG="configs/tiny.toml", WORK=str(work), SAMPLES="1", NEW_TOKENS="24",
                EVAL_PROMPTS="2", EVAL_TOKENS="8", GENERATE_ARGS="--limit 16", OMP_NUM_THREADS="1",
-               MORE_SAMPLES="0", MORE_ARGS="--limit 16",  # the defaults: code-complete, MAIN_ONLY
+               MORE_SAMPLES="0", MORE_ARGS="--limit 16",  # the defaults: code-complete, embedded:ask-code
+               ASK_ARGS="--limit 6",
                EXTRA="--set train.max_steps=4 --set train.holdout_fraction=0.3 --set train.eval_every=2 "
                      "--set train.log_every=2 "
                      "--set train.save_every=2 --set train.epochs=8 "
@@ -28,7 +29,7 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     timing = [line.split("\t") for line in (work / "results" / "timing.tsv").read_text().splitlines()]
-    assert [name for name, _, _ in timing] == ["generate", "generate-more", "extract", "train", "export",
+    assert [name for name, _, _ in timing] == ["generate", "generate-more", "generate-asked", "extract", "train", "export",
                                                "export-00000002", "eval-heldout", "eval-heldout-more",
                                                "eval-humaneval", "eval-heldout-t1", "evals (side by side)", "walk"]
     assert all(rc == "0" for _, _, rc in timing)
@@ -65,13 +66,18 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
             for line in part.read_text().splitlines()]
     assert [row["sample"] for row in more] == [0] * 16  # MORE_SAMPLES=0: the greedy answer alone
     assert "Complete the following Python function" in more[0]["messages"][0]["content"]
+    asked_log = (work / "logs" / "generate-asked.log").read_text()
+    assert "asked: the target wrote 6 prompts (temperature 1)" in asked_log  # embedded:ask-code's starts, continued
+    asked = [json.loads(line) for part in sorted((work / "answers" / "asked").glob("part-*.jsonl"))
+             for line in part.read_text().splitlines()]
+    assert all(row["asked"] and row["messages"][0]["content"].startswith(("Complete", "Write")) for row in asked)
     rows = re.search(r"data: (\d+) rows", (work / "logs" / "extract.log").read_text())
-    assert rows and int(rows.group(1)) == 48  # stage one read both folders of answers
+    assert rows and int(rows.group(1)) == 48 + len(asked)  # stage one read the three folders of answers
     held_out = json.loads((work / "results" / "eval-heldout.json").read_text())["results"]
     assert [result["num_prompts"] for result in held_out] == [2, 2] and held_out[0]["temperature"] == 0
-    assert held_out[0]["prompts_source"] == "heldout (--exclude 'Complete the following')"  # code-docs' alone
+    assert held_out[0]["prompts_source"] == "heldout (--match 'the Python module `')"  # code-docs' alone
     more = json.loads((work / "results" / "eval-heldout-more.json").read_text())["results"][0]
-    assert more["prompts_source"] == "heldout (--match 'Complete the following')"
+    assert more["prompts_source"].startswith("heldout (--match 'Complete the following Python function")
     humaneval = json.loads((work / "results" / "eval-humaneval.json").read_text())["results"]
     assert len(humaneval) == 2 and humaneval[0]["prompts_source"] == "embedded:humaneval"  # the curve here too
     assert all(len(prompt["in_code"]) == len(prompt["acceptance_lengths"]) and prompt["text"]

@@ -5,10 +5,13 @@
 #   1. generate  `dflash generate`: greedy + $SAMPLES sampled answers (temperature $TEMPERATURE) to every
 #                prompt of $SOURCE, up to $NEW_TOKENS tokens each
 #                and (MORE_SOURCE, by default embedded:code-complete: HumanEval-worded prompts) the greedy
-#                answer, and $MORE_SAMPLES (0) sampled ones, to its 24,000 prompts (MORE_ARGS="--limit
-#                24000"; 16,000 before 12-03), into answers/more; the held-out prompts are then a mix, told
-#                apart by MAIN_ONLY (with code-complete "Complete the following": the other source's wording).
-#                MORE_SOURCE= (empty) leaves the second source out
+#                answer, and $MORE_SAMPLES (0) sampled ones, to its first 8,000 prompts (MORE_ARGS="--limit
+#                8000"; 24,000 on 12-03, 16,000 before), into answers/more; MORE_SOURCE= (empty) leaves it out
+#                and (ASK_SOURCE, by default embedded:ask-code: starts of coding requests) prompts the target
+#                writes itself (`dflash generate --ask-temperature $ASK_TEMPERATURE`, 1) and answers greedily,
+#                12,000 of them (ASK_ARGS="--limit 12000"), into answers/asked; ASK_SOURCE= leaves them out.
+#                The held-out prompts are then a mix: MAIN_MATCH and MORE_MATCH (regular expressions of each
+#                source's wording) pick $SOURCE's and MORE_SOURCE's for their evals
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
 #   3. train     `dflash stage2-train`: train.holdout_by = prompt, so the held-out prompts' answers are
 #                never trained on and its held-out tau is measured on the target's own answers
@@ -32,7 +35,7 @@
 #   WORK=/tmp/recipe LOGS=$OUT bash tools/recipe.sh collect   # waits (at most $WAIT s), copies the results
 # EXTRA="--set ..." adds overrides to every dflash command (a CPU dry run: CONFIG=configs/tiny.toml and
 # small budgets); GENERATE_ARGS / EVAL_ARGS add options to those commands alone, MORE_ARGS to the generate of
-# MORE_SOURCE alone (default "--limit 24000").
+# MORE_SOURCE alone (default "--limit 8000"), ASK_ARGS to that of ASK_SOURCE alone (default "--limit 12000").
 set -uo pipefail
 command=${1:?usage: recipe.sh run|launch|status|collect}
 WORK=${WORK:-/tmp/dflash-recipe}
@@ -48,9 +51,14 @@ EVAL_TOKENS=${EVAL_TOKENS:-128}
 CURVE=${CURVE:-1}
 MORE_SOURCE=${MORE_SOURCE-embedded:code-complete}  # MORE_SOURCE= (empty): the main source alone
 MORE_SAMPLES=${MORE_SAMPLES:-0}
-# code-complete's prompts all begin "Complete the following": by default the held-out eval without them
-[ "$MORE_SOURCE" = embedded:code-complete ] && MAIN_ONLY=${MAIN_ONLY-Complete the following}
-MAIN_ONLY=${MAIN_ONLY-}
+ASK_SOURCE=${ASK_SOURCE-embedded:ask-code}  # ASK_SOURCE= (empty): no prompts written by the target
+ASK_TEMPERATURE=${ASK_TEMPERATURE:-1}
+# Each source's held-out prompts by their wording: code-docs asks for "`name(...)`, a function of the Python
+# module `m`" (or a method "in the Python module `m`"); code-complete's code block opens with "# module" alone
+if [ "$SOURCE" = embedded:code-docs ] && [ -n "$MORE_SOURCE$ASK_SOURCE" ]; then MAIN_MATCH=${MAIN_MATCH-the Python module \`}; fi
+MAIN_MATCH=${MAIN_MATCH-}
+[ "$MORE_SOURCE" = embedded:code-complete ] && MORE_MATCH=${MORE_MATCH-'Complete the following Python function\.\s+```python\s+# [\w.]+\n'}
+MORE_MATCH=${MORE_MATCH-}
 T1=${T1:-1}
 PARALLEL_EVALS=${PARALLEL_EVALS:-1}
 WAIT=${WAIT:-520}
@@ -59,7 +67,8 @@ dflash=(python3 -m stages.cli)
 read -ra extra <<< "${EXTRA:-}"
 read -ra generate_args <<< "${GENERATE_ARGS:-}"
 read -ra eval_args <<< "${EVAL_ARGS:-}"
-read -ra more_extra <<< "${MORE_ARGS---limit 24000}"
+read -ra more_extra <<< "${MORE_ARGS---limit 8000}"
+read -ra ask_extra <<< "${ASK_ARGS---limit 12000}"
 common=(-c "$CONFIG" --set "data.cache_dir=$WORK/cache" --set "data.source=$WORK/answers"
         --set "store.path=$WORK/store" --set "train.out_dir=$WORK/drafter" ${GGUF:+--set "target.path=$GGUF"} "${extra[@]}")
 
@@ -89,6 +98,11 @@ recipe() {
       --out "$WORK/answers/more" --max-new-tokens "$NEW_TOKENS" "${more_args[@]}" "${generate_args[@]}" \
       "${more_extra[@]}"
   fi
+  if [ -n "$ASK_SOURCE" ]; then  # the target writes the prompts from their starts, then answers them greedily
+    part generate-asked "${dflash[@]}" generate "${common[@]}" --set "data.source=$ASK_SOURCE" \
+      --out "$WORK/answers/asked" --max-new-tokens "$NEW_TOKENS" --temperature 0 --ask-temperature "$ASK_TEMPERATURE" \
+      "${generate_args[@]}" "${ask_extra[@]}"
+  fi
   part extract "${dflash[@]}" stage1-extract "${common[@]}"
   # TORCH_LOGS=recompiles (the default here; TORCH_LOGS= turns it off) names every recompile's failed guard in train.log
   part train env "TORCH_LOGS=${TORCH_LOGS-recompiles}" "${dflash[@]}" stage2-train "${common[@]}"
@@ -110,24 +124,24 @@ recipe() {
     part "$name" "${dflash[@]}" eval "${common[@]}" "$@" --num-prompts "$EVAL_PROMPTS" \
       --max-new-tokens "$EVAL_TOKENS" --out "$WORK/results/$name.json" "${eval_args[@]}"
   }
-  # The held-out prompts of $SOURCE alone: with MORE_SOURCE its answers sort first, so the first held-out
-  # prompts by row would all be MORE_SOURCE's; MAIN_ONLY (that source's wording, a regular expression) tells them apart.
+  # The held-out prompts of $SOURCE alone: the other sources' answers sort first, so the first held-out
+  # prompts by row would be theirs; MAIN_MATCH (its wording, a regular expression) picks them.
   local heldout=(--prompts heldout)
-  [ -n "$MAIN_ONLY" ] && heldout+=(--exclude "$MAIN_ONLY")
+  [ -n "$MAIN_MATCH" ] && heldout+=(--match "$MAIN_MATCH")
   eval_heldout() { eval_part eval-heldout "${drafters[@]}" "${heldout[@]}"; }
   # (soft: a split that held none of MORE_SOURCE's prompts out loses this eval alone)
-  eval_heldout_more() { SOFT=1 eval_part eval-heldout-more --drafter "$WORK/export" --prompts heldout --match "$MAIN_ONLY"; }
+  eval_heldout_more() { SOFT=1 eval_part eval-heldout-more --drafter "$WORK/export" --prompts heldout --match "$MORE_MATCH"; }
   eval_humaneval() { eval_part eval-humaneval "${drafters[@]}" --prompts "$EVAL_SOURCE"; }
   eval_heldout_t1() { eval_part eval-heldout-t1 --drafter "$WORK/export" "${heldout[@]}" --temperature 1; }
   local evals=(eval_heldout)
-  [ -n "$MAIN_ONLY" ] && evals+=(eval_heldout_more)
+  [ -n "$MORE_SOURCE" ] && [ -n "$MORE_MATCH" ] && evals+=(eval_heldout_more)
   evals+=(eval_humaneval)
   [ "$T1" = 1 ] && evals+=(eval_heldout_t1)
   side_by_side "${evals[@]}"
   # Stage two's teacher-forced walk on the very prompts the temperature-0 evals served (each prompt's greedy
   # answer in the store, through the checkpoint behind each export); a failure here leaves the summary without it
   local walked=(--eval "$WORK/results/eval-heldout.json")
-  [ -n "$MAIN_ONLY" ] && walked+=(--eval "$WORK/results/eval-heldout-more.json")
+  [ -n "$MORE_SOURCE" ] && [ -n "$MORE_MATCH" ] && walked+=(--eval "$WORK/results/eval-heldout-more.json")
   SOFT=1 part walk python3 tools/heldout_walk.py "${common[@]}" --checkpoints "$WORK/drafter/checkpoints" \
     "${walked[@]}" --out "$WORK/results/walk.json"
   summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"

@@ -230,12 +230,29 @@ def code_complete_rows() -> tuple[dict, ...]:
     return tuple(rows)
 
 
+# embedded:ask-code's starts of a user turn, in turn: HumanEval's instruction (a code block the target fills
+# with a function of its own) and a request the target words itself. `dflash generate --ask-temperature`
+# lets the target finish each one, then answer it: coding tasks as the target imagines them.
+ASK_CODE_SEEDS = ("Complete the following Python function.\n\n```python\n", "Write a Python function")
+ASK_CODE_ROWS = 32_000
+
+
+@functools.cache
+def ask_code_rows() -> tuple[dict, ...]:
+    """ASK_CODE_ROWS one-turn rows, each a user turn's start from ASK_CODE_SEEDS in turn, with no
+    answer: for `dflash generate --ask-temperature` (each row samples its own continuation), not
+    for stage one as they are."""
+    return tuple({"messages": [{"role": "user", "content": ASK_CODE_SEEDS[i % len(ASK_CODE_SEEDS)]}]}
+                 for i in range(ASK_CODE_ROWS))
+
+
 EMBEDDED_SOURCES = {
     "embedded:code-chat": code_chat_rows,  # the embedded default: HumanEval, then stdlib modules
     "embedded:humaneval": _human_eval_rows,
     "embedded:stdlib-modules": _stdlib_rows,
     "embedded:code-docs": code_docs_rows,
     "embedded:code-complete": code_complete_rows,
+    "embedded:ask-code": ask_code_rows,
 }
 
 

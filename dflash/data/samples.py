@@ -74,6 +74,22 @@ def prompt_token_ids(messages: list[dict], tokenizer) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+_ASK_MARK = "\u2063dflash-ask\u2063"  # invisible separators: no prompt holds it
+
+
+def ask_prompt_ids(messages: list[dict], tokenizer) -> list[int]:
+    """A conversation ending with a user turn, rendered with the chat template up to the end of
+    that turn's text, without its end-of-turn: what the target continues to write the rest of
+    the turn (`dflash generate --ask-temperature`; the turn's text is the start it was given)."""
+    if not messages or messages[-1]["role"] != "user":
+        raise ValueError("a prompt to continue must end with a user turn")
+    marked = messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + _ASK_MARK}]
+    text = tokenizer.apply_chat_template(marked, tokenize=False)
+    if _ASK_MARK not in text:
+        raise ValueError("the chat template does not render the user turn's text as given")
+    return tokenizer(text[:text.index(_ASK_MARK)], add_special_tokens=False)["input_ids"]
+
+
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 

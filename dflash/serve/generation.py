@@ -54,6 +54,7 @@ class Prompt:
     row_id: int  # 0-based row of the source
     messages: list[dict]  # the conversation before the answer
     input_ids: list[int]  # rendered with the chat template, generation prompt added
+    asked: bool = False  # the target wrote its last user turn (`asked_prompt`)
 
 
 @dataclass
@@ -121,12 +122,18 @@ class Generator:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
 
     def run(self, jobs: list[Job], on_answer: Callable[[int, Answer], None],
-            on_steps: Callable[[int], None] | None = None) -> None:
-        """Every job's answer, handed to `on_answer(job index, answer)` as it is made (not in job order)."""
-        if self.engine == "slots":
-            self._run_slots(jobs, on_answer, on_steps)
-        else:
-            self._run_generate(jobs, on_answer)
+            on_steps: Callable[[int], None] | None = None, temperature: float | None = None) -> None:
+        """Every job's answer, handed to `on_answer(job index, answer)` as it is made (not in job order);
+        `temperature` (> 0) samples this run's sampled jobs at another temperature than the generator's."""
+        saved = self.temperature
+        self.temperature = saved if temperature is None else temperature
+        try:
+            if self.engine == "slots":
+                self._run_slots(jobs, on_answer, on_steps)
+            else:
+                self._run_generate(jobs, on_answer)
+        finally:
+            self.temperature = saved
 
     def answers(self, jobs: list[Job]) -> list[Answer]:
         """Every job's answer, in job order."""
@@ -261,8 +268,38 @@ def prepare_output(out: Path, manifest: dict, overwrite: bool) -> None:
 def output_row(job: Job, answer: Answer) -> dict:
     """The JSONL row of one answer: the conversation with its new last turn, the 1-based source
     row, the sample index (0 greedy) and whether the answer was cut."""
-    return {"messages": job.prompt.messages + [{"role": "assistant", "content": answer.text}],
-            "source_row": job.prompt.row_id + 1, "sample": job.sample, "cut": answer.cut}
+    row = {"messages": job.prompt.messages + [{"role": "assistant", "content": answer.text}],
+           "source_row": job.prompt.row_id + 1, "sample": job.sample, "cut": answer.cut}
+    if job.prompt.asked:
+        row["asked"] = True
+    return row
+
+
+ASK_SAMPLE = -1  # the sample index of a prompt's asking: its own sampling stream, apart from the answers' 0..N
+ASKED_CUT = "asked_cut"  # the target did not end the turn within --max-new-tokens
+ASKED_EMPTY = "asked_empty"  # it ended the turn at once
+
+
+def ask_job(prompt: Prompt, tokenizer, shard: int) -> Job:
+    """The job in which the target writes the rest of `prompt`'s last user turn."""
+    return Job(Prompt(prompt.row_id, prompt.messages, samples.ask_prompt_ids(prompt.messages, tokenizer)),
+               ASK_SAMPLE, shard)
+
+
+def asked_prompt(prompt: Prompt, answer: Answer, tokenizer, max_length: int) -> Prompt | str:
+    """The prompt whose last user turn is its start followed by what the target wrote (`answer` of its
+    `ask_job`), rendered to be answered; or why it is dropped (ASKED_CUT, ASKED_EMPTY,
+    BAD_PROMPT_TOO_LONG)."""
+    if answer.cut:
+        return ASKED_CUT
+    if not answer.text.strip():
+        return ASKED_EMPTY
+    last = prompt.messages[-1]
+    messages = prompt.messages[:-1] + [{**last, "content": last["content"] + answer.text}]
+    input_ids = samples.prompt_token_ids(messages, tokenizer)
+    if len(input_ids) >= max_length:
+        return BAD_PROMPT_TOO_LONG
+    return Prompt(prompt.row_id, messages, input_ids, asked=True)
 
 
 @dataclass
