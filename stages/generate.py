@@ -8,7 +8,9 @@ and the greedy one beside them with --with-greedy), keeps the earlier turns, and
 rows `{"messages": [..., {"role": "assistant", "content": ANSWER}], "source_row": N,
 "sample": K, "cut": bool}` that `data.source` reads (`source_row` is the 1-based row of the
 source, `sample` 0 the greedy answer and 1.. the sampled ones, `cut` says the answer reached
---max-new-tokens).
+--max-new-tokens). With --ask-temperature the target first writes each row's last user turn from the
+row's text as its start (rows such as embedded:ask-code's: "Write a Python function"), sampled from
+each row's own stream, then answers the prompts it wrote; those it does not end are dropped and counted.
 
 The rows are planned first, in source order, into shards of `--rows-per-shard` prompts; the
 answers of every shard still to write stream through one engine (dflash/serve/generation.py; the
