@@ -14,6 +14,17 @@ import torch
 if not torch.cuda.is_available():
     sys.modules["fla"] = None  # importing fla now raises ImportError
 
+# The files with the longest tests (each a minute or more on 2 cores), run first: the README's command hands
+# whole files to two workers in collection order (--dist loadfile --no-loadscope-reorder), so a long file
+# collected last would run alone at the end while the other worker idles.
+SLOW_FILES_FIRST = ("test_recipe.py", "test_extract_e2e.py", "test_train_e2e.py", "test_generate.py", "test_eval.py",
+                    "test_tools_smoke.py", "test_codec_training.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: index for index, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES_FIRST)))  # stable: the rest in file order
+
 
 @pytest.fixture(scope="session")
 def tokenizer_cache_dir() -> Path:

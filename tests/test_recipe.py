@@ -68,6 +68,7 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
     assert "Complete the following Python function" in more[0]["messages"][0]["content"]
     asked_log = (work / "logs" / "generate-asked.log").read_text()
     assert "asked: the target wrote 6 prompts (temperature 1)" in asked_log  # embedded:ask-code's starts, continued
+    assert "asked: the target wrote 6 prompts (temperature 1)" in summary
     asked = [json.loads(line) for part in sorted((work / "answers" / "asked").glob("part-*.jsonl"))
              for line in part.read_text().splitlines()]
     assert all(row["asked"] and row["messages"][0]["content"].startswith(("Complete", "Write")) for row in asked)

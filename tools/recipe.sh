@@ -192,6 +192,10 @@ if len(windows) >= 2:  # stage two's rate: the median logging window (held-out e
     print(f"  stage two: {rates[len(rates) // 2]:,.0f} tokens/s in the median window, {loop:,.0f} over the loop "
           f"after the first window (held-out evaluations and checkpoints included)")
 print(f"  recompiles while training: {recompiles} (TORCH_LOGS=recompiles: logs/train.log names each one's guard)")
+asked_log = work / "logs" / "generate-asked.log"  # ASK_SOURCE: how many prompts the target wrote, and ended
+asked = re.findall(r"asked: the target wrote .*?answered; dropped [^(]*", asked_log.read_text()) if asked_log.exists() else []
+if asked:
+    print(f"  {asked[-1].strip().rstrip(',')}")
 if held:
     print(f"  teacher-forced held-out tau {held[-1]['eval/tau']:.3f} at step {held[-1]['step']}")
 if held and "eval/served_tau" in held[-1]:  # train.eval_served_tokens: walked as serving walks the answers
