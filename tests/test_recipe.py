@@ -29,7 +29,8 @@ def test_the_recipe_runs_every_part_and_summarizes(tmp_path):
                             timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     timing = [line.split("\t") for line in (work / "results" / "timing.tsv").read_text().splitlines()]
-    assert [name for name, _, _ in timing] == ["generate", "generate-more", "generate-asked", "extract", "train", "export",
+    assert [name for name, _, _ in timing] == ["generate", "generate-more", "generate-asked", "generates (side by side)",
+                                               "extract", "train", "export",
                                                "export-00000002", "eval-heldout", "eval-heldout-more",
                                                "eval-humaneval", "eval-heldout-t1", "evals (side by side)", "walk"]
     assert all(rc == "0" for _, _, rc in timing)

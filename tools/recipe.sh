@@ -10,6 +10,7 @@
 #                and (ASK_SOURCE, by default embedded:ask-code: starts of coding requests) prompts the target
 #                writes itself (`dflash generate --ask-temperature $ASK_TEMPERATURE`, 1) and answers greedily,
 #                12,000 of them (ASK_ARGS="--limit 12000"), into answers/asked; ASK_SOURCE= leaves them out.
+#                These two run side by side on the GPU (PARALLEL_GENERATES=1, the default) or in turn (0).
 #                The held-out prompts are then a mix: MAIN_MATCH and MORE_MATCH (regular expressions of each
 #                source's wording) pick $SOURCE's and MORE_SOURCE's for their evals
 #   2. extract   `dflash stage1-extract` over the answers (target labels)
@@ -61,6 +62,7 @@ MAIN_MATCH=${MAIN_MATCH-}
 MORE_MATCH=${MORE_MATCH-}
 T1=${T1:-1}
 PARALLEL_EVALS=${PARALLEL_EVALS:-1}
+PARALLEL_GENERATES=${PARALLEL_GENERATES:-1}
 WAIT=${WAIT:-520}
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 dflash=(python3 -m stages.cli)
@@ -91,18 +93,24 @@ recipe() {
   part generate "${dflash[@]}" generate "${common[@]}" --set "data.source=$SOURCE" --out "$WORK/answers" \
     --max-new-tokens "$NEW_TOKENS" --temperature "$TEMPERATURE" --num-samples "$SAMPLES" --with-greedy \
     "${generate_args[@]}"
-  if [ -n "$MORE_SOURCE" ]; then  # more prompts, their own answer count; stage one reads answers/ recursively
+  generate_more() {  # more prompts, their own answer count; stage one reads answers/ recursively
     local more_args=(--temperature 0)
     [ "$MORE_SAMPLES" -gt 0 ] && more_args=(--temperature "$TEMPERATURE" --num-samples "$MORE_SAMPLES" --with-greedy)
     part generate-more "${dflash[@]}" generate "${common[@]}" --set "data.source=$MORE_SOURCE" \
       --out "$WORK/answers/more" --max-new-tokens "$NEW_TOKENS" "${more_args[@]}" "${generate_args[@]}" \
       "${more_extra[@]}"
-  fi
-  if [ -n "$ASK_SOURCE" ]; then  # the target writes the prompts from their starts, then answers them greedily
+  }
+  generate_asked() {  # the target writes the prompts from their starts, then answers them greedily
     part generate-asked "${dflash[@]}" generate "${common[@]}" --set "data.source=$ASK_SOURCE" \
       --out "$WORK/answers/asked" --max-new-tokens "$NEW_TOKENS" --temperature 0 --ask-temperature "$ASK_TEMPERATURE" \
       "${generate_args[@]}" "${ask_extra[@]}"
-  fi
+  }
+  # Side by side (PARALLEL_GENERATES=1, the default): each spends about 45 s starting (loading, tokenizing,
+  # graphs) and its decoding leaves the GPU room (each engine's KV cache: at most 1,024 slots, about 26 GB here)
+  local generates=()
+  [ -n "$MORE_SOURCE" ] && generates+=(generate_more)
+  [ -n "$ASK_SOURCE" ] && generates+=(generate_asked)
+  [ ${#generates[@]} -gt 0 ] && side_by_side "generates" "$PARALLEL_GENERATES" "${generates[@]}"
   part extract "${dflash[@]}" stage1-extract "${common[@]}"
   # TORCH_LOGS=recompiles (the default here; TORCH_LOGS= turns it off) names every recompile's failed guard in train.log
   part train env "TORCH_LOGS=${TORCH_LOGS-recompiles}" "${dflash[@]}" stage2-train "${common[@]}"
@@ -137,7 +145,7 @@ recipe() {
   [ -n "$MORE_SOURCE" ] && [ -n "$MORE_MATCH" ] && evals+=(eval_heldout_more)
   evals+=(eval_humaneval)
   [ "$T1" = 1 ] && evals+=(eval_heldout_t1)
-  side_by_side "${evals[@]}"
+  side_by_side "evals" "$PARALLEL_EVALS" "${evals[@]}"
   # Stage two's teacher-forced walk on the very prompts the temperature-0 evals served (each prompt's greedy
   # answer in the store, through the checkpoint behind each export); a failure here leaves the summary without it
   local walked=(--eval "$WORK/results/eval-heldout.json")
@@ -147,14 +155,15 @@ recipe() {
   summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"
 }
 
-side_by_side() {  # side_by_side FUNCTION...: the eval parts, at once on the one GPU (PARALLEL_EVALS=1) or in turn
-  if [ "$PARALLEL_EVALS" != 1 ]; then
+side_by_side() {  # side_by_side LABEL PARALLEL FUNCTION...: parts at once on the one GPU (PARALLEL=1) or in turn
+  local label=$1 parallel=$2; shift 2
+  if [ "$parallel" != 1 ]; then
     local job
     for job in "$@"; do "$job"; done
     return
   fi
   # Batch-1 decoding of a small target is bound by the host's launches, so the GPU has room for several;
-  # each part logs its own time (into its own file, gathered in order), then "evals" the wall time of all.
+  # each part logs its own time (into its own file, gathered in order), then "LABEL (side by side)" the wall time of all.
   local start=$SECONDS pids=() job pid rc failed=0
   for job in "$@"; do
     ( TIMING=$WORK/results/timing-$job.tsv; : > "$TIMING"; "$job" ) &
@@ -167,7 +176,7 @@ side_by_side() {  # side_by_side FUNCTION...: the eval parts, at once on the one
   for job in "$@"; do
     cat "$WORK/results/timing-$job.tsv" >> "$WORK/results/timing.tsv" && rm -f "$WORK/results/timing-$job.tsv"
   done
-  printf 'evals (side by side)\t%d\t%d\n' $((SECONDS - start)) "$failed" >> "$WORK/results/timing.tsv"
+  printf '%s (side by side)\t%d\t%d\n' "$label" $((SECONDS - start)) "$failed" >> "$WORK/results/timing.tsv"
   [ "$failed" -eq 0 ] || exit "$failed"
 }
 
