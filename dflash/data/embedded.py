@@ -230,10 +230,12 @@ def code_complete_rows() -> tuple[dict, ...]:
     return tuple(rows)
 
 
-# embedded:ask-code's starts of a user turn, in turn: HumanEval's instruction (a code block the target fills
-# with a function of its own) and a request the target words itself. `dflash generate --ask-temperature`
-# lets the target finish each one, then answer it: coding tasks as the target imagines them.
-ASK_CODE_SEEDS = ("Complete the following Python function.\n\n```python\n", "Write a Python function")
+# embedded:ask-code's starts of a user turn, in turn: HumanEval's instruction with an open code block (the
+# target fills it with a function of its own; the third start opens it as typed Python code often does) and a
+# request the target words itself. `dflash generate --ask-temperature` lets the target finish each one, then
+# answer it: coding tasks as the target imagines them (no problem of HumanEval's is shown).
+ASK_CODE_SEEDS = ("Complete the following Python function.\n\n```python\n", "Write a Python function",
+                  "Complete the following Python function.\n\n```python\nfrom typing import List\n\n\ndef ")
 ASK_CODE_ROWS = 32_000
 
 
