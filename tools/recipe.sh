@@ -141,15 +141,17 @@ recipe() {
   eval_heldout_more() { SOFT=1 eval_part eval-heldout-more --drafter "$WORK/export" --prompts heldout --match "$MORE_MATCH"; }
   eval_humaneval() { eval_part eval-humaneval "${drafters[@]}" --prompts "$EVAL_SOURCE"; }
   eval_heldout_t1() { eval_part eval-heldout-t1 --drafter "$WORK/export" "${heldout[@]}" --temperature 1; }
+  local more_eval=0  # MORE_SOURCE's held-out prompts are served (and walked) where its wording is known
+  [ -n "$MORE_SOURCE" ] && [ -n "$MORE_MATCH" ] && more_eval=1
   local evals=(eval_heldout)
-  [ -n "$MORE_SOURCE" ] && [ -n "$MORE_MATCH" ] && evals+=(eval_heldout_more)
+  [ "$more_eval" = 1 ] && evals+=(eval_heldout_more)
   evals+=(eval_humaneval)
   [ "$T1" = 1 ] && evals+=(eval_heldout_t1)
   side_by_side "evals" "$PARALLEL_EVALS" "${evals[@]}"
   # Stage two's teacher-forced walk on the very prompts the temperature-0 evals served (each prompt's greedy
   # answer in the store, through the checkpoint behind each export); a failure here leaves the summary without it
   local walked=(--eval "$WORK/results/eval-heldout.json")
-  [ -n "$MORE_SOURCE" ] && [ -n "$MORE_MATCH" ] && walked+=(--eval "$WORK/results/eval-heldout-more.json")
+  [ "$more_eval" = 1 ] && walked+=(--eval "$WORK/results/eval-heldout-more.json")
   SOFT=1 part walk python3 tools/heldout_walk.py "${common[@]}" --checkpoints "$WORK/drafter/checkpoints" \
     "${walked[@]}" --out "$WORK/results/walk.json"
   summarize $((SECONDS - start)) | tee "$WORK/results/summary.txt"
