@@ -22,7 +22,8 @@ from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
 from dflash.config import load_config
 from dflash.model.drafter import DFlashDrafter, drafter_args
 from dflash.model.export import AUTO_MAP, MODELING_NAME, export_drafter
-from dflash.model.modeling_dflash import DFlashDraftModel, accept, greedy_generate, speculative_generate
+from dflash.model.modeling_dflash import (DFlashDraftModel, accept, greedy_generate, layer_croppable,
+                                          speculative_generate)
 from dflash.serve.evaluation import EvalResult, decode_prompt, lossless_verdict, summarize
 from stages import extract, train
 
@@ -284,3 +285,13 @@ compile = false
     assert sum(report["histogram"]) == report["verifications"] > 0
     assert all("(sample " in p["prompt_id"] for p in report["per_prompt"])  # the held-out split
     assert (root / "eval.png").stat().st_size > 0
+
+
+def test_a_linear_attention_layer_is_cropped_only_while_it_records_its_past():
+    """transformers <= 5.24 marks such a layer not croppable; 5.25 marks it croppable but crops only with `record_past`."""
+    from types import SimpleNamespace as Layer
+    assert layer_croppable(Layer())  # an attention layer of any release
+    assert layer_croppable(Layer(is_croppable=True))
+    assert not layer_croppable(Layer(is_croppable=False))  # linear attention up to 5.24
+    assert not layer_croppable(Layer(is_croppable=True, record_past=False))  # 5.25, not recording
+    assert layer_croppable(Layer(is_croppable=True, record_past=True))

@@ -263,6 +263,16 @@ def returned_cache(output):
     return getattr(output, "cache", None) or output.past_key_values
 
 
+def layer_croppable(layer) -> bool:
+    """Whether `crop(-n)` works on this cache layer as it stands.
+
+    Up to transformers 5.24 a linear-attention layer says `is_croppable = False`. From 5.25 it says
+    True but crops only after `activate_past_recording()` (`record_past`), which keeps every
+    token's recurrent state; a layer that is not recording is rolled back from a snapshot instead.
+    """
+    return getattr(layer, "is_croppable", True) and getattr(layer, "record_past", True)
+
+
 class TargetSession:
     """The target with its KV cache: forwards that return the chosen layers' outputs, and rollback.
 
@@ -289,7 +299,7 @@ class TargetSession:
 
     def croppable(self) -> bool:
         layers = getattr(self.cache, "layers", None)
-        return layers is not None and all(getattr(layer, "is_croppable", True) for layer in layers)
+        return layers is not None and all(layer_croppable(layer) for layer in layers)
 
     def before_verify(self) -> None:
         self.snapshot = None if self.croppable() else copy.deepcopy(self.cache)
