@@ -125,15 +125,11 @@ class Generator:
             on_steps: Callable[[int], None] | None = None, temperature: float | None = None) -> None:
         """Every job's answer, handed to `on_answer(job index, answer)` as it is made (not in job order);
         `temperature` (> 0) samples this run's sampled jobs at another temperature than the generator's."""
-        saved = self.temperature
-        self.temperature = saved if temperature is None else temperature
-        try:
-            if self.engine == "slots":
-                self._run_slots(jobs, on_answer, on_steps)
-            else:
-                self._run_generate(jobs, on_answer)
-        finally:
-            self.temperature = saved
+        temperature = self.temperature if temperature is None else temperature
+        if self.engine == "slots":
+            self._run_slots(jobs, on_answer, on_steps, temperature)
+        else:
+            self._run_generate(jobs, on_answer, temperature)
 
     def answers(self, jobs: list[Job]) -> list[Answer]:
         """Every job's answer, in job order."""
@@ -155,7 +151,7 @@ class Generator:
                              f"data.max_length")
         return min(SLOTS_MAX, fits)
 
-    def _run_slots(self, jobs: list[Job], on_answer, on_steps) -> None:
+    def _run_slots(self, jobs: list[Job], on_answer, on_steps, temperature: float) -> None:
         max_context = max(len(job.prompt.input_ids) for job in jobs) + self.max_new_tokens
         slots = min(self.slot_count(max_context), len(jobs))
         decoder = self.decoder
@@ -168,7 +164,7 @@ class Generator:
         order = [index for first in range(0, len(jobs), window)
                  for index in sorted(range(first, min(first + window, len(jobs))),
                                      key=lambda i: -len(jobs[i].prompt.input_ids))]
-        requests = [Request(index, jobs[index].prompt.input_ids, self.temperature if jobs[index].sample else 0.0,
+        requests = [Request(index, jobs[index].prompt.input_ids, temperature if jobs[index].sample else 0.0,
                             stream_id(self.seed, jobs[index].prompt.row_id, jobs[index].sample))
                     for index in order]
         decoder.run(requests, lambda done: on_answer(done.key, Answer(done.token_ids, self.decode(done.token_ids),
@@ -176,7 +172,7 @@ class Generator:
 
     # ------------------------------------------------------------------ transformers' generate
 
-    def _run_generate(self, jobs: list[Job], on_answer) -> None:
+    def _run_generate(self, jobs: list[Job], on_answer, temperature: float) -> None:
         """Shard by shard: one sampling seed per shard, greedy and sampled jobs apart, length-sorted
         batches, longest first (memory peaks in the first batch, not after an hour)."""
         for shard in sorted({job.shard for job in jobs}):
@@ -187,21 +183,22 @@ class Generator:
                                 key=lambda i: -len(jobs[i].prompt.input_ids))
                 for first in range(0, len(picked), self.batch_size):
                     batch = picked[first:first + self.batch_size]
-                    made = self.batch([jobs[i].prompt.input_ids for i in batch], sample=not greedy)
+                    made = self.batch([jobs[i].prompt.input_ids for i in batch], 0.0 if greedy else temperature)
                     for i, (ids, cut) in zip(batch, made):
                         on_answer(i, Answer(ids, self.decode(ids), cut))
 
     @torch.inference_mode()
-    def batch(self, prompt_ids: list[list[int]], sample: bool = False) -> list[tuple[list[int], bool]]:
-        """Each prompt's answer tokens (up to the first end token, which is dropped) and whether it was cut."""
+    def batch(self, prompt_ids: list[list[int]], temperature: float = 0.0) -> list[tuple[list[int], bool]]:
+        """Each prompt's answer tokens (up to the first end token, which is dropped) and whether it was cut;
+        greedy at temperature 0, else sampled at it with the generator's top-p and top-k."""
         width = round_up(max(len(ids) for ids in prompt_ids), self.width_multiple)
         input_ids = torch.full((len(prompt_ids), width), self.pad, dtype=torch.long)
         attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)
         for row, ids in enumerate(prompt_ids):  # left padding: every answer starts at column `width`
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention[row, width - len(ids):] = 1
-        sampling = ({"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
-                    if sample else {"do_sample": False})
+        sampling = ({"do_sample": True, "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k}
+                    if temperature > 0 else {"do_sample": False})
         generated = self.target.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
             max_new_tokens=self.max_new_tokens, eos_token_id=self.stops, pad_token_id=self.pad,
