@@ -51,9 +51,21 @@ class TargetConfig:
 
 
 @dataclass(frozen=True)
+class MixSource:
+    """One source of a training mix (`data.mix`): where its rows are and its share of the tokens."""
+    source: str = setting("", "JSONL/JSON/Parquet file or directory, embedded:NAME, or a datasets hub name")
+    weight: float = setting(1.0, "its share of each epoch's tokens (the weights of a mix are normalised)",
+                            positive=True)
+    name: str = setting("", "the name results and `--prompts heldout:NAME` use (empty: the source's last path part)")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     source: str = setting(f"{DEFAULT_ROOT}/data",
                           "JSONL/JSON/Parquet file or directory, embedded:NAME, or a datasets hub name")
+    mix: tuple[MixSource, ...] = setting(
+        (), "several sources with a weight each, replacing data.source: a list of tables "
+        "{source = ..., weight = ..., name = ...} (weights are shares of each epoch's tokens)")
     split: str = setting("train", "split of a hub dataset")
     max_length: int = setting(4096, "tokens per sample at most; longer ones are cut (or dropped, see data.overlong)",
                               positive=True)
@@ -271,12 +283,21 @@ def describe(config: Config) -> list[tuple[str, object, object, str]]:
 
 
 def coerce(key: str, hint, value):
-    """Check a TOML value against the field's type; ints widen to floats, lists to tuples."""
+    """Check a TOML value against the field's type; ints widen to floats, lists to tuples, tables
+    to the field's table dataclass (a list of tables: `data.mix`)."""
     if typing.get_origin(hint) is tuple:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key} must be a list, got {value!r}")
         item_type = typing.get_args(hint)[0]
+        if dataclasses.is_dataclass(item_type):
+            return tuple(coerce(f"{key}[{index}]", item_type, item) for index, item in enumerate(value))
         return tuple(coerce(key, item_type, item) for item in value)
+    if dataclasses.is_dataclass(hint):
+        if dataclasses.is_dataclass(value):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table {{key = value, ...}}, got {value!r}")
+        return build_section(key, hint, dict(value))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is bool and not isinstance(value, bool):
@@ -288,11 +309,7 @@ def coerce(key: str, hint, value):
 
 def validate(config: Config) -> None:
     for key, key_field in key_fields(config):
-        value, allowed = lookup(config, key), key_field.metadata["choices"]
-        if allowed and value not in allowed:
-            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
-        if key_field.metadata["positive"] and value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
+        validate_value(key, key_field, lookup(config, key))
     edges = config.store.bucket_edges
     if len(edges) < 2 or any(a >= b for a, b in zip(edges, edges[1:])):
         raise ConfigError(f"store.bucket_edges must be at least two increasing lengths, got {list(edges)}")
@@ -334,6 +351,34 @@ def validate(config: Config) -> None:
         raise ConfigError(f"train.max_anchors ({config.train.max_anchors}) must be at least "
                           f"train.eval_served_tokens ({config.train.eval_served_tokens}): the held-out micro-batches "
                           f"are packed by it and the walk reads an anchor at every one of those positions")
+
+
+def validate_value(key: str, key_field: dataclasses.Field, value) -> None:
+    """A key's own rules (its `setting`), and those of each table of a list of tables."""
+    allowed = key_field.metadata["choices"]
+    if allowed and value not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
+    if key_field.metadata["positive"] and value <= 0:
+        raise ConfigError(f"{key} must be positive, got {value}")
+    tables = value if isinstance(value, tuple) else ()
+    for index, table in enumerate(tables):
+        if dataclasses.is_dataclass(table):
+            for table_field in dataclasses.fields(table):
+                validate_value(f"{key}[{index}].{table_field.name}", table_field, getattr(table, table_field.name))
+
+
+def show_value(value) -> str:
+    """A value as `dflash config show` prints it: lists as lists, tables as TOML inline tables."""
+    if dataclasses.is_dataclass(value):
+        return "{" + ", ".join(f"{item.name} = {show_value(getattr(value, item.name))}"
+                               for item in dataclasses.fields(value)) + "}"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(show_value(item) for item in value) + "]"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return repr(value)
 
 
 def lookup(config: Config, key: str):

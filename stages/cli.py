@@ -307,14 +307,14 @@ def config_group():
 @config_options
 def config_show(config_path, overrides):
     """Print every config key with its value (after -c and --set), default and meaning."""
-    from dflash.config import describe
+    from dflash.config import describe, show_value
 
     rows = describe(load_or_exit(config_path, overrides))
     width = max(len(key) for key, *_ in rows)
     for key, value, default, meaning in rows:
-        shown = repr(list(value) if isinstance(value, tuple) else value)
+        shown = show_value(value)
         if value != default:
-            shown += f"  (default {list(default) if isinstance(default, tuple) else default!r})"
+            shown += f"  (default {show_value(default)})"
         click.echo(f"{key:<{width}}  {shown}\n{'':<{width}}  {meaning}")
 
 

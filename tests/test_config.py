@@ -85,3 +85,22 @@ def test_choices_and_rules_are_read_from_each_fields_own_setting():
         load_config(None, ["store.codec=zstd"])
     with pytest.raises(ConfigError, match="train.keep_last must be positive, got 0"):
         load_config(None, ["train.keep_last=0"])
+
+
+def test_a_list_of_tables_is_typed_validated_and_shown(tmp_path):
+    """`data.mix`: each table becomes the field's table dataclass, its keys checked like any key (named
+    with the table's index), and `config show` prints it back as TOML that loads to the same value."""
+    from dflash.config import MixSource, show_value
+
+    path = tmp_path / "c.toml"
+    path.write_text('[data]\nmix = [{source = "a.jsonl", weight = 3}, {source = "embedded:code-docs", name = "docs"}]\n')
+    config = load_config(path)
+    assert config.data.mix == (MixSource("a.jsonl", 3.0, ""), MixSource("embedded:code-docs", 1.0, "docs"))
+    shown = show_value(config.data.mix)
+    assert load_config(None, [f"data.mix={shown}"]).data.mix == config.data.mix
+    for override, key in [('data.mix=[{source = "a", weigth = 1}]', r"data\.mix\[0\]\.weigth"),
+                          ('data.mix=[{source = "a"}, {source = "b", weight = 0}]', r"data\.mix\[1\]\.weight"),
+                          ('data.mix=[{source = "a", weight = "x"}]', r"data\.mix\[0\]\.weight"),
+                          ('data.mix=["a"]', r"data\.mix\[0\] must be a table")]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [override])
