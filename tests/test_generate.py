@@ -132,7 +132,7 @@ def test_a_killed_run_resumes_to_the_same_output(tmp_path, embedded_cache_dir, l
     sampling = [] if engine == "generate" else ["--temperature", "0.9", "--num-samples", "2", "--with-greedy"]
 
     def command(out, *extra):
-        return [sys.executable, "-m", "dflash.cli", "generate", "-c", config, "--out", str(out), "--engine", engine,
+        return [sys.executable, "-m", "stages.cli", "generate", "-c", config, "--out", str(out), "--engine", engine,
                 "--max-new-tokens", "12", "--rows-per-shard", "3", "--batch-size", "2", *sampling, *extra]
 
     subprocess.run(command(tmp_path / "whole"), check=True, env=env, capture_output=True)
