@@ -140,6 +140,10 @@ class TrainConfig:
                                "mean, averaged), one forward and backward instead of accum_steps; faster where a "
                                "micro-batch leaves the GPU underused (the small drafter), accum_steps times the "
                                "activation memory")
+    gather_context_keys: bool = setting(False, "with flex attention, give each 128-row query tile its own copy of the "
+                                        "context keys it reads, so no key tile is read by two query tiles in "
+                                        "flex's backward (the loader's workers lay them out); not yet measured "
+                                        "faster on a GPU, so off")
     max_anchors: int = setting(512, "anchors (blocks) sampled per sequence at most, fresh every epoch", positive=True)
     anchor_budget: int = setting(1024, "anchors per micro-batch at most (x block size = drafter rows); bounds "
                                  "short-sequence packs", positive=True)
