@@ -13,7 +13,7 @@ slot (its shard writer may hold rows until a zarr shard file is full) and hands 
 back. The slots are made once: a fresh shared tensor per batch cost up to a second of page
 faults per GiB, part of it holding the GIL that the target's thread needs (a batch that does
 not fit a slot still goes that way). Each slot faults its pages in on its first batch:
-writing them all ahead, while the first forwards ran, measured slower (BENCHMARKS.md).
+writing them all ahead, while the first forwards ran, measured slower (docs/benchmarks-log.md).
 Slots and queues are bounded, so the main thread blocks (back-pressure) when the writers
 fall behind, and host memory stays bounded. Writer processes run at a lower CPU priority
 (nice +10) and the hand-off copies use one core each: the one thread whose delay idles the
