@@ -13,6 +13,7 @@ import click
 
 from dflash.config import ConfigError, load_config
 from dflash.errors import DflashError
+from dflash.interrupts import EXIT_INTERRUPTED, interrupted_line
 
 CONFIG_HELP = "TOML config file (default: the embedded tiny config, configs/tiny.toml)."
 SET_HELP = "Override one config value, e.g. --set train.lr=3e-4 (repeatable)."
@@ -25,10 +26,8 @@ def config_options(command):
 
 
 def load_or_exit(config_path, overrides, extra=()):
-    try:
-        return load_config(config_path, [*overrides, *extra])
-    except ConfigError as err:
-        raise click.UsageError(str(err)) from None
+    """The config, or a ConfigError that `Commands` prints as one `Error:` line (exit status 1)."""
+    return load_config(config_path, [*overrides, *extra])
 
 
 def writes(*paths) -> None:
@@ -74,11 +73,17 @@ def one_line(error: BaseException, outputs: list[str]) -> str:
 
 class Commands(click.Group):
     """Expected failures end as one `Error: ...` line and exit status 1, without a traceback
-    (`--debug` or DFLASH_DEBUG=1 keeps it)."""
+    (`--debug` or DFLASH_DEBUG=1 keeps it); Ctrl-C ends as one `Interrupted: ...` line and exit
+    status 130. Click's own usage errors (an unknown option, a missing argument) keep status 2."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if ctx.params.get("debug") or os.environ.get("DFLASH_DEBUG"):
+                raise
+            click.echo(interrupted_line(ctx.invoked_subcommand or ""), err=True)
+            ctx.exit(EXIT_INTERRUPTED)
         except Exception as error:
             if not is_expected(error) or ctx.params.get("debug") or os.environ.get("DFLASH_DEBUG"):
                 raise
@@ -102,7 +107,7 @@ def main(debug):
     """
 
 
-@main.command("stage1-extract")
+@main.command("stage1-extract", short_help="Run the target over the data, store its hidden states.")
 @config_options
 @click.option("--gpus", help="Comma-separated GPU ids, one process each via torchrun (e.g. 0,1,2,3,4).")
 @click.option("--overwrite", is_flag=True, help="Replace a store that was made with a different config.")
@@ -122,7 +127,7 @@ def stage1_extract(config_path, overrides, gpus, overwrite):
     extract.run(config)
 
 
-@main.command("stage2-train")
+@main.command("stage2-train", short_help="Train the drafter from a stage-one store (no target needed).")
 @config_options
 @click.option("--gpus", help="Comma-separated GPU ids, one DDP process each via torchrun (e.g. 5,6,7).")
 @click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
@@ -149,7 +154,7 @@ def stage2_train(config_path, overrides, gpus, resume, follow):
     train.run(config, resume=resume)
 
 
-@main.command("inspect-cache")
+@main.command("inspect-cache", short_help="Bucket and shard statistics of a store; verify it.")
 @click.argument("store", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON only.")
 @click.option("--verify", is_flag=True, help="Read every chunk; check checksums, shapes, NaN/Inf, completion marks.")
@@ -172,13 +177,15 @@ def inspect_cache(store, as_json, verify, per_shard, plot, repair):
         sys.exit(1)
 
 
-@main.command("export")
-@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@main.command("export", short_help="Write a checkpoint as inference engines load it.")
+@click.argument("checkpoint", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def export(checkpoint, out_dir):
     """Export a training CHECKPOINT directory to OUT_DIR in the inference format.
 
-    OUT_DIR gets config.json (Qwen3 config with dflash_config) and model.safetensors.
+    OUT_DIR gets config.json (Qwen3 config with dflash_config), model.safetensors and
+    modeling_dflash.py, the drafter's class and decoding loop that engines load with
+    trust_remote_code (docs/INTERNALS.md lists the fields they read).
     """
     writes(out_dir)
     from stages import export as export_stage
@@ -187,7 +194,7 @@ def export(checkpoint, out_dir):
     click.echo(f"exported {checkpoint} -> {path}")
 
 
-@main.command("eval")
+@main.command("eval", short_help="Served acceptance: speculative decoding with the target.")
 @config_options
 @click.option("--drafter", "drafter_dirs", required=True, multiple=True, type=click.Path(file_okay=False),
               help="An exported drafter directory (from `dflash export`); repeat it to compare several "
@@ -231,7 +238,7 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
     evaluate_stage.run(config, options)
 
 
-@main.command("generate")
+@main.command("generate", short_help="Regenerate a dataset's answers with the target.")
 @config_options
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Output directory: part-NNNNN.jsonl shards that data.source reads, and a manifest.")
@@ -303,7 +310,7 @@ def config_group():
     """Inspect configs."""
 
 
-@config_group.command("show")
+@config_group.command("show", short_help="Every config key with its value, default and meaning.")
 @config_options
 def config_show(config_path, overrides):
     """Print every config key with its value (after -c and --set), default and meaning."""

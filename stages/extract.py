@@ -14,6 +14,7 @@ import numpy as np
 
 from dflash.config import Config
 from dflash.data import samples
+from dflash.data.chat import BadRowError
 from dflash.data.tokenizer import choose_mask_token, load_target_tokenizer
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
 from dflash.extract.capture import write_shards
@@ -51,6 +52,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     target_path = prepare_checkpoint_in_order(config.target.path, config.data.cache_dir, dist)
     tokenizer = load_target_tokenizer(target_path, config.target.chat_template)
     tokenized = tokenize_in_order(config, tokenizer, dist)
+    samples.require_samples(tokenized, config.data.source)  # before the store exists: never an empty one
     lengths = np.array([len(s.input_ids) for s in tokenized.samples], dtype=np.int64)
     row_ids = np.array([s.row_id for s in tokenized.samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(config.store.bucket_edges), config.store.shard_tokens)
@@ -87,11 +89,15 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
 def tokenize_in_order(config: Config, tokenizer, dist: DistState) -> samples.TokenizedData:
     """Rank 0 tokenizes (and fills the cache) first; the other ranks then read the cache."""
     def tokenize():
-        return samples.tokenize_rows(
-            config.data.source, tokenizer, split=config.data.split,
-            max_length=config.data.max_length, overlong=config.data.overlong,
-            min_supervised=config.drafter.block_size, strict=config.data.strict,
-            num_workers=config.data.num_workers, cache_dir=config.data.cache_dir)
+        try:
+            return samples.tokenize_rows(
+                config.data.source, tokenizer, split=config.data.split,
+                max_length=config.data.max_length, overlong=config.data.overlong,
+                min_supervised=config.drafter.block_size, strict=config.data.strict,
+                num_workers=config.data.num_workers, cache_dir=config.data.cache_dir)
+        except BadRowError as bad:  # data.strict: name the file that holds the row
+            raise bad.located(config.data.source, "fix the row, or set data.strict=false to skip and count "
+                              "bad rows") from None
 
     result = tokenize() if dist.is_main else None
     dist.barrier()

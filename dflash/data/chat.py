@@ -86,12 +86,17 @@ def row_label(row_id: int) -> str:
 class BadRowError(DflashError, ValueError):
     """A row that cannot be used, raised in strict mode; names the row (1-based) and the reason."""
 
-    def __init__(self, row_id: int, reason: str, detail: str = ""):
-        self.row_id, self.reason, self.detail = row_id, reason, detail
-        super().__init__(f"{row_label(row_id)}: {reason}" + (f" ({detail})" if detail else ""))
+    def __init__(self, row_id: int, reason: str, detail: str = "", where: str = "", advice: str = ""):
+        self.row_id, self.reason, self.detail, self.where, self.advice = row_id, reason, detail, where, advice
+        super().__init__(f"{where or row_label(row_id)}: {reason}" + (f" ({detail})" if detail else "")
+                         + (f"; {advice}" if advice else ""))
 
     def __reduce__(self):  # pool workers send these back; the default pickling loses the fields
-        return BadRowError, (self.row_id, self.reason, self.detail)
+        return BadRowError, (self.row_id, self.reason, self.detail, self.where, self.advice)
+
+    def located(self, source: str, advice: str = "") -> "BadRowError":
+        """The same error naming the file (and its row) of `source` that holds the row."""
+        return BadRowError(self.row_id, self.reason, self.detail, row_place(source, self.row_id), advice)
 
 
 class RowProblem(Exception):
@@ -100,6 +105,19 @@ class RowProblem(Exception):
     def __init__(self, reason: str, detail: str = ""):
         self.reason, self.detail = reason, detail
         super().__init__(f"{reason}: {detail}")
+
+
+def row_place(source: str, row_id: int) -> str:
+    """Where a row is, as a user finds it: 'FILE row K' (K counted from 1 within that file) for a
+    local file or directory source, else 'SOURCE row N'. Reads the files again: only for errors."""
+    if os.path.exists(source):
+        first = 0
+        for path in list_source_files(source):
+            count = sum(1 for _ in _read_file(path))
+            if row_id < first + count:
+                return f"{path} {row_label(row_id - first)}"
+            first += count
+    return f"{source} {row_label(row_id)}"
 
 
 def list_source_files(source: str | Path) -> list[Path]:

@@ -24,6 +24,8 @@ import numpy as np
 
 from dflash.data.chat import (BAD_OVERLONG, BAD_TOO_FEW_SUPERVISED, BadRowError, RowProblem, hash_json, read_rows,
                               row_label, row_to_messages, source_fingerprint)
+from dflash.errors import DflashError
+from dflash.interrupts import ignore_interrupts
 from dflash.outputs import atomic_file
 
 # Bump whenever tokenization output could change for the same inputs (invalidates caches).
@@ -48,6 +50,24 @@ class Sample:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+class NoSamplesError(DflashError, ValueError):
+    """No row of a source gave a usable sample; the message names the source and why rows were dropped."""
+
+
+def require_samples(data: "TokenizedData", source: str) -> None:
+    """Refuse a source none of whose rows survived (stage one writes no store without samples)."""
+    if data.samples:
+        return
+    if not data.num_rows:
+        raise NoSamplesError(f"data.source {source}: no rows read; point data.source at a file, directory or "
+                             f"dataset that holds conversations")
+    reasons = "; ".join(f"{count} {reason} (e.g. {row_label(data.examples.get(reason, [0])[0])})"
+                        for reason, count in sorted(data.bad_rows.items(), key=lambda item: -item[1]))
+    raise NoSamplesError(f"data.source {source}: all {data.num_rows} rows are bad ({reasons}); nothing was "
+                         f"written. Fix the rows (data.strict=true stops at the first one and names its file), "
+                         f"or the settings that drop them (data.max_length, data.overlong, drafter.block_size)")
 
 
 @dataclass
@@ -187,6 +207,11 @@ def _init_worker(tokenizer, settings: TokenizeSettings, marks_generation: bool) 
     _WORKER.update(tokenizer=tokenizer, settings=settings, marks_generation=marks_generation)
 
 
+def _init_pool_worker(tokenizer, settings: TokenizeSettings, marks_generation: bool) -> None:
+    ignore_interrupts()  # Ctrl-C: the pool is terminated by the main process, without a traceback per worker
+    _init_worker(tokenizer, settings, marks_generation)
+
+
 def _tokenize_chunk(chunk: list[tuple[int, dict]]) -> list[Sample | BadRowError]:
     results = []
     for row_id, row in chunk:
@@ -222,7 +247,7 @@ def _tokenize_all(rows, tokenizer, settings: TokenizeSettings, num_workers: int)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with context.Pool(num_workers, initializer=_init_worker, initargs=args) as pool:
+    with context.Pool(num_workers, initializer=_init_pool_worker, initargs=args) as pool:
         for results in pool.imap(_tokenize_chunk, _chunks(rows, CHUNK_ROWS)):
             yield from results
 

@@ -41,6 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dflash.errors import DflashError
+from dflash.interrupts import ignore_interrupts
 from dflash.padding import round_up
 
 PR_SET_PDEATHSIG = 1
@@ -299,6 +300,7 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
     """One writer process: open / batch / commit jobs until None; report commits and the first error.
     A batch that came in a slot hands the slot back once written (or skipped after a failure)."""
     die_with_parent()
+    ignore_interrupts()  # Ctrl-C: the main process stops the writers, without a traceback from each
     os.nice(WRITER_NICENESS)
     import zarr
 

@@ -25,6 +25,7 @@ from dflash.data import chat, samples
 from dflash.data.chat import row_label
 from dflash.data.tokenizer import tokenizer_identity
 from dflash.extract.target import find_decoder_layers
+from dflash.model.export import CONFIG_NAME, WEIGHTS_NAME
 from dflash.model.modeling_dflash import DFlashDraftModel, greedy_generate, speculative_generate
 
 HELDOUT = "heldout"  # --prompts: the samples stage two holds out of the config's store
@@ -79,11 +80,17 @@ class EvalResult:
     per_prompt: list[PromptResult] = field(default_factory=list)
 
 
+def check_drafter_export(export_dir: str) -> None:
+    """Refuse a --drafter that is not an export before anything slow (the target) is loaded."""
+    missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (Path(export_dir) / name).is_file()]
+    if missing:
+        what = "does not exist" if not Path(export_dir).exists() else f"is not a drafter export (no {' or '.join(missing)})"
+        raise FileNotFoundError(f"--drafter {export_dir} {what}; make one with `dflash export CHECKPOINT DIR`")
+
+
 def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
     """The export as served, checked against the target it drafts for."""
-    if not (Path(export_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"--drafter {export_dir}: not a drafter export (no config.json); make one with "
-                                f"`dflash export CHECKPOINT DIR`")
+    check_drafter_export(export_dir)
     draft = DFlashDraftModel.from_pretrained(export_dir, dtype=dtype).to(device).eval()
     _, _, layers = find_decoder_layers(target)
     vocab, hidden = target.get_input_embeddings().weight.shape

@@ -173,6 +173,9 @@ def verify_store(path: Any) -> VerifyReport:
         report.num_shards_checked += 1
         report.num_samples += samples
         report.num_tokens += tokens
+    if not planned:
+        report.bad["<root>"] = ("no shards planned: the store holds no samples; rerun stage one (with --overwrite) "
+                                "on a data.source with usable rows")
     _verify_weights(root, attrs, report.bad)
     report.ok = not report.bad
     return report
@@ -259,6 +262,19 @@ COLUMNS = (
 )
 
 
+COLUMN_LEGEND = ("sup%: share of the tokens that are supervised (answer tokens the loss trains on); "
+                 "B/tok: stored bytes per token; ratio: raw bf16 size / stored size")
+
+
+def bucket_range(edges: list[int], bucket: int) -> str:
+    """A bucket's lengths as `plan.assign_bucket` fills it: [lo,hi), where the first bucket also
+    holds the lengths below the first edge ([0,hi)) and the last one the last edge's length
+    ([lo,hi]: data.max_length may equal it)."""
+    low = 0 if bucket == 0 else edges[bucket]
+    closing = "]" if bucket == len(edges) - 2 else ")"
+    return f"[{low},{edges[bucket + 1]}{closing}"
+
+
 def format_bytes(num_bytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(num_bytes) < 1024 or unit == "TiB":
@@ -287,8 +303,10 @@ def format_table(label: str, rows: list[tuple[str, dict]]) -> str:
 def print_report(stats: dict, report: dict | None, per_shard: bool, store_path: Any) -> None:
     print(f"store {store_path}: codec {stats['codec']}, {stats['num_layers']} layers x "
           f"hidden {stats['hidden_size']} (raw bf16 {stats['raw_bytes_per_token']} B/token)")
-    rows = [(f"{b['bucket']} [{b['lo']},{b['hi']})", b) for b in stats["buckets"]]
+    edges = [b["lo"] for b in stats["buckets"]] + [stats["buckets"][-1]["hi"]] if stats["buckets"] else []
+    rows = [(f"{b['bucket']} {bucket_range(edges, b['bucket'])}", b) for b in stats["buckets"]]
     print(format_table("bucket", rows + [("total", stats["total"])]))
+    print(COLUMN_LEGEND)
     if per_shard:
         print()
         print(format_table("shard", [(s["name"], s) for s in stats["shards"]]))
@@ -325,7 +343,7 @@ def plot_lengths(store_path: Any, out_path: str) -> str:
     edges = reader.attrs["bucket_edges"]
     bins = np.linspace(0, edges[-1], 65)
     per_bucket = [reader.sample_length[reader.sample_bucket == b] for b in range(len(edges) - 1)]
-    labels = [f"bucket {b} [{edges[b]},{edges[b + 1]})" for b in range(len(edges) - 1)]
+    labels = [f"bucket {b} {bucket_range(edges, b)}" for b in range(len(edges) - 1)]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.hist(per_bucket, bins=bins, stacked=True, label=labels)
     for edge in edges:

@@ -17,17 +17,32 @@ from dflash.store.schema import (ATTRS_KEY, COMPLETE_KEY, CorruptShardError, Sto
                                  check_schema_version, has_target_labels, open_shard, row_array_names, shard_names)
 
 
+def check_is_store(path: Any) -> None:
+    """Refuse a local path that is no store (missing, a file, a folder without zarr's root metadata)
+    in the project's words, before zarr answers with its own."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in str(path):
+        return
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"store.path: there is no store at {path}; `dflash stage1-extract` writes it")
+    if not os.path.isdir(path):
+        raise StoreMismatchError(f"{path} is not a dflash store (a file; a store is the folder stage one writes at "
+                                 f"store.path)")
+    if not os.path.isfile(os.path.join(path, "zarr.json")):
+        raise StoreMismatchError(f"{path} is not a dflash store (no zarr.json in it); `dflash stage1-extract` "
+                                 f"writes one at store.path")
+
+
 def open_existing(path: Any) -> zarr.Group:
     """The store at `path` for reading; a missing local store is named with what writes it."""
-    if isinstance(path, (str, os.PathLike)) and "://" not in str(path) and not os.path.exists(path):
-        raise FileNotFoundError(f"store.path: there is no store at {path}; `dflash stage1-extract` writes it")
+    check_is_store(path)
     return zarr.open_group(path, mode="r")
 
 
 def _read_root_attrs(root: zarr.Group, path: Any) -> dict:
     attrs = root.attrs.get(ATTRS_KEY)
     if attrs is None:
-        raise StoreMismatchError(f"{path} has no '{ATTRS_KEY}' attributes: not a dflash store")
+        raise StoreMismatchError(f"{path} is not a dflash store (no '{ATTRS_KEY}' attributes in its zarr.json); "
+                                 f"`dflash stage1-extract` writes one at store.path")
     check_schema_version(attrs, path)
     return attrs
 
