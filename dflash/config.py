@@ -293,7 +293,7 @@ def build_section(name: str, cls, values: dict):
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError("unknown config key(s): " + ", ".join(
-            f"{name}.{key}{did_you_mean(key, known, f'{name}.')}" for key in unknown)) + "; `dflash config show` "
+            f"{name}.{key}{did_you_mean(key, known, f'{name}.')}" for key in unknown) + "; `dflash config show` "
             "lists every key")
     coerced = {key: coerce(f"{name}.{key}", hints[key], value) for key, value in values.items()}
     return cls(**coerced)
