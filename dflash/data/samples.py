@@ -25,7 +25,7 @@ import numpy as np
 from dflash.data.chat import (BAD_OVERLONG, BAD_TOO_FEW_SUPERVISED, BadRowError, RowProblem, hash_json, read_rows,
                               row_label, row_to_messages, source_fingerprint)
 from dflash.errors import DflashError
-from dflash.interrupts import ignore_interrupts
+from dflash.interrupts import children_ignore_interrupts
 from dflash.outputs import atomic_file
 
 # Bump whenever tokenization output could change for the same inputs (invalidates caches).
@@ -207,11 +207,6 @@ def _init_worker(tokenizer, settings: TokenizeSettings, marks_generation: bool) 
     _WORKER.update(tokenizer=tokenizer, settings=settings, marks_generation=marks_generation)
 
 
-def _init_pool_worker(tokenizer, settings: TokenizeSettings, marks_generation: bool) -> None:
-    ignore_interrupts()  # Ctrl-C: the pool is terminated by the main process, without a traceback per worker
-    _init_worker(tokenizer, settings, marks_generation)
-
-
 def _tokenize_chunk(chunk: list[tuple[int, dict]]) -> list[Sample | BadRowError]:
     results = []
     for row_id, row in chunk:
@@ -247,7 +242,9 @@ def _tokenize_all(rows, tokenizer, settings: TokenizeSettings, num_workers: int)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with context.Pool(num_workers, initializer=_init_pool_worker, initargs=args) as pool:
+    with children_ignore_interrupts():  # Ctrl-C: leaving the `with` terminates the pool, without tracebacks
+        pool = context.Pool(num_workers, initializer=_init_worker, initargs=args)
+    with pool:
         for results in pool.imap(_tokenize_chunk, _chunks(rows, CHUNK_ROWS)):
             yield from results
 

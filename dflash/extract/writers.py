@@ -41,7 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dflash.errors import DflashError
-from dflash.interrupts import ignore_interrupts
+from dflash.interrupts import children_ignore_interrupts
 from dflash.padding import round_up
 
 PR_SET_PDEATHSIG = 1
@@ -111,8 +111,9 @@ class WriterPool:
                                   self.results, self.slots[i], self.free_slots[i]))
             for i, jobs in enumerate(self.job_queues)
         ]
-        for process in self.processes:
-            process.start()
+        with children_ignore_interrupts():  # Ctrl-C: the main process stops the writers (terminate)
+            for process in self.processes:
+                process.start()
         self.handoffs = [queue.Queue(maxsize=2) for _ in range(size)]
         self.threads = [threading.Thread(target=self.hand_off, args=(i,), daemon=True,
                                          name=f"dflash-writer-handoff-{i}") for i in range(size)]
@@ -300,7 +301,6 @@ def writer_main(store_path: str, lengths: np.ndarray, row_ids: np.ndarray, shard
     """One writer process: open / batch / commit jobs until None; report commits and the first error.
     A batch that came in a slot hands the slot back once written (or skipped after a failure)."""
     die_with_parent()
-    ignore_interrupts()  # Ctrl-C: the main process stops the writers, without a traceback from each
     os.nice(WRITER_NICENESS)
     import zarr
 
