@@ -62,6 +62,10 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         follower = None
         train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed,
                                                     holdout_groups(config, reader))
+        if train_indices.size == 0:  # a store written before stage one refused sources without samples
+            raise ConfigError(f"store.path {config.store.path}: no training samples ({len(reader)} in the store, "
+                              f"{eval_indices.size} held out by train.holdout_fraction); rerun stage one with "
+                              f"--overwrite on a data.source with usable rows")
         # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
         schedules = [schedule_for(config, reader, train_indices, epoch, dist.world_size, config.train.accum_steps)
                      for epoch in range(config.train.epochs)]
