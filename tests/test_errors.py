@@ -165,3 +165,21 @@ def test_ctrl_c_of_stage_one_prints_no_traceback_from_any_process(tmp_path, pipe
     text = "".join(output)
     assert "Traceback" not in text and "KeyboardInterrupt" not in text and "Aborted" not in text
     assert text.rstrip().splitlines()[-1].startswith("Interrupted: rerun the same command to resume")
+
+
+def test_help_lists_every_command_whole_and_export_names_its_files():
+    result = invoke("--help")
+    commands = result.output.split("Commands:")[1]
+    assert result.exit_code == 0 and "..." not in commands  # click cuts a long first docstring line with "..."
+    assert "Train the drafter from a stage-one store (no target needed)." in result.output
+    assert "modeling_dflash.py" in " ".join(invoke("export", "--help").output.split())
+
+
+def test_bucket_labels_say_what_each_bucket_holds():
+    from dflash.store.inspection import COLUMN_LEGEND, bucket_range
+    from dflash.store.plan import assign_bucket
+
+    edges = [64, 192, 320, 512, 1024]
+    assert [bucket_range(edges, b) for b in range(4)] == ["[0,192)", "[192,320)", "[320,512)", "[512,1024]"]
+    assert assign_bucket(10, edges) == 0 and assign_bucket(1024, edges) == 3  # what the labels describe
+    assert COLUMN_LEGEND.startswith("sup%: share of the tokens that are supervised")
