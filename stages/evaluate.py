@@ -28,8 +28,9 @@ from dflash.data.tokenizer import load_target_tokenizer
 from dflash.dist import resolve_device
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
 from dflash.model.modeling_dflash import greedy_generate
-from dflash.serve.evaluation import (HELDOUT, EvalResult, check_drafter_export, decode_prompt, load_drafter, load_prompts, mark_code, plot,
-                                     print_report, summarize, timed, warm_up, write_json)
+from dflash.serve.evaluation import (HELDOUT, EvalResult, check_drafter_export, decode_prompt, load_drafter,
+                                     load_prompts, mark_code, plot, print_report, summarize, timed, warm_up,
+                                     write_json)
 
 
 @dataclass(frozen=True)

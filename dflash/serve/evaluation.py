@@ -84,7 +84,8 @@ def check_drafter_export(export_dir: str) -> None:
     """Refuse a --drafter that is not an export before anything slow (the target) is loaded."""
     missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (Path(export_dir) / name).is_file()]
     if missing:
-        what = "does not exist" if not Path(export_dir).exists() else f"is not a drafter export (no {' or '.join(missing)})"
+        what = (f"is not a drafter export (no {' or '.join(missing)})" if Path(export_dir).exists()
+                else "does not exist")
         raise FileNotFoundError(f"--drafter {export_dir} {what}; make one with `dflash export CHECKPOINT DIR`")
 
 
