@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from dflash.config import ConfigError, load_config
+from dflash.config import load_config
 from dflash.errors import DflashError
 from dflash.interrupts import EXIT_INTERRUPTED, interrupted_line
 
