@@ -260,7 +260,8 @@ def two_turn_shards(generator: Generator, tokenizer, shards: dict[int, list[Prom
     made = list(zip(jobs, answers))
     asking = [i for i, answer in enumerate(answers) if not answer.cut]
     if len(asking) < len(jobs):
-        result.follow_up_dropped[FIRST_ANSWER_CUT] = len(jobs) - len(asking)
+        result.follow_up_dropped[FIRST_ANSWER_CUT] = (result.follow_up_dropped.get(FIRST_ANSWER_CUT, 0)
+                                                      + len(jobs) - len(asking))
     asks = [follow_up_ask_job(jobs[i], answers[i], tokenizer) for i in asking]
     follow_ups, owners = [], []
     for i, ask, turn in zip(asking, asks, run_jobs(generator, asks, dist, result, "follow-up ask",
