@@ -285,7 +285,8 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
     shards written atomically, so a killed run resumes (finished shards are kept). It says which
     decoding path runs, and its summary the tokens/s. Point data.source at --out to build a store
     from the answers (docs/generate.md). With --ask-temperature the target writes the prompts too
-    (from starts such as `data.source = "embedded:ask-code"`'s), then answers them.
+    (from starts such as `data.source = "embedded:ask-general"`'s), then answers them; with --turns 2
+    it then writes a follow-up user turn after each answer and answers that too.
     """
     if gpus and not under_torchrun():
         relaunch_without_gpus(gpus)

@@ -289,19 +289,8 @@ def ask_shards(generator: Generator, tokenizer, shards: dict[int, list[Prompt]],
     sampling stream, so a resumed shard gets the same prompts), and those prompts replace the rows'; the
     ones it did not finish, or left empty or too long, are dropped and counted by reason."""
     jobs = [ask_job(prompt, tokenizer, k) for k, prompts in shards.items() for prompt in prompts]
-    asked: list[Prompt | str] = [""] * len(jobs)
-    start = time.perf_counter()
-    bar = tqdm(total=len(jobs), unit="prompt", disable=not dist.is_main, dynamic_ncols=True,
-               desc=f"ask (rank 0 of {dist.world_size})")
-
-    def take(index: int, answer: Answer) -> None:
-        asked[index] = asked_prompt(jobs[index].prompt, answer, tokenizer, max_length)
-        result.tokens += len(answer.token_ids)
-        bar.update(1)
-
-    generator.run(jobs, take, temperature=options.ask_temperature)
-    bar.close()
-    result.seconds += time.perf_counter() - start
+    asked = [asked_prompt(job.prompt, answer, tokenizer, max_length)
+             for job, answer in zip(jobs, run_jobs(generator, jobs, dist, result, "ask", options.ask_temperature))]
     kept: dict[int, list[Prompt]] = {k: [] for k in shards}
     for job, made in zip(jobs, asked):
         if isinstance(made, Prompt):

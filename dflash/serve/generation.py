@@ -15,8 +15,10 @@ output shard it belongs to. Two paths make them:
   round up to `PAD_WIDTH` so that a few shapes serve every batch.
 
 The output format lives here too: prompts read from a chat source, `part-NNNNN.jsonl` shards
-of `{"messages": [..., answer], "source_row", "sample", "cut"}` rows, and the manifest that
-refuses to mix answers generated with other settings into one directory.
+of `{"messages": [..., answer], "source_row", "sample", "cut"}` rows (with `"asked"`, `"turns": 2` and
+the source's `"kind"` where they apply), and the manifest that refuses to mix answers generated with
+other settings into one directory. The jobs of `dflash generate --ask-temperature` and `--turns 2`
+(the target writes a user turn, then answers it) are made here too (`ask_job`, `follow_up_ask_job`).
 """
 
 from __future__ import annotations
