@@ -24,7 +24,7 @@ def test_every_kind_has_thirty_distinct_starts_or_more():
     assert len(set(FOLLOW_UP_STARTS)) == len(FOLLOW_UP_STARTS) >= 30
 
 
-def test_ask_general_is_balanced_in_every_prefix_and_ask_code_is_its_code_subset():
+def test_ask_general_is_balanced_in_every_prefix_and_ask_code_holds_its_first_code_starts():
     rows = embedded.embedded_rows("embedded:ask-general")
     assert len(rows) == embedded.ASK_GENERAL_ROWS
     for limit in (12, 100, 1000, 5000):
@@ -44,7 +44,8 @@ def test_ask_general_is_balanced_in_every_prefix_and_ask_code_is_its_code_subset
 
     code = embedded.embedded_rows("embedded:ask-code")
     assert len(code) == embedded.ASK_CODE_ROWS and {row["kind"] for row in code} == {"code"}
-    assert [row["messages"][-1]["content"] for row in code[:len(STARTS["code"])]] == list(STARTS["code"])
+    assert [row["messages"] for row in code[:4]] == [[{"role": "user", "content": start}]
+                                                     for start in STARTS["code"][:3] + STARTS["code"][:1]]
     assert code[0]["messages"][0]["content"] == "Complete the following Python function.\n\n```python\n"
 
 

@@ -236,19 +236,19 @@ ASK_GENERAL_ROWS = 36_000
 ASK_CODE_ROWS = 32_000
 
 
-def ask_rows(kinds: tuple[str, ...], num_rows: int) -> tuple[dict, ...]:
-    """`num_rows` one-turn rows of request starts (dflash/data/starts.py), with no answer: for `dflash
-    generate --ask-temperature` (each row samples its own continuation), not for stage one as they are.
-    Row i is of kind `kinds[i % len(kinds)]`, so that any prefix holds every kind evenly; a kind's starts
-    come in turn, and each round of them under the next of SYSTEM_FRAMINGS. Rows carry their `kind`."""
-    from dflash.data.starts import STARTS, SYSTEM_FRAMINGS
-
+def ask_rows(starts_by_kind: dict[str, tuple[str, ...]], num_rows: int,
+             framings: tuple[str | None, ...] = (None,)) -> tuple[dict, ...]:
+    """`num_rows` one-turn rows of request starts, with no answer: for `dflash generate --ask-temperature`
+    (each row samples its own continuation), not for stage one as they are. Row i is of the i-th kind
+    modulo their number, so that any prefix holds every kind evenly; a kind's starts come in turn, each
+    round of them under the next of `framings` (a system turn, or None for none). Rows carry their `kind`."""
+    kinds = tuple(starts_by_kind)
     rows = []
     for i in range(num_rows):
         kind = kinds[i % len(kinds)]
-        starts = STARTS[kind]
+        starts = starts_by_kind[kind]
         turn = i // len(kinds)
-        system = SYSTEM_FRAMINGS[(turn // len(starts)) % len(SYSTEM_FRAMINGS)]
+        system = framings[(turn // len(starts)) % len(framings)]
         messages = [{"role": "system", "content": system}] if system else []
         rows.append({"messages": messages + [{"role": "user", "content": starts[turn % len(starts)]}], "kind": kind})
     return tuple(rows)
@@ -256,17 +256,21 @@ def ask_rows(kinds: tuple[str, ...], num_rows: int) -> tuple[dict, ...]:
 
 @functools.cache
 def ask_general_rows() -> tuple[dict, ...]:
-    """ASK_GENERAL_ROWS request starts over every kind of dflash.data.starts.KINDS, interleaved."""
-    from dflash.data.starts import KINDS
+    """ASK_GENERAL_ROWS request starts over every kind of dflash.data.starts.KINDS, interleaved, each round of a
+    kind's starts under the next of SYSTEM_FRAMINGS."""
+    from dflash.data.starts import KINDS, STARTS, SYSTEM_FRAMINGS
 
-    return ask_rows(KINDS, ASK_GENERAL_ROWS)
+    return ask_rows({kind: STARTS[kind] for kind in KINDS}, ASK_GENERAL_ROWS, SYSTEM_FRAMINGS)
 
 
 @functools.cache
 def ask_code_rows() -> tuple[dict, ...]:
-    """ASK_CODE_ROWS request starts of the `code` kind alone (the first three: HumanEval's instruction with
-    an open code block, "Write a Python function", the instruction with `from typing import List`)."""
-    return ask_rows(("code",), ASK_CODE_ROWS)
+    """ASK_CODE_ROWS rows of the `code` kind's first three starts in turn (HUMANEVAL_STARTS: HumanEval's
+    instruction with an open code block, "Write a Python function", the instruction with `from typing import
+    List`), with no system turn: the prompts the recipe's measurements were made with (docs/real-target.md)."""
+    from dflash.data.starts import HUMANEVAL_STARTS
+
+    return ask_rows({"code": HUMANEVAL_STARTS}, ASK_CODE_ROWS)
 
 
 HELDOUT_FILE = Path(__file__).with_name("chat_heldout.jsonl")

@@ -207,6 +207,7 @@ _CODE = (
     "Write a TypeScript type for", "Write a git command to", "Debug this:\n\n```javascript\n",
     "Write a Python generator that", "How do I parse JSON in",
 )
+HUMANEVAL_STARTS = _CODE[:3]  # embedded:ask-code's starts
 STARTS = {"writing": _WRITING, "rewriting": _REWRITING, "advice": _ADVICE, "explanation": _EXPLANATION,
           "reasoning": _REASONING, "extraction": _EXTRACTION, "roleplay": _ROLEPLAY, "stem": _STEM,
           "humanities": _HUMANITIES, "planning": _PLANNING, "tool-call": _TOOL_CALL, "code": _CODE}
