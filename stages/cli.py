@@ -278,9 +278,12 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
                    "such as embedded:ask-code's \"Write a Python function\") at this temperature until it ends the "
                    "turn, then answers the prompt it wrote (rows marked \"asked\"); prompts it does not end "
                    "within --max-new-tokens are dropped and counted. 0: the rows' prompts as they are.")
+@click.option("--turns", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="2: after each answer not cut, the target writes a follow-up user turn (from a start such as "
+                   "\"Can you\", at --ask-temperature, which must be > 0) and answers it: two-turn rows.")
 def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, top_k, num_samples, with_greedy, seed,
              engine, decode_attention, batch_size, rows_per_shard, limit, static_cache, device, gpus, overwrite,
-             ask_temperature):
+             ask_temperature, turns):
     """Regenerate the answers of data.source with the target, for training on what it would say.
 
     Each row is rendered up to its last assistant turn with the chat template stage one uses;
@@ -289,7 +292,8 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
     shards written atomically, so a killed run resumes (finished shards are kept). It says which
     decoding path runs, and its summary the tokens/s. Point data.source at --out to build a store
     from the answers (docs/generate.md). With --ask-temperature the target writes the prompts too
-    (from starts such as `data.source = "embedded:ask-code"`'s), then answers them.
+    (from starts such as `data.source = "embedded:ask-general"`'s), then answers them; with --turns 2
+    it then writes a follow-up user turn after each answer and answers that too.
     """
     if gpus and not under_torchrun():
         relaunch_without_gpus(gpus)
@@ -301,7 +305,7 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
         out=out, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         num_samples=num_samples, with_greedy=with_greedy, seed=seed, engine=engine, decode_attention=decode_attention,
         batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache,
-        overwrite=overwrite, ask_temperature=ask_temperature)
+        overwrite=overwrite, ask_temperature=ask_temperature, turns=turns)
     generate_stage.run(config, options)
 
 

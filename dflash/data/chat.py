@@ -65,6 +65,10 @@ EMBEDDED_PREFIX = "embedded:"  # dflash.data.embedded.EMBEDDED_SOURCES
 EMBEDDED_CODE_CHAT = "embedded:code-chat"
 
 
+# Evaluation-only sources: hand-written prompts that no drafter may be trained on (`refuse_heldout`).
+HELDOUT_SOURCES = ("embedded:chat-heldout",)
+
+
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 
 
@@ -97,6 +101,24 @@ class BadRowError(DflashError, ValueError):
     def located(self, source: str, advice: str = "") -> "BadRowError":
         """The same error naming the file (and its row) of `source` that holds the row."""
         return BadRowError(self.row_id, self.reason, self.detail, row_place(source, self.row_id), advice)
+
+
+class HeldoutSourceError(DflashError, ValueError):
+    """A training or generation source that is an evaluation-only held-out set."""
+
+
+def refuse_heldout(source: str, what: str) -> None:
+    """Raise HeldoutSourceError when `source` (or one of several embedded ones joined by "+") is in
+    HELDOUT_SOURCES: `what` (stage one's tokenizing, `dflash generate`) would train on the prompts that
+    `dflash eval --prompts embedded:chat-heldout` measures on."""
+    if not str(source).startswith(EMBEDDED_PREFIX):
+        return
+    names = {EMBEDDED_PREFIX + name.removeprefix(EMBEDDED_PREFIX) for name in str(source).split("+")}
+    held = sorted(names.intersection(HELDOUT_SOURCES))
+    if held:
+        raise HeldoutSourceError(f"{what}: data source {source!r} includes {', '.join(held)}, the held-out "
+                                 f"evaluation prompts; they are never trained on or generated from (read them with "
+                                 f"`dflash eval --prompts {held[0]}`)")
 
 
 class RowProblem(Exception):
@@ -191,11 +213,19 @@ def read_rows(source: str, split: str = "train") -> Iterator[tuple[int, dict]]:
 
 def prompt_messages(row) -> list[dict]:
     """The conversation before the last assistant turn; a row with no answer (a `prompt` string,
-    `turns` as in MT-Bench, or messages ending with the user) is a prompt as a whole."""
+    `turns` as in MT-Bench, or messages ending with the user, after earlier answers or not) is a
+    prompt as a whole."""
     if isinstance(row, dict) and isinstance(row.get("prompt"), str) and "response" not in row:
         return [{"role": "user", "content": row["prompt"]}]
     if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
         return [{"role": "user", "content": str(row["turns"][0])}]
+    raw = (row.get("messages") or row.get("conversations")) if isinstance(row, dict) else None
+    if isinstance(raw, list) and raw:
+        messages = [parse_message(message, index) for index, message in enumerate(raw)]
+        if messages[-1]["role"] == "user":  # the next turn is the answer to make
+            if not messages[-1]["content"].strip():
+                raise RowProblem(BAD_EMPTY, "the last user turn is empty")
+            return messages
     try:
         messages = row_to_messages(row)
     except RowProblem as problem:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash.data.chat import (BAD_OVERLONG, BAD_TOO_FEW_SUPERVISED, BadRowError, RowProblem, hash_json, read_rows,
-                              row_label, row_to_messages, source_fingerprint)
+                              refuse_heldout, row_label, row_to_messages, source_fingerprint)
 from dflash.errors import DflashError
 from dflash.interrupts import children_ignore_interrupts
 from dflash.outputs import atomic_file
@@ -336,8 +336,11 @@ def tokenize_rows(
     With `cache_dir`, the result is stored under a key that covers the source's content
     fingerprint (for a source string: file paths, sizes, mtimes and content hashes; for
     row pairs: a hash of the rows themselves), the tokenizer identity, max_length, overlong,
-    min_supervised and TOKENIZE_VERSION; any change re-tokenizes.
+    min_supervised and TOKENIZE_VERSION; any change re-tokenizes. An evaluation-only source
+    (`chat.HELDOUT_SOURCES`) is refused.
     """
+    if isinstance(rows, (str, Path)):
+        refuse_heldout(str(rows), "tokenizing for training")
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
     if max_length < 1:
