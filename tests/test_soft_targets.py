@@ -265,3 +265,20 @@ def test_stage_two_trains_with_the_distillation_term(soft_store, tmp_path):
     plain = train.run(load_config(config_path, [f'train.out_dir="{tmp_path / "plain"}"', "train.distill_weight=0"]))
     assert "distill" not in plain.last_metrics
     assert plain.losses[0] == pytest.approx(result.losses[0], rel=1e-5)  # loss stays the cross entropy
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["kl", "tv"])
+def test_distill_loss_on_cuda_equals_the_dense_reference(kind):
+    hidden, lm_head, labels, valid, weights, soft = soft_problem(5, num_anchors=64, vocab=3000, k=32)
+    mine = hidden.float().cuda().requires_grad_(True)
+    out = dflash_loss(mine, lm_head.float().cuda(), labels.cuda(), valid.cuda(), weights.cuda(), 100,
+                      soft_targets=tuple(values.cuda() for values in soft), distill_weight=0.7, distill=kind)
+    out.objective.backward()
+    reference = hidden.clone().requires_grad_(True)
+    objective, ce, distill = dense_objective(reference, lm_head, labels, valid, weights, soft, 0.7, kind)
+    objective.backward()
+    for value, expected in ((out.objective, objective), (out.loss, ce), (out.distill, distill),
+                            (mine.grad, reference.grad)):
+        torch.testing.assert_close(value.double().cpu(), expected.detach(), rtol=1e-4, atol=1e-5)
