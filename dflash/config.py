@@ -346,9 +346,9 @@ def validate(config: Config) -> None:
     for key in ("train.follow_poll_s", "train.follow_timeout_s"):
         if lookup(config, key) < 0:
             raise ConfigError(f"{key} must be 0 or more seconds, got {lookup(config, key)}")
-    if config.store.topk < 0 or config.train.distill_weight < 0:
-        raise ConfigError(f"store.topk ({config.store.topk}) and train.distill_weight "
-                          f"({config.train.distill_weight}) must be 0 (off) or more")
+    for key in ("store.topk", "train.distill_weight"):
+        if lookup(config, key) < 0:
+            raise ConfigError(f"{key} must be 0 (off) or more, got {lookup(config, key)}")
     if config.train.max_minutes < 0:
         raise ConfigError(f"train.max_minutes must be 0 (no limit) or more minutes, got {config.train.max_minutes}")
     if not 0.0 <= config.train.holdout_fraction < 1.0:

@@ -172,6 +172,16 @@ def test_topk_round_trips_through_the_store_bit_exactly_and_is_verified(tmp_path
     assert not report.ok and "topk_probs sum above 1" in report.bad["b00-00000"]
 
 
+@pytest.mark.parametrize("override, key", [("store.topk=-1", "store.topk"),
+                                           ("train.distill_weight=-0.5", "train.distill_weight"),
+                                           ('train.distill="js"', "train.distill")])
+def test_soft_target_settings_are_checked_by_key(override, key):
+    from dflash.config import ConfigError
+
+    with pytest.raises(ConfigError, match=key):
+        load_config(None, [override])
+
+
 def test_a_store_without_soft_targets_keeps_its_identity_and_is_refused_for_distillation(tmp_path):
     from dflash.store.schema import content_identity, diff_attrs
 
