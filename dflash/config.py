@@ -23,6 +23,7 @@ from dflash.store.schema import LABEL_CHOICES
 
 DEFAULT_ROOT = "/data/dflash"
 WANDB_MODES = ("offline", "online", "disabled")  # train.wandb; dflash.train.metrics opens the run
+DISTILL_KINDS = ("kl", "tv")  # train.distill; dflash.model.loss computes them
 HOLDOUT_UNITS = ("prompt", "sample")  # train.holdout_by; dflash.train.sampler.split_holdout splits by them
 
 
@@ -113,6 +114,8 @@ class StoreConfig:
     labels: str = setting("data", "what stage two trains against: data (the dataset's tokens) or target (the "
                           "target's greedy next token at every position, computed and stored by stage one)",
                           choices=LABEL_CHOICES)
+    topk: int = setting(0, "soft targets: stage one also stores the target's k most likely next tokens and their "
+                        "probabilities at every supervised position, for train.distill_weight (0: off)", minimum=0)
     overwrite: bool = setting(False, "replace an existing store that holds different content (--overwrite)")
 
 
@@ -176,6 +179,11 @@ class TrainConfig:
                                  "short-sequence packs", positive=True)
     gamma: float = setting(0.0, "decay of the slot loss weights exp(-(k-1)/gamma) (0: 7 for block 16, 5 for 10, "
                            "4 for 8)", minimum=0)
+    distill_weight: float = setting(0.0, "weight of the distillation term added to the cross entropy (0: off; "
+                                    "needs a store written with store.topk > 0)", minimum=0)
+    distill: str = setting("kl", "distillation term: kl (forward KL from the target's top-k distribution) or tv "
+                           "(total variation), over the stored k tokens and one bucket for the rest",
+                           choices=DISTILL_KINDS)
     loss_chunk: int = setting(2048, "block rows per LM-head and loss chunk (bounds the logits' memory)", positive=True)
     seed: int = setting(0, "seed of the data order, anchors, held-out split and initialisation",
                         minimum=0)

@@ -71,7 +71,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
         dist.barrier()
         return result
     target = load_target(str(target_path), dist.device, dtype=target_dtype(config.target.dtype, dist.device),
-                         layer_ids=attrs["target_layer_ids"], predict_labels=config.store.labels == "target")
+                         layer_ids=attrs["target_layer_ids"], predict_labels=config.store.labels == "target", topk=config.store.topk)
     if needs_weights:
         store_writer.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
     if config.target.compile and dist.device.type == "cuda":

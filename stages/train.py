@@ -105,11 +105,13 @@ def open_reader(config: Config, dist: DistState, follow_state: dict | None):
     """The store's reader: every complete shard; a following run waits for the store to exist,
     and a resumed one indexes the shards its checkpoint saw, in their arrival order."""
     on_corrupt = "skip" if config.train.skip_corrupt_shards else "raise"
+    soft_targets = config.train.distill_weight > 0  # the distillation term reads the stored top-k
     if follow_state is not None:
-        return StoreReader(config.store.path, on_corrupt=on_corrupt, shards=follow_state["arrival"])
+        return StoreReader(config.store.path, on_corrupt=on_corrupt, shards=follow_state["arrival"],
+                           soft_targets=soft_targets)
     if config.train.follow:
         wait_for_store(config, dist, status=Announcer(dist))
-    return StoreReader(config.store.path, on_corrupt=on_corrupt)
+    return StoreReader(config.store.path, on_corrupt=on_corrupt, soft_targets=soft_targets)
 
 
 class Announcer:

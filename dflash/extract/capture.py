@@ -52,7 +52,7 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, captur
     shard_options = {"codec": config.store.codec, "num_layers": len(target.layer_ids),
                      "hidden_size": target.hidden_size, "rows_per_chunk": config.extract.rows_per_chunk,
                      "rows_per_zarr_shard": config.extract.rows_per_chunk * config.extract.chunks_per_file,
-                     "labels": target.predict_labels}
+                     "labels": target.predict_labels, "topk": target.topk}
     writers = WriterPool(min(config.extract.writer_processes, len(shards)), config.store.path,
                          lengths, row_ids, shard_options, batch_bytes=encoded_batch_bytes(config, target))
     multiple = target_batch_multiple(dist.device)
@@ -91,6 +91,7 @@ def encoded_batch_bytes(config, target) -> int:
     per_row = num_layers * target.hidden_size * store_format.HIDDEN_DTYPES[config.store.codec].itemsize
     per_row += 4 * num_layers if config.store.codec == "fp8" else 0
     per_row += 4 if target.predict_labels else 0  # int32 target labels
+    per_row += 6 * target.topk  # soft targets: int32 ids and uint16 probabilities
     return int(1.25 * config.extract.batch_tokens) * per_row
 
 
@@ -134,16 +135,20 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
 
     Nothing here waits for the device: the copy lands in pinned memory and `CapturedBatch.wait`
     (called by a writer hand-off thread) waits for it, so the next forward is queued behind this one.
-    A target loaded with `predict_labels` adds `labels (B, T)` int32, its greedy next tokens.
+    A target loaded with `predict_labels` adds `labels (B, T)` int32, its greedy next tokens; one
+    loaded with `topk` adds `topk_ids (B, T, k)` int32 and `topk_probs (B, T, k)` uint16 bits (as
+    int16): only k entries a row cross to the host (`TargetModel.capture_head`).
     """
     cuda = device.type == "cuda"
     input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0,
                                           multiple=target_batch_multiple(device))
     if cuda:
         input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
-    labels_BT = None
-    if target.predict_labels:
-        hidden_BTnH, labels_BT = target.capture_with_labels(input_ids, attention_mask)
+    head = {}
+    if target.runs_head:
+        hidden_BTnH, head = target.capture_head(input_ids, attention_mask)
+        if "topk_probs" in head:
+            head["topk_probs"] = store_format.probs_to_bits(head["topk_probs"])
     else:
         hidden_BTnH = target.capture(input_ids, attention_mask)
     batch_size, seq_len, num_layers, hidden_size = hidden_BTnH.shape
@@ -155,9 +160,9 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
                 parts[name] = torch.empty((rows_RnH.shape[0], *chunk.shape[1:]), dtype=chunk.dtype, pin_memory=cuda)
             parts[name][start:start + chunk.shape[0]].copy_(chunk, non_blocking=cuda)
     parts = {name: part.view(batch_size, seq_len, *part.shape[1:]) for name, part in parts.items()}
-    if labels_BT is not None:
-        parts["labels"] = torch.empty(labels_BT.shape, dtype=torch.int32, pin_memory=cuda)
-        parts["labels"].copy_(labels_BT, non_blocking=cuda)
+    for name, values in head.items():  # labels, topk_ids, topk_probs
+        parts[name] = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
+        parts[name].copy_(values, non_blocking=cuda)
     ready = None
     if cuda:
         ready = torch.cuda.Event()

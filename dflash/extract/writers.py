@@ -342,11 +342,16 @@ def write_batch(shard_writer, indices, samples, parts: dict, copy: bool) -> None
     hidden_BTF = parts["hidden"].numpy()
     scale_BTn = parts["scale"].numpy() if "scale" in parts else None
     labels_BT = parts["labels"].numpy() if "labels" in parts else None
+    topk_ids_BTk = parts["topk_ids"].numpy() if "topk_ids" in parts else None
+    topk_probs_BTk = parts["topk_probs"].numpy().view(np.uint16) if "topk_probs" in parts else None
     for row, (index, (input_ids, loss_mask)) in enumerate(zip(indices, samples)):
         length = len(input_ids)
         hidden = hidden_BTF[row, :length]
         scale = None if scale_BTn is None else scale_BTn[row, :length]
         labels = None if labels_BT is None else labels_BT[row, :length].copy()
+        soft = {} if topk_ids_BTk is None else {"topk_ids": topk_ids_BTk[row, :length],
+                                                 "topk_probs": topk_probs_BTk[row, :length]}
         if copy:
             hidden, scale = hidden.copy(), None if scale is None else scale.copy()
-        shard_writer.write_sample(index, hidden, scale, input_ids, loss_mask, labels=labels)
+        # the shard writer zero-fills the soft targets of unsupervised rows (a copy, slot or not)
+        shard_writer.write_sample(index, hidden, scale, input_ids, loss_mask, labels=labels, **soft)

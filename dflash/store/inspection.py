@@ -17,7 +17,8 @@ import zarr
 
 from dflash.store.reader import StoreReader
 from dflash.store.schema import (ATTRS_KEY, COMPLETE_KEY, FROZEN_WEIGHT_NAMES, HIDDEN_DTYPES, StoreMismatchError,
-                                 check_schema_version, count_nonfinite, has_target_labels, open_shard, shard_names)
+                                 PROB_SCALE, TOPK_ARRAYS, check_schema_version, count_nonfinite, has_target_labels,
+                                 open_shard, shard_names, store_topk)
 
 # ---------------------------------------------------------------- verification
 
@@ -58,6 +59,10 @@ def _expected_arrays(attrs: dict, num_tokens: int, num_samples: int) -> dict[str
         expected["scale"] = ((num_tokens, n), np.dtype(np.float32))
     if has_target_labels(attrs):
         expected["labels"] = ((num_tokens,), np.dtype(np.int32))
+    if store_topk(attrs):
+        k = store_topk(attrs)
+        expected["topk_ids"] = ((num_tokens, k), np.dtype(np.int32))
+        expected["topk_probs"] = ((num_tokens, k), np.dtype(np.uint16))
     return expected
 
 
@@ -101,6 +106,20 @@ def _verify_rows(arrays: dict[str, Any], codec: str, vocab_size: int) -> None:
             labels = arrays["labels"][start:stop]
             _expect(bool((labels >= 0).all()) and (not vocab_size or bool((labels < vocab_size).all())),
                     f"target labels outside the vocabulary (0..{vocab_size - 1}) in rows {start}:{stop}")
+        if "topk_ids" in arrays:
+            _verify_topk(arrays["topk_ids"][start:stop], arrays["topk_probs"][start:stop], vocab_size,
+                         f"rows {start}:{stop}")
+
+
+def _verify_topk(ids: np.ndarray, probs: np.ndarray, vocab_size: int, where: str) -> None:
+    """Soft targets: ids inside the vocabulary, each row's probabilities summing to at most 1 (each
+    stored value is rounded, so up to k/2 units of 1/65535 over)."""
+    _expect(bool((ids >= 0).all()) and (not vocab_size or bool((ids < vocab_size).all())),
+            f"topk_ids outside the vocabulary (0..{vocab_size - 1}) in {where}")
+    sums = probs.astype(np.int64).sum(axis=1)
+    limit = PROB_SCALE + probs.shape[1] // 2
+    _expect(bool((sums <= limit).all()),
+            f"topk_probs sum above 1 in {where} (largest {sums.max() / PROB_SCALE:.6f})")
 
 
 def _verify_weights(root: zarr.Group, attrs: dict, bad: dict[str, str]) -> None:
@@ -241,6 +260,7 @@ def store_stats(path: Any) -> dict:
     weights_bytes = sum(int(root[n].nbytes_stored()) for n in ("embed_tokens", "lm_head") if n in root)
     return {
         "labels": "target" if reader.has_labels else "data",
+        "optional_arrays": list(TOPK_ARRAYS) if reader.topk else [], "topk": reader.topk,
         "label_agreement": label_agreement(root, reader.shard_names) if reader.has_labels else None,
         "codec": reader.codec, "num_layers": reader.num_layers, "hidden_size": reader.hidden_size,
         "raw_bytes_per_token": raw_per_token,
@@ -315,6 +335,8 @@ def print_report(stats: dict, report: dict | None, per_shard: bool, store_path: 
               f"the target's label at {shown} of the supervised positions")
     else:
         print("labels: the data tokens (store.labels = data)")
+    if stats.get("optional_arrays"):
+        print(f"optional arrays: {', '.join(stats['optional_arrays'])} (k={stats['topk']})")
     if stats["num_truncated"] is not None:
         print(f"{stats['num_truncated']} samples cut at max_length ({stats['max_length']} tokens)")
     if stats["incomplete_shards"]:

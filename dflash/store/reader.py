@@ -14,7 +14,8 @@ import torch
 import zarr
 
 from dflash.store.schema import (ATTRS_KEY, COMPLETE_KEY, CorruptShardError, StoreMismatchError, bits_to_bf16,
-                                 check_schema_version, has_target_labels, open_shard, row_array_names, shard_names)
+                                 check_schema_version, has_target_labels, open_shard, row_array_names, shard_names,
+                                 store_topk)
 
 
 def check_is_store(path: Any) -> None:
@@ -73,7 +74,8 @@ class StoreReader:
     `refresh()` appends shards completed since, keeping every earlier sample index.
     """
 
-    def __init__(self, path: Any, on_corrupt: str = "raise", shards: list[str] | None = None):
+    def __init__(self, path: Any, on_corrupt: str = "raise", shards: list[str] | None = None,
+                 soft_targets: bool = False):
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         self.path = path
@@ -84,6 +86,12 @@ class StoreReader:
         self.hidden_size: int = int(self.attrs["hidden_size"])
         self.num_layers: int = len(self.attrs["target_layer_ids"])
         self.has_labels: bool = has_target_labels(self.attrs)
+        self.topk: int = store_topk(self.attrs)  # k of the store's soft targets, 0 without
+        if soft_targets and not self.topk:
+            raise StoreMismatchError(f"train.distill_weight: the store at {path} holds no soft targets (top-k); "
+                                     f"run stage one with store.topk > 0 (into another store.path) or set "
+                                     f"train.distill_weight = 0")
+        self.soft_targets = soft_targets  # read_sample returns them
         self.incomplete_shards: list[str] = []
         self.skipped_shards: dict[str, str] = {}
         self.shard_names: list[str] = []
@@ -173,13 +181,15 @@ class StoreReader:
             if self._root is None:
                 self._root = zarr.open_group(self.path, mode="r")
             shard = self._root["shards"][name]
-            self._arrays[name] = {key: shard[key] for key in row_array_names(self.codec, self.has_labels)}
+            self._arrays[name] = {key: shard[key] for key in row_array_names(self.codec, self.has_labels,
+                                                                             self.soft_targets)}
         return self._arrays[name]
 
     def read_sample(self, i: int) -> dict:
         """Sample i: hidden (len, n*H) uint16|uint8, scale (len, n) float32 or None,
         input_ids int64, loss_mask bool, labels int64 (the target's, or None in a store of data
-        labels), row_id."""
+        labels), row_id; with `soft_targets`, topk_ids (len, k) int32 and topk_probs (len, k)
+        uint16 (`schema.bits_to_probs` decodes them)."""
         name = self.shard_names[self.sample_shard[i]]
         start = int(self.sample_start[i])
         stop = start + int(self.sample_length[i])
@@ -193,6 +203,9 @@ class StoreReader:
                 "labels": arrays["labels"][start:stop].astype(np.int64) if "labels" in arrays else None,
                 "row_id": int(self.sample_row_id[i]),
             }
+            if self.soft_targets:
+                sample["topk_ids"] = arrays["topk_ids"][start:stop]
+                sample["topk_probs"] = arrays["topk_probs"][start:stop]
         except Exception as exc:
             raise CorruptShardError(
                 f"shard {name}: cannot read sample {i} (row {int(self.sample_row_id[i]) + 1}): "

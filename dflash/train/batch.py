@@ -28,7 +28,7 @@ from dflash.model.loss import label_rows
 from dflash.model.masks import layer_windows
 from dflash.model.tiles import PADDING_DOC, gather_context_keys, keys_key, tile_layout, tiles_key
 from dflash.padding import micro_batch_multiple, round_up
-from dflash.store.schema import CorruptShardError
+from dflash.store.schema import CorruptShardError, bits_to_probs
 from dflash.train.served import window_anchors
 
 
@@ -114,6 +114,12 @@ def _pack_tokens(items: list[dict], num_tokens: int) -> dict[str, np.ndarray]:
     if items[0].get("labels") is not None:
         packed["labels"] = np.zeros(num_tokens, dtype=np.int64)
         packed["labels"][:num_real] = np.concatenate([item["labels"] for item in items])
+    if items[0].get("topk_ids") is not None:  # soft targets, decoded here: ids int64, probabilities float32
+        k = items[0]["topk_ids"].shape[1]
+        packed["topk_ids"] = np.zeros((num_tokens, k), dtype=np.int64)
+        packed["topk_ids"][:num_real] = np.concatenate([item["topk_ids"] for item in items])
+        packed["topk_probs"] = np.zeros((num_tokens, k), dtype=np.float32)
+        packed["topk_probs"][:num_real] = bits_to_probs(np.concatenate([item["topk_probs"] for item in items]))
     if items[0]["scale"] is not None:
         # pad rows decode to zero whatever the scale; 1.0 keeps them finite under any decode
         scale_TN = np.ones((num_tokens, items[0]["scale"].shape[1]), dtype=np.float32)
@@ -173,7 +179,8 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
 
     Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
     `input_ids`, `loss_mask`, `position_ids`, `doc_ids` `(T,)`, `labels (T,)` (stores of target
-    labels only); `anchor_pos`, `anchor_doc`,
+    labels only), `topk_ids (T, k)` int64 and `topk_probs (T, k)` float32 (soft targets, when read);
+    `anchor_pos`, `anchor_doc`,
     `anchor_index`, `anchor_valid` `(A,)`; per sample `lengths`, `row_ids`, `sample_indices`
     `(D,)`; scalars `bucket` (-1 if the samples' buckets differ), `epoch`, `num_tokens` (T),
     `num_real_tokens`, `num_real_anchors`; with `block_size`, `label_rows (L,)`: the block rows
