@@ -171,6 +171,16 @@ def read_rows(source: str, split: str = "train") -> Iterator[tuple[int, dict]]:
     yield from enumerate(datasets.load_dataset(source, split=split))
 
 
+def source_name(source: str) -> str:
+    """A source's default name in a mix (`data.mix`'s `name`): its last path part without the data
+    suffix, or the embedded name (`embedded:code-chat` -> `code-chat`, `/data/math.jsonl` -> `math`)."""
+    name = source.removeprefix(EMBEDDED_PREFIX).rstrip("/").rsplit("/", 1)[-1]
+    for suffix in DATA_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
 def prompt_messages(row) -> list[dict]:
     """The conversation before the last assistant turn; a row with no answer (a `prompt` string,
     `turns` as in MT-Bench, or messages ending with the user) is a prompt as a whole."""
