@@ -228,7 +228,7 @@ wandb = "disabled"
     straight = train.run(config)
     assert "source short: weight 75.0%" in capsys.readouterr().out
     resumed = train.run(load_config(path, [f'train.out_dir="{tmp_path / "resumed"}"']),
-                        resume=str(complete_checkpoints(tmp_path / "run")[0]))
+                        resume=str(complete_checkpoints(tmp_path / "run" / "checkpoints")[0]))
     assert resumed.losses == straight.losses[2:]
 
     tokenizer = load_target_tokenizer(prepare_checkpoint(config.target.path, config.data.cache_dir))
@@ -244,5 +244,5 @@ wandb = "disabled"
     single = load_config(path, [f'train.out_dir="{tmp_path / "old"}"', "data.mix=[]"])
     assert train.run(single).steps == 4
     again = train.run(load_config(path, [f'train.out_dir="{tmp_path / "old-resumed"}"', "data.mix=[]"]),
-                      resume=str(complete_checkpoints(tmp_path / "old")[0]))
+                      resume=str(complete_checkpoints(tmp_path / "old" / "checkpoints")[0]))
     assert again.steps == 4
