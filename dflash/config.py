@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from dflash.data.chat import source_name
+from dflash.data.chat import training_sources
 from dflash.data.samples import OVERLONG_POLICIES
 from dflash.errors import DflashError
 from dflash.model.masks import BACKENDS as ATTENTION_BACKENDS
@@ -76,14 +76,6 @@ class DataConfig:
     num_workers: int = setting(8, "tokenizer processes")
     cache_dir: str = setting(f"{DEFAULT_ROOT}/cache",
                              "where tokenization results, the embedded target and converted GGUF targets are cached")
-
-
-def training_sources(data: DataConfig) -> list[tuple[str, str, float]]:
-    """`(name, source, weight)` of every training source: data.mix's tables when set (data.source is
-    then not read), else data.source alone with weight 1."""
-    if not data.mix:
-        return [(source_name(data.source), data.source, 1.0)]
-    return [(item.name or source_name(item.source), item.source, item.weight) for item in data.mix]
 
 
 def validate_mix(data: DataConfig) -> None:

@@ -181,6 +181,14 @@ def source_name(source: str) -> str:
     return name
 
 
+def training_sources(data) -> list[tuple[str, str, float]]:
+    """`(name, source, weight)` of every training source of a config's data section: data.mix's
+    tables when set (data.source is then not read), else data.source alone with weight 1."""
+    if not data.mix:
+        return [(source_name(data.source), data.source, 1.0)]
+    return [(item.name or source_name(item.source), item.source, item.weight) for item in data.mix]
+
+
 def prompt_messages(row) -> list[dict]:
     """The conversation before the last assistant turn; a row with no answer (a `prompt` string,
     `turns` as in MT-Bench, or messages ending with the user) is a prompt as a whole."""

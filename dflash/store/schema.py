@@ -20,7 +20,7 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from dflash import __version__
-from dflash.data.chat import content_fingerprint
+from dflash.data.chat import content_fingerprint, training_sources
 from dflash.errors import DflashError
 
 SCHEMA_VERSION = 1
@@ -92,8 +92,6 @@ def data_sources_identity(data) -> dict:
     The weights are not content: they say how stage two samples the store, not what it holds."""
     if not data.mix:
         return {"source": content_fingerprint(data.source, data.split)}
-    from dflash.config import training_sources
-
     return {"sources": [[name, content_fingerprint(source, data.split)]
                         for name, source, _ in training_sources(data)]}
 
@@ -103,8 +101,6 @@ def source_names(config) -> list[str] | None:
     shard's `source_ids`), or None for a store of data.source alone."""
     if not config.data.mix:
         return None
-    from dflash.config import training_sources
-
     return [name for name, _, _ in training_sources(config.data)]
 
 
