@@ -15,13 +15,13 @@ import torch
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
 from dflash.store.reader import StoreReader
+from dflash.train import mix
 from dflash.train.checkpoint import read_state
 from dflash.train.compile_cache import artifacts_to_load, load_compile_artifacts
 from dflash.train.follow import StoreFollower, wait_for_store
 from dflash.train.loop import StopFlag, TrainResult, TrainState, loop, print_plan
 from dflash.train.metrics import MetricsLogger
 from dflash.train.resume import resolve_resume, restore, resume_config
-from dflash.train import mix
 from dflash.train.sampler import DataCursor, schedule_for
 from dflash.train.sizing import build_drafter_args, check_labels
 from dflash.train.step import apply_parallelism, build_context, build_model, build_optimizer

@@ -389,7 +389,8 @@ def build_epoch_schedule(
     `lengths[i]`, `buckets[i]` are sample i's token count and bucket (the store index);
     `anchors[i]`, when given, its anchor count, packed under `anchor_budget` per micro-batch.
     `stream` extends the shuffle's rng key (a following run's segment). Deterministic in all
-    arguments; every selected sample appears exactly once.
+    arguments; every entry of `sample_indices` appears exactly once (a sample a mix repeats,
+    dflash/train/mix.py, is several entries).
     """
     lengths, buckets = np.asarray(lengths, dtype=np.int64), np.asarray(buckets, dtype=np.int64)
     if sample_indices is None:
