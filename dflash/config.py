@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from dflash.data.chat import training_sources
 from dflash.data.samples import OVERLONG_POLICIES
 from dflash.errors import DflashError
 from dflash.model.masks import BACKENDS as ATTENTION_BACKENDS
@@ -88,7 +89,7 @@ class DataConfig:
     source: str = setting(f"{DEFAULT_ROOT}/data",
                           "JSONL/JSON/Parquet file or directory, embedded:NAME, or a datasets hub name")
     mix: tuple[MixSource, ...] = setting(
-        (), "several sources with a weight each, replacing data.source: a list of tables "
+        (), "several sources with a weight each; when set, data.source is not read: a list of tables "
         "{source = ..., weight = ..., name = ...} (weights are shares of each epoch's tokens)")
     split: str = setting("train", "split of a hub dataset")
     max_length: int = setting(4096, "tokens per sample at most; longer ones are cut (or dropped, see data.overlong)",
@@ -99,6 +100,20 @@ class DataConfig:
     num_workers: int = setting(8, "tokenizer processes (0 or 1: in this process)", minimum=0)
     cache_dir: str = setting(f"{DEFAULT_ROOT}/cache",
                              "where tokenization results, the embedded target and converted GGUF targets are cached")
+
+
+def validate_mix(data: DataConfig) -> None:
+    """data.mix: every table names a source, and the names (given or defaulted) are unique."""
+    seen = {}
+    for index, (name, source, _) in enumerate(training_sources(data) if data.mix else []):
+        if not source.strip():
+            raise ConfigError(f"data.mix[{index}].source is empty: give the source's path or name")
+        if not name:
+            raise ConfigError(f"data.mix[{index}].name: the source {source!r} has no default name; set one")
+        if name in seen:
+            raise ConfigError(f"data.mix[{index}].name: {name!r} is also the name of data.mix[{seen[name]}]; "
+                              f"names must be unique (set name = \"...\" on one of them)")
+        seen[name] = index
 
 
 @dataclass(frozen=True)
@@ -353,6 +368,7 @@ def coerce(key: str, hint, value):
 def validate(config: Config) -> None:
     for key, key_field in key_fields(config):
         validate_value(key, key_field, lookup(config, key))
+    validate_mix(config.data)
     edges = config.store.bucket_edges
     if len(edges) < 2 or any(a >= b for a, b in zip(edges, edges[1:])):
         raise ConfigError(f"store.bucket_edges must be at least two increasing lengths, got {list(edges)}")

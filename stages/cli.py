@@ -200,7 +200,8 @@ def export(checkpoint, out_dir):
               help="An exported drafter directory (from `dflash export`); repeat it to compare several "
                    "drafters on the same prompts and baseline.")
 @click.option("--prompts", default="heldout", show_default=True,
-              help="'heldout': the samples stage two held out of the config's store; or a data source "
+              help="'heldout': the samples stage two held out of the config's store ('heldout:NAME': those of "
+                   "the store's data.mix source NAME); or a data source "
                    "(JSONL/JSON/Parquet file or directory, embedded:NAME, hub name), rendered up to its last answer.")
 @click.option("--num-prompts", default=32, show_default=True, help="How many prompts (the first ones).")
 @click.option("--match", default="", help="Only prompts whose rendered text matches this regular expression "

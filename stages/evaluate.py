@@ -36,7 +36,7 @@ from dflash.serve.evaluation import (HELDOUT, EvalResult, check_drafter_export, 
 @dataclass(frozen=True)
 class EvalOptions:
     drafters: tuple[str, ...]  # export directories
-    prompts: str = HELDOUT  # "heldout" or a data source
+    prompts: str = HELDOUT  # "heldout", "heldout:NAME" (one source of the store's mix) or a data source
     num_prompts: int = 32
     match: str = ""  # regular expression the prompt's text must match ("" = any)
     exclude: str = ""  # regular expression the prompt's text must not match ("" = none)

@@ -36,7 +36,8 @@ from dflash.store.reader import StoreReader  # noqa: E402
 from dflash.train import served  # noqa: E402
 from dflash.train.batch import StoreDataset, collate_options, collate_packed  # noqa: E402
 from dflash.train.checkpoint import complete_checkpoints, load_checkpoint, step_dir_name  # noqa: E402
-from dflash.train.sampler import holdout_groups, split_holdout  # noqa: E402
+from dflash.train import mix  # noqa: E402
+from dflash.train.sampler import holdout_groups  # noqa: E402
 from dflash.train.step import build_context, evaluate_served  # noqa: E402
 from stages.export import checkpoint_drafter_args  # noqa: E402
 
@@ -58,7 +59,7 @@ def served_samples(eval_result: dict) -> list[int]:
 def held_out_split(config, reader) -> tuple[np.ndarray | None, np.ndarray]:
     """Stage two's prompt groups and held-out sample indices under `config` (as the trainer splits)."""
     groups = holdout_groups(config, reader)
-    return groups, split_holdout(len(reader), config.train.holdout_fraction, config.train.seed, groups)[1]
+    return groups, mix.held_out_split(config, reader, groups)[1]
 
 
 def greedy_answers(reader, split, samples: list[int], tokens: int, block_size: int) -> list[int | None]:

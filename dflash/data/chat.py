@@ -211,6 +211,24 @@ def read_rows(source: str, split: str = "train") -> Iterator[tuple[int, dict]]:
     yield from enumerate(datasets.load_dataset(source, split=split))
 
 
+def source_name(source: str) -> str:
+    """A source's default name in a mix (`data.mix`'s `name`): its last path part without the data
+    suffix, or the embedded name (`embedded:code-chat` -> `code-chat`, `/data/math.jsonl` -> `math`)."""
+    name = source.removeprefix(EMBEDDED_PREFIX).rstrip("/").rsplit("/", 1)[-1]
+    for suffix in DATA_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def training_sources(data) -> list[tuple[str, str, float]]:
+    """`(name, source, weight)` of every training source of a config's data section: data.mix's
+    tables when set (data.source is then not read), else data.source alone with weight 1."""
+    if not data.mix:
+        return [(source_name(data.source), data.source, 1.0)]
+    return [(item.name or source_name(item.source), item.source, item.weight) for item in data.mix]
+
+
 def prompt_messages(row) -> list[dict]:
     """The conversation before the last assistant turn; a row with no answer (a `prompt` string,
     `turns` as in MT-Bench, or messages ending with the user, after earlier answers or not) is a

@@ -9,6 +9,7 @@ for the device except the writers' hand-off threads.
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -33,11 +34,13 @@ class WriteStats:
     handoff: dict = field(default_factory=dict)  # the writer hand-off threads' seconds (WriterPool.handoff)
 
 
-def write_shards(config, dist, target, samples, lengths, row_ids, shards, capture=None) -> WriteStats:
+def write_shards(config, dist, target, samples, lengths, row_ids, shards, capture=None,
+                 source_ids=None) -> WriteStats:
     """Capture every shard on the device; writer processes (dflash/extract/writers.py) compress and commit
     into the store at config.store.path, which must exist.
 
-    `lengths` and `row_ids` are indexed like `samples` (the kept-sample list the plan uses).
+    `lengths`, `row_ids` and `source_ids` (None: a store of one source) are indexed like `samples`
+    (the kept-sample list the plan uses).
     Shard k goes to writer k % extract.writer_processes, so a shard's batches and its commit
     stay in order while several shards compress at once. `capture(target, batch, codec, device)`
     makes each batch's `CapturedBatch` (default `capture_batch`; benchmarks pass their own).
@@ -53,6 +56,8 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, captur
                      "hidden_size": target.hidden_size, "rows_per_chunk": config.extract.rows_per_chunk,
                      "rows_per_zarr_shard": config.extract.rows_per_chunk * config.extract.chunks_per_file,
                      "labels": target.predict_labels, "topk": target.topk}
+    if source_ids is not None:
+        shard_options["source_ids"] = np.asarray(source_ids, dtype=np.int32)
     writers = WriterPool(min(config.extract.writer_processes, len(shards)), config.store.path,
                          lengths, row_ids, shard_options, batch_bytes=encoded_batch_bytes(config, target))
     multiple = target_batch_multiple(dist.device)

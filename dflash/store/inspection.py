@@ -63,6 +63,8 @@ def _expected_arrays(attrs: dict, num_tokens: int, num_samples: int) -> dict[str
         k = store_topk(attrs)
         expected["topk_ids"] = ((num_tokens, k), np.dtype(np.int32))
         expected["topk_probs"] = ((num_tokens, k), np.dtype(np.uint16))
+    if "sources" in attrs:
+        expected["source_ids"] = ((num_samples,), np.dtype(np.int32))
     return expected
 
 
@@ -83,6 +85,10 @@ def _verify_shard(shard: zarr.Group, attrs: dict, planned: dict | None) -> tuple
     _expect(offsets[0] == 0 and offsets[-1] == num_tokens and bool(np.all(np.diff(offsets) > 0)),
             f"offsets do not split {num_tokens} rows into positive lengths")
     arrays["row_ids"][:]
+    if "source_ids" in arrays:
+        source_ids = arrays["source_ids"][:]
+        _expect(bool(((source_ids >= 0) & (source_ids < len(attrs["sources"]))).all()),
+                f"source_ids outside 0..{len(attrs['sources']) - 1} (the root attribute 'sources')")
     _verify_rows(arrays, attrs["codec"], int(attrs.get("target", {}).get("vocab_size") or 0))
     return num_samples, num_tokens
 
@@ -235,8 +241,21 @@ def label_agreement(root: zarr.Group, names: list[str]) -> float | None:
     return same / total if total else None
 
 
+def _source_stats(reader: StoreReader) -> list[dict]:
+    """Samples, tokens and lengths of each source of a store of several (shards mix sources, so
+    stored bytes are not split by source)."""
+    stats = []
+    for number, name in enumerate(reader.source_names):
+        mine = reader.sample_source == number
+        entry = _summary(reader.sample_length[mine], reader.sample_num_supervised[mine], 0, 0)
+        stats.append({"name": name, **entry, "stored_bytes": None, "bytes_per_token": None,
+                      "compression_ratio": None})
+    return stats
+
+
 def store_stats(path: Any) -> dict:
-    """Per bucket, per shard and total statistics over the complete shards of a store.
+    """Per bucket, per shard, per source (a store of several) and total statistics over the complete
+    shards of a store.
 
     Stored bytes count every array of a shard (hidden, scale, ids, mask, offsets, row ids,
     metadata); the compression ratio compares them with raw bf16 features, n*H*2 bytes/token.
@@ -257,6 +276,7 @@ def store_stats(path: Any) -> dict:
         stored = sum(b for b, bk in zip(shard_bytes, reader.shard_buckets) if bk == bucket)
         entry = _summary(reader.sample_length[mask], reader.sample_num_supervised[mask], stored, raw_per_token)
         buckets.append({"bucket": bucket, "lo": edges[bucket], "hi": edges[bucket + 1], **entry})
+    sources = _source_stats(reader) if reader.has_sources else []
     weights_bytes = sum(int(root[n].nbytes_stored()) for n in ("embed_tokens", "lm_head") if n in root)
     return {
         "labels": "target" if reader.has_labels else "data",
@@ -265,7 +285,7 @@ def store_stats(path: Any) -> dict:
         "codec": reader.codec, "num_layers": reader.num_layers, "hidden_size": reader.hidden_size,
         "raw_bytes_per_token": raw_per_token,
         "total": _summary(reader.sample_length, reader.sample_num_supervised, sum(shard_bytes), raw_per_token),
-        "buckets": buckets, "shards": shards, "frozen_weights_bytes": weights_bytes,
+        "buckets": buckets, "shards": shards, "sources": sources, "frozen_weights_bytes": weights_bytes,
         "incomplete_shards": list(reader.incomplete_shards), "skipped_shards": dict(reader.skipped_shards),
         "max_length": reader.attrs["max_length"], "num_truncated": reader.attrs.get("num_truncated"),
     }
@@ -324,6 +344,9 @@ def print_report(stats: dict, report: dict | None, per_shard: bool, store_path: 
     rows = [(f"{b['bucket']} {bucket_range(edges, b['bucket'])}", b) for b in stats["buckets"]]
     print(format_table("bucket", rows + [("total", stats["total"])]))
     print(COLUMN_LEGEND)
+    if stats.get("sources"):
+        print()
+        print(format_table("source", [(s["name"], s) for s in stats["sources"]]))
     if per_shard:
         print()
         print(format_table("shard", [(s["name"], s) for s in stats["shards"]]))

@@ -20,7 +20,7 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from dflash import __version__
-from dflash.data.chat import content_fingerprint
+from dflash.data.chat import content_fingerprint, training_sources
 from dflash.errors import DflashError
 
 SCHEMA_VERSION = 1
@@ -69,6 +69,7 @@ def root_attributes(config, target: dict, target_layer_ids: list[int], target_te
         "bucket_edges": list(config.store.bucket_edges),
         "config": config.to_dict(),
         "content": content_identity(config),
+        **({"sources": source_names(config)} if config.data.mix else {}),
         "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
                     "num_tokens": s.num_tokens} for s in shards],
     }
@@ -84,7 +85,7 @@ def content_identity(config) -> dict:
     identity = {
         "target": {"layer_ids": list(config.target.layer_ids), "num_layer_ids": config.target.num_layer_ids,
                    "dtype": config.target.dtype},
-        "data": {"source": content_fingerprint(config.data.source, config.data.split),
+        "data": {**data_sources_identity(config.data),
                  "split": config.data.split, "max_length": config.data.max_length,
                  "overlong": config.data.overlong, "min_supervised": config.drafter.block_size},
         "store": {"codec": config.store.codec, "bucket_edges": list(config.store.bucket_edges),
@@ -93,6 +94,24 @@ def content_identity(config) -> dict:
     if config.store.topk:  # only then, as the root key `topk` (compared even where a store predates it)
         identity["store"]["topk"] = config.store.topk
     return identity
+
+
+def data_sources_identity(data) -> dict:
+    """What the store's data is: `source`, one source's content hash, or with data.mix `sources`,
+    `[name, content hash]` of every source in order (a list, so that an added source differs too).
+    The weights are not content: they say how stage two samples the store, not what it holds."""
+    if not data.mix:
+        return {"source": content_fingerprint(data.source, data.split)}
+    return {"sources": [[name, content_fingerprint(source, data.split)]
+                        for name, source, _ in training_sources(data)]}
+
+
+def source_names(config) -> list[str] | None:
+    """The root attribute `sources`: the names of data.mix's sources in order (their number is each
+    shard's `source_ids`), or None for a store of data.source alone."""
+    if not config.data.mix:
+        return None
+    return [name for name, _, _ in training_sources(config.data)]
 
 
 def row_array_names(codec: str, labels: bool, topk: bool = False) -> list[str]:

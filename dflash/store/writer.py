@@ -86,7 +86,8 @@ def write_frozen_weights(group: zarr.Group, embed_VH: torch.Tensor, lm_head_VH: 
 class ShardWriter:
     """Writes one planned shard: samples arrive in plan order, `commit()` marks it complete.
 
-    `lengths` and `row_ids` are indexed like the kept-sample list the plan refers to.
+    `lengths` and `row_ids` (and `source_ids`, a store of several sources: each sample's source
+    number) are indexed like the kept-sample list the plan refers to.
     Rows are buffered and written in whole zarr-shard row ranges so no zarr shard is read,
     modified and rewritten; the tail is written by `commit()`.
     """
@@ -96,6 +97,7 @@ class ShardWriter:
         codec: str, num_layers: int, hidden_size: int, rows_per_chunk: int,
         rows_per_zarr_shard: int, bf16_compression: str = DEFAULT_BF16_COMPRESSION, labels: bool = False,
         topk: int = 0,
+        source_ids: np.ndarray | None = None,
     ):
         if codec not in HIDDEN_DTYPES:
             raise ValueError(f"shard {plan.name}: unknown codec {codec!r}")
@@ -109,6 +111,7 @@ class ShardWriter:
         indices = list(plan.sample_indices)
         self.sample_lengths = np.asarray(lengths, dtype=np.int64)[indices]
         self.sample_row_ids = np.asarray(row_ids, dtype=np.int64)[indices]
+        self.sample_source_ids = None if source_ids is None else np.asarray(source_ids, dtype=np.int32)[indices]
         self.offsets = np.concatenate([[0], np.cumsum(self.sample_lengths)]).astype(np.int64)
         self.num_tokens = int(self.offsets[-1])
         if self.num_tokens != plan.num_tokens or np.any(self.sample_lengths <= 0):
@@ -167,9 +170,12 @@ class ShardWriter:
                 name, shape=shape, dtype=dtype, **layout, serializer=BytesCodec(), compressors=compressors,
                 config=WRITE_EVERY_CHUNK,
             )
-        for name, size in (("offsets", N + 1), ("row_ids", N)):
+        per_sample = [("offsets", N + 1, np.int64), ("row_ids", N, np.int64)]
+        if self.sample_source_ids is not None:
+            per_sample.append(("source_ids", N, np.int32))
+        for name, size, dtype in per_sample:
             arrays[name] = self.group.create_array(
-                name, shape=(size,), dtype=np.int64, chunks=(size,),
+                name, shape=(size,), dtype=dtype, chunks=(size,),
                 serializer=BytesCodec(), compressors=plain_compressors(),
             )
         return arrays
@@ -238,7 +244,7 @@ class ShardWriter:
         self._flushed_rows, self._buffered_rows = stop, end - stop
 
     def commit(self) -> dict:
-        """Write the tail, offsets and row ids, then the completion mark (last). Returns its stats."""
+        """Write the tail, offsets, row ids (and source ids), then the completion mark (last). Returns its stats."""
         if self._next_sample != len(self.sample_lengths):
             raise ValueError(
                 f"shard {self.plan.name}: commit after {self._next_sample} of "
@@ -247,6 +253,8 @@ class ShardWriter:
         self._flush(final=True)
         self.arrays["offsets"][:] = self.offsets
         self.arrays["row_ids"][:] = self.sample_row_ids
+        if self.sample_source_ids is not None:
+            self.arrays["source_ids"][:] = self.sample_source_ids
         stats = {
             "bucket": self.plan.bucket,
             "codec": self.codec,

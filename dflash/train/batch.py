@@ -35,7 +35,7 @@ from dflash.train.served import window_anchors
 class StoreDataset(torch.utils.data.Dataset):
     """Map-style dataset: `dataset[(epoch, i)]` is sample i of the store with its anchors.
 
-    Anchors come from `anchor_rng(seed, epoch, row_id)`: keyed by the sample's source row id,
+    Anchors come from `anchor_rng(seed, epoch, row_id, source)`: keyed by the sample's source row id,
     not its store index, so a sample keeps its anchors when the store is re-planned (other
     bucket edges or shard sizes reorder the index but not the row ids), and the draw does not
     depend on the worker or the order of reads.
@@ -75,7 +75,8 @@ class StoreDataset(torch.utils.data.Dataset):
             anchors = window_anchors(sample["loss_mask"], self.served_tokens)
         else:
             anchors = sample_anchors(sample["loss_mask"], self.max_anchors, anchor_rng(self.seed, epoch,
-                                                                                      int(sample["row_id"])))
+                                                                                      int(sample["row_id"]),
+                                                                                      int(sample.get("source", 0))))
         item = {
             **sample,
             "anchors": anchors,
