@@ -38,7 +38,7 @@ def test_training_sources_name_each_source_and_default_to_data_source():
     ('data.mix=[{source = "a/x.jsonl"}, {source = "b/x.jsonl"}]', r"data\.mix\[1\]\.name: 'x' is also"),
     ('data.mix=[{source = "a", name = "m"}, {source = "b", name = "m"}]', r"data\.mix\[1\]\.name"),
     ('data.mix=[{source = "", name = "m"}]', r"data\.mix\[0\]\.source is empty"),
-    ('data.mix=[{source = "a", weight = -1}]', r"data\.mix\[0\]\.weight must be positive"),
+    ('data.mix=[{source = "a", weight = -1}]', r"data\.mix\[0\]\.weight must be > 0"),
 ])
 def test_mix_errors_name_the_table_and_key(override, message):
     with pytest.raises(ConfigError, match=message):
