@@ -202,10 +202,10 @@ def test_prompts_are_filtered_by_their_text(qwen_tokenizer):
 
     config = Config()
     matched = load_prompts(config, "embedded:code-chat", 2, qwen_tokenizer, match=r"def (has_close|truncate)_")
-    assert [label for label, _ in matched] == ["row 1", "row 3"]  # HumanEval/0 and /2 among the first rows
+    assert [prompt.label for prompt in matched] == ["row 1", "row 3"]  # HumanEval/0 and /2 among the first rows
     assert "has_close_elements" in qwen_tokenizer.decode(matched[0][1].tolist())
     kept = load_prompts(config, "embedded:code-chat", 2, qwen_tokenizer, exclude="Complete the following")
-    assert all("standard library module" in qwen_tokenizer.decode(ids.tolist()) for _, ids in kept)
+    assert all("standard library module" in qwen_tokenizer.decode(ids.tolist()) for _, ids, _ in kept)
     with pytest.raises(ValueError, match="no usable prompt matches"):
         load_prompts(config, "embedded:humaneval", 2, qwen_tokenizer, match="no prompt says this")
     with pytest.raises(ConfigError, match="not a regular expression"):

@@ -198,3 +198,37 @@ def test_every_policy_is_greedy_at_temperature_zero_and_serves_above_it(tmp_path
         assert len(sampled.generated) == 16 and all(0 <= token < 64 for token in sampled.generated)
         assert all(1 <= length <= 8 for length in sampled.acceptance_lengths)
     assert plain_generate(target, prompt, 16) == greedy
+
+
+@pytest.mark.slow
+def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_config, capsys):
+    """`dflash eval --temperature 0.8 --proposal argmax,sample` on the embedded tiny target: one result per
+    policy on the same prompts, the JSON names each result's policy and gives tau per prompt kind."""
+    import json
+
+    from dflash.config import load_config
+    from dflash.extract.target import load_causal_lm, prepare_checkpoint
+    from stages import evaluate
+
+    config = load_config(pipeline_config(tmp_path, 2, 1, ""))
+    target = load_causal_lm(str(prepare_checkpoint(config.target.path, config.data.cache_dir)), torch.float32,
+                            torch.device("cpu"))
+    vocab, hidden = target.get_input_embeddings().weight.shape
+    args = drafter_args("tiny", vocab_size=vocab, mask_token_id=vocab - 1, hidden_size=hidden, block_size=4)
+    export_drafter(DFlashDrafter(args).state_dict(), args, tmp_path / "export", dtype=torch.float32)
+    rows = [{"kind": kind, "messages": [{"role": "user", "content": text}]}
+            for kind, text in (("writing", "Write a haiku about rain."), ("code", "Reverse a list in Python."))]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = evaluate.EvalOptions(drafters=(str(tmp_path / "export"),), prompts=str(tmp_path / "prompts.jsonl"),
+                                   num_prompts=2, max_new_tokens=6, temperature=0.8, proposals=("argmax", "sample"),
+                                   device="cpu", out=str(tmp_path / "eval.json"))
+    evaluate.run(config, options)
+    printed = capsys.readouterr().out
+    assert "| argmax |" in printed and "| sample |" in printed and "tau by prompt kind: code" in printed
+    results = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert [result["proposal"] for result in results] == ["argmax", "sample"]
+    for result in results:
+        assert sorted(result["tau_by_kind"]) == ["code", "writing"] and result["num_prompts"] == 2
+        assert [prompt["kind"] for prompt in result["per_prompt"]] == ["writing", "code"]
+    with pytest.raises(ValueError, match="--proposal: proposal 'top-k'"):
+        evaluate.run(config, evaluate.EvalOptions(drafters=options.drafters, proposals=("argmax", "top-k")))
