@@ -1,8 +1,10 @@
 """Simulate the proposal policies of sampled serving: expected tokens per verification (tau) on a
 synthetic target and drafter, on the CPU, before any GPU measurement.
 
-The target is a Markov chain over a small vocabulary (next-token logits a random table, `--peak`
-scales them: larger is more peaked). A DFlash drafter predicts per-slot marginals, not a joint:
+The target is a Markov chain over a small vocabulary: next-token logits a random Gaussian table
+(`--peaks` scales them: larger is more peaked), or with `--branches N` text-like rows, where N
+plausible next tokens (random ones, logits peak, peak - 1, ...) hold nearly all the mass, so a
+block's continuation branches at every slot. A DFlash drafter predicts per-slot marginals, not a joint:
 here slot k's logits are the log of the target's true marginal k steps after the anchor (at
 temperature 1, what training fits) plus Gaussian noise of scale `--noise` (the drafter's error).
 The target verifies slot k against its conditional given the draft before it, so drafts drawn
@@ -27,9 +29,21 @@ def parse_args():
     parser.add_argument("--peaks", default="3,6", help="target logit scales (comma-separated)")
     parser.add_argument("--noises", default="0.3,1.0", help="drafter logit noise scales (comma-separated)")
     parser.add_argument("--temperatures", default="0.5,1.0", help="serving temperatures (comma-separated)")
+    parser.add_argument("--branches", default="0", help="plausible next tokens per token, 0: a dense Gaussian table "
+                                                        "(comma-separated)")
     parser.add_argument("--policies", default="argmax,sample,sample:0.5,sample:0.25")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
+
+
+def target_logits(vocab: int, peak: float, branches: int, generator) -> torch.Tensor:
+    """`(V, V)` next-token logits: a Gaussian table, or `branches` random plausible tokens per row."""
+    if branches == 0:
+        return peak * torch.randn(vocab, vocab, generator=generator)
+    order = torch.rand(vocab, vocab, generator=generator).argsort(-1)[:, :branches]
+    logits = torch.zeros(vocab, vocab)
+    logits.scatter_(1, order, peak - torch.arange(branches, dtype=torch.float32).expand(vocab, branches))
+    return logits
 
 
 def drafter_logits(target_VV: torch.Tensor, num_drafts: int, noise: float, generator) -> torch.Tensor:
@@ -75,17 +89,18 @@ def main():
     policies = args.policies.split(",")
     floats = lambda text: [float(value) for value in text.split(",")]  # noqa: E731
     print(f"vocab {args.vocab}, block {args.block}, {args.blocks:,} blocks per cell; tau = tokens per verification")
-    print("| target peak | drafter noise | T | greedy (T=0) | " + " | ".join(policies) + " |")
-    print("| ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in policies) + " |")
-    for peak in floats(args.peaks):
-        target_VV = peak * torch.randn(args.vocab, args.vocab, generator=generator)
-        for noise in floats(args.noises):
-            drafts_VKV = drafter_logits(target_VV, args.block - 1, noise, generator)
-            greedy = tau(target_VV, drafts_VKV, "argmax", 0.0, args.blocks, generator)
-            for temperature in floats(args.temperatures):
-                taus = [tau(target_VV, drafts_VKV, policy, temperature, args.blocks, generator) for policy in policies]
-                print(f"| {peak:g} | {noise:g} | {temperature:g} | {greedy:.2f} | "
-                      + " | ".join(f"{value:.2f}" for value in taus) + " |")
+    print("| branches | target peak | drafter noise | T | greedy (T=0) | " + " | ".join(policies) + " |")
+    print("| ---: | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in policies) + " |")
+    cells = [(int(b), peak, noise) for b in args.branches.split(",") for peak in floats(args.peaks)
+             for noise in floats(args.noises)]
+    for branches, peak, noise in cells:
+        target_VV = target_logits(args.vocab, peak, branches, generator)
+        drafts_VKV = drafter_logits(target_VV, args.block - 1, noise, generator)
+        greedy = tau(target_VV, drafts_VKV, "argmax", 0.0, args.blocks, generator)
+        for temperature in floats(args.temperatures):
+            taus = [tau(target_VV, drafts_VKV, policy, temperature, args.blocks, generator) for policy in policies]
+            print(f"| {branches or 'dense'} | {peak:g} | {noise:g} | {temperature:g} | {greedy:.2f} | "
+                  + " | ".join(f"{value:.2f}" for value in taus) + " |")
 
 
 if __name__ == "__main__":
