@@ -1,6 +1,7 @@
-"""Served acceptance, measured: one prompt decoded plainly (greedy, the baseline) and then
-speculatively by each drafter through `dflash.model.modeling_dflash` (the class and loop an export
-serves), the results per prompt and per drafter, the report, its JSON and its plot. The engine
+"""Served acceptance, measured: one prompt decoded plainly (greedy, or sampled at temperature > 0:
+the baseline) and then speculatively by each drafter, and at temperature > 0 by each proposal policy,
+through `dflash.model.modeling_dflash` (the class and loop an export serves), the results per prompt
+and per drafter and policy, the report, its JSON and its plot. The engine
 of `dflash eval` (stages/evaluate.py) and of tools/compare_reference.py, with the drafters it
 loads (checked against the target) and the prompts it decodes.
 
