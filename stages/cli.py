@@ -212,13 +212,17 @@ def export(checkpoint, out_dir):
 @click.option("--temperature", default=0.0, show_default=True,
               help="0: greedy, checked token for token against plain greedy decoding; > 0: sampling with "
                    "the lossless speculative acceptance rule.")
+@click.option("--proposal", "proposals", default="argmax", show_default=True,
+              help="How a block's drafts come from the drafter's per-slot distributions at temperature > 0: "
+                   "argmax (the target keeps a draft x with p(x)), sample (per-slot draws from q), sample:F (draws "
+                   "at F x the temperature); a comma-separated list serves each on the same prompts and baseline.")
 @click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0).")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write every number, per prompt too, as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="Write a PNG: histogram of tokens per verification and per-slot acceptance.")
 def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, exclude, max_new_tokens, temperature,
-             seed, device, out, plot):
+             proposals, seed, device, out, plot):
     """Measure an exported drafter as it is served: speculative decoding with the target.
 
     The target is the config's target.path (checkpoint directory, .gguf file or embedded:tiny).
@@ -234,7 +238,8 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
 
     options = evaluate_stage.EvalOptions(drafters=drafter_dirs, prompts=prompts, num_prompts=num_prompts,
                                          match=match, exclude=exclude, max_new_tokens=max_new_tokens,
-                                         temperature=temperature, seed=seed, device=device, out=out or "",
+                                         temperature=temperature, proposals=tuple(proposals.split(",")),
+                                         seed=seed, device=device, out=out or "",
                                          plot=plot or "")
     evaluate_stage.run(config, options)
 

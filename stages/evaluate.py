@@ -10,7 +10,11 @@ length tau (tokens committed per verifying target forward), its histogram over 1
 acceptance of each block slot, the wall-clock speedup over the baseline (on CUDA every loop
 decodes the first prompt once untimed first), and, at temperature 0, whether the speculative output equals
 the baseline token for token, telling rounding near-ties of a bf16 target apart from real
-mismatches. The decoding, results and report are `dflash.serve.evaluation`'s.
+mismatches. At temperature > 0 the baseline samples at that temperature, and every proposal policy
+listed (`argmax`, `sample`, `sample:F`: how a block's drafts come from the drafter's per-slot
+distributions, docs/eval.md) is served on the same prompts and baseline; at temperature 0 every
+policy is greedy verification, so one is served. Prompt rows with a `kind` field get tau per kind.
+The decoding, results and report are `dflash.serve.evaluation`'s.
 
 Prompts end where the answer starts: a held-out sample's tokens before its first supervised
 token (the chat template's generation prompt included), or a row's conversation before its
@@ -23,11 +27,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from dflash.config import Config
+from dflash.config import Config, ConfigError
 from dflash.data.tokenizer import load_target_tokenizer
 from dflash.dist import resolve_device
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
-from dflash.model.modeling_dflash import greedy_generate
+from dflash.model.modeling_dflash import Proposal, parse_proposal, plain_generate
 from dflash.serve.evaluation import (HELDOUT, EvalResult, check_drafter_export, decode_prompt, load_drafter,
                                      load_prompts, mark_code, plot, print_report, summarize, timed, warm_up,
                                      write_json)
@@ -42,15 +46,31 @@ class EvalOptions:
     exclude: str = ""  # regular expression the prompt's text must not match ("" = none)
     max_new_tokens: int = 256
     temperature: float = 0.0
+    proposals: tuple[str, ...] = ("argmax",)  # proposal policies served at temperature > 0, each a result
     seed: int = 0
     device: str = "auto"
     out: str = ""  # JSON path
     plot: str = ""  # PNG path
 
 
+def served_proposals(options: EvalOptions) -> list[Proposal]:
+    """The policies to serve, parsed (a bad one is a ConfigError naming it); at temperature 0 the
+    first alone, since every policy is then greedy verification."""
+    try:
+        proposals = list(dict.fromkeys(parse_proposal(text) for text in options.proposals))
+    except ValueError as error:
+        raise ConfigError(f"--proposal: {error}") from None
+    if not proposals:
+        raise ConfigError("--proposal: no policy given (argmax, sample or sample:F)")
+    if options.temperature <= 0 and len(proposals) > 1:
+        print(f"temperature 0: every proposal policy is greedy verification; serving {proposals[0].name} only")
+    return proposals if options.temperature > 0 else proposals[:1]
+
+
 def run(config: Config, options: EvalOptions) -> list[EvalResult]:
     for path in options.drafters:
         check_drafter_export(path)
+    proposals = served_proposals(options)
     device = resolve_device(options.device)
     dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
@@ -60,21 +80,27 @@ def run(config: Config, options: EvalOptions) -> list[EvalResult]:
     prompts = load_prompts(config, options.prompts, options.num_prompts, tokenizer, options.match, options.exclude)
     source = options.prompts + "".join(f" ({flag} {pattern!r})" for flag, pattern in
                                        (("--match", options.match), ("--exclude", options.exclude)) if pattern)
+    # one result, and one random stream, per drafter and policy
+    served = [(draft, proposal, torch.Generator(device=device).manual_seed(options.seed))
+              for draft in drafts for proposal in proposals]
     results = [EvalResult(drafter=path, target=config.target.path, prompts_source=source, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
-                          temperature=options.temperature, max_new_tokens=options.max_new_tokens)
-               for path, draft in zip(options.drafters, drafts)]
+                          temperature=options.temperature, max_new_tokens=options.max_new_tokens,
+                          proposal=proposal.name)
+               for path, draft in zip(options.drafters, drafts) for proposal in proposals]
     stops = stop_token_ids(tokenizer, target)
-    generator = torch.Generator(device=device).manual_seed(options.seed)
-    warm_up(drafts, target, prompts[0][1], options.max_new_tokens, stops, device)
+    baseline_generator = torch.Generator(device=device).manual_seed(options.seed)
+    warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device)
     bar = tqdm(prompts, unit="prompt", desc="eval", dynamic_ncols=True)
-    for prompt_id, prompt_ids in bar:
-        input_ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)[None]
-        baseline = timed(device, lambda: greedy_generate(target, input_ids, options.max_new_tokens, stops))
-        for draft, result in zip(drafts, results):
-            result.per_prompt.append(mark_code(decode_prompt(draft, target, prompt_id, input_ids, baseline,
-                                                             options.max_new_tokens, options.temperature, stops,
-                                                             generator, device), tokenizer))
+    for prompt in bar:
+        input_ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=device)[None]
+        baseline = timed(device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
+                                                        options.temperature, baseline_generator))
+        for (draft, proposal, generator), result in zip(served, results):
+            decoded = decode_prompt(draft, target, prompt.label, input_ids, baseline, options.max_new_tokens,
+                                    options.temperature, stops, generator, device, proposal)
+            decoded.kind = prompt.kind
+            result.per_prompt.append(mark_code(decoded, tokenizer))
         bar.set_postfix(tau="/".join(f"{summarize(result).tau:.2f}" for result in results))
     bar.close()
     for result in results:

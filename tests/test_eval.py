@@ -69,9 +69,9 @@ def test_greedy_acceptance_counts_the_matching_prefix():
     logits = torch.full((4, 10), -5.0)
     for row, token in enumerate([3, 4, 9, 1]):
         logits[row, token] = 5.0  # the target's choices after anchor, d1, d2, d3
-    assert accept(torch.tensor([3, 4, 5]), None, logits, 0.0, None) == (2, 9)
-    assert accept(torch.tensor([3, 4, 9]), None, logits, 0.0, None) == (3, 1)
-    assert accept(torch.tensor([7, 4, 9]), None, logits, 0.0, None) == (0, 3)
+    assert accept(torch.tensor([3, 4, 5]), None, logits, 0.0, None) == (2, [3, 4, 9])
+    assert accept(torch.tensor([3, 4, 9]), None, logits, 0.0, None) == (3, [3, 4, 9, 1])
+    assert accept(torch.tensor([7, 4, 9]), None, logits, 0.0, None) == (0, [3])
 
 
 def test_sampled_acceptance_is_lossless_for_a_single_slot():
@@ -82,8 +82,8 @@ def test_sampled_acceptance_is_lossless_for_a_single_slot():
     counts = torch.zeros(3)
     for _ in range(4000):
         draft = torch.multinomial(q_logits.softmax(-1)[0], 1, generator=generator)
-        accepted, next_token = accept(draft, q_logits, p_logits, 1.0, generator)
-        counts[int(draft[0]) if accepted else next_token] += 1
+        _, committed = accept(draft, q_logits.softmax(-1), p_logits, 1.0, generator)
+        counts[committed[0]] += 1
     torch.testing.assert_close(counts / counts.sum(), torch.tensor([0.6, 0.3, 0.1]), atol=0.03, rtol=0)
 
 
@@ -114,13 +114,13 @@ class OracleDrafter:
     def new_cache(self):
         return None
 
-    def propose(self, new_features, anchor, cache, embed_VH, lm_head, temperature, generator):
+    def block_logits(self, new_features, anchor, cache, embed_VH, lm_head):
         self.committed += new_features.shape[1]  # prompt, then the tokens each verification kept
         start = self.committed - self.prompt_len  # index of the anchor in the generated tokens
         drafts = [self.truth[start + k] if start + k < len(self.truth) else 0 for k in range(1, self.block_size)]
         if self.wrong_slot is not None:
             drafts[self.wrong_slot - 1] = (drafts[self.wrong_slot - 1] + 1) % 300
-        return torch.tensor(drafts), None
+        return torch.nn.functional.one_hot(torch.tensor(drafts), 300).float()  # argmax: the drafts
 
 
 @pytest.mark.parametrize("wrong_slot", [None, 1, 3])
@@ -202,10 +202,10 @@ def test_prompts_are_filtered_by_their_text(qwen_tokenizer):
 
     config = Config()
     matched = load_prompts(config, "embedded:code-chat", 2, qwen_tokenizer, match=r"def (has_close|truncate)_")
-    assert [label for label, _ in matched] == ["row 1", "row 3"]  # HumanEval/0 and /2 among the first rows
+    assert [prompt.label for prompt in matched] == ["row 1", "row 3"]  # HumanEval/0 and /2 among the first rows
     assert "has_close_elements" in qwen_tokenizer.decode(matched[0][1].tolist())
     kept = load_prompts(config, "embedded:code-chat", 2, qwen_tokenizer, exclude="Complete the following")
-    assert all("standard library module" in qwen_tokenizer.decode(ids.tolist()) for _, ids in kept)
+    assert all("standard library module" in qwen_tokenizer.decode(ids.tolist()) for _, ids, _ in kept)
     with pytest.raises(ValueError, match="no usable prompt matches"):
         load_prompts(config, "embedded:humaneval", 2, qwen_tokenizer, match="no prompt says this")
     with pytest.raises(ConfigError, match="not a regular expression"):

@@ -121,7 +121,7 @@ def main(argv=None) -> None:
     prompts = evaluation.load_prompts(config, args.prompts, args.num_prompts, tokenizer)
     stops = stop_token_ids(tokenizer, target)
     rows, same_lengths, same_outputs = [], 0, 0
-    for prompt_id, prompt_ids in prompts:
+    for prompt_id, prompt_ids, _ in prompts:
         input_ids = torch.as_tensor(prompt_ids, device=device)[None]
         mine = speculative_generate(ours, target, input_ids, args.max_new_tokens, stops, 0.0)
         with torch.inference_mode():

@@ -215,30 +215,30 @@ class DFlashDraftModel(PreTrainedModel):
         cache.length = start + num_new
         return self.norm(hidden)
 
-    def propose(self, new_features: torch.Tensor, anchor: torch.Tensor, cache: DraftCache, embed_VH: torch.Tensor,
-                lm_head: nn.Module, temperature: float, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One block's drafts `(B-1,)` and their logits `(B-1, V)`: the block is the anchor token
-        (the last committed one) and B-1 mask tokens; `new_features` `(1, N, n*H)` are the target's
+    def block_logits(self, new_features: torch.Tensor, anchor: torch.Tensor, cache: DraftCache,
+                     embed_VH: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """One block's draft logits `(B-1, V)`, per slot a marginal: the block is the anchor token (the
+        last committed one) and B-1 mask tokens; `new_features` `(1, N, n*H)` are the target's
         features of the tokens committed since the last call."""
         mask_ids = torch.full((self.block_size - 1,), self.mask_token_id, dtype=torch.long, device=anchor.device)
         dtype = self.fc.weight.dtype
         # The raw embedding table, as in training: no embedding scale or norm of the target's.
         block_embeds = F.embedding(torch.cat([anchor, mask_ids]), embed_VH)[None].to(dtype)
         hidden = self(new_features.to(dtype), block_embeds, cache)
-        logits = lm_head(hidden[0, 1:].to(lm_head.weight.dtype))
-        return choose(logits, temperature, generator), logits
+        return lm_head(hidden[0, 1:].to(lm_head.weight.dtype))
 
     @torch.inference_mode()
     def spec_generate(self, target, input_ids, max_new_tokens: int, stop_token_ids=None, temperature: float = 0.0,
-                      return_stats: bool = False, generator: torch.Generator | None = None):
-        """Speculative decoding of `input_ids` `(1, T)` with `target` (a transformers causal LM).
+                      return_stats: bool = False, generator: torch.Generator | None = None, proposal: str = "argmax"):
+        """Speculative decoding of `input_ids` `(1, T)` with `target` (a transformers causal LM);
+        at temperature > 0 the drafts are proposed by `proposal` ("argmax", "sample", "sample:F").
 
         Returns the prompt plus the generated ids `(1, T + n)`, or with `return_stats` a
         `SpecStats` whose `acceptance_lengths` hold the tokens committed per target forward.
         """
         self.eval()
         stats = speculative_generate(self, target, input_ids, max_new_tokens, stop_token_ids or [], temperature,
-                                     generator)
+                                     generator, parse_proposal(proposal))
         return stats if return_stats else stats.output_ids
 
 
@@ -324,37 +324,110 @@ def choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     return flat.view(probs.shape[:-1])
 
 
-def accept(draft_tokens, draft_logits, target_logits, temperature: float, generator) -> tuple[int, int]:
-    """`(accepted drafts, the target's next token)` for one block.
+@dataclass(frozen=True)
+class Proposal:
+    """How a block's drafts come from the drafter's per-slot distributions at temperature T > 0
+    (at T = 0 every policy proposes the argmax and the target verifies greedily).
 
-    Greedy: drafts are accepted while they equal the target's argmax. Sampling: the standard
-    lossless rule, slot by slot: accept x with probability min(1, p(x)/q(x)), otherwise sample
-    the correction from max(p - q, 0); after a full acceptance sample the bonus token from p.
+    A DFlash block's slots are marginals, not a joint distribution, so drawing each slot on its
+    own makes blocks the target rejects (ARCHITECTURE.md, "Serving at temperature > 0"):
+    - `argmax`: the drafter's most likely token per slot. The rule's q is one-hot: a draft x is
+      kept with probability p(x), and a rejection draws from p without x.
+    - `sample`: per slot an independent draw from q = softmax(logits / T), the standard rule.
+    - `sample:F`: a draw from q = softmax(logits / (F T)), sharper for F < 1; the rule uses that q.
+    Every policy is lossless: the committed tokens are distributed as the target samples them.
+    """
+    sample: bool = False  # False: argmax
+    sharpen: float = 1.0  # the draws' temperature is sharpen x the serving temperature
+
+    @property
+    def name(self) -> str:
+        if not self.sample:
+            return "argmax"
+        return "sample" if self.sharpen == 1.0 else f"sample:{self.sharpen:g}"
+
+    def draft(self, logits_KV: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafts `(K,)` and the distribution q `(K, V)` they were drawn from (None: one-hot at the drafts)."""
+        if temperature <= 0 or not self.sample:
+            return logits_KV.argmax(dim=-1), None
+        q_KV = torch.softmax(logits_KV.float() / (self.sharpen * temperature), dim=-1)
+        return torch.multinomial(q_KV, 1, generator=generator).squeeze(-1), q_KV
+
+
+def parse_proposal(text: str) -> Proposal:
+    """"argmax", "sample" or "sample:F" (F > 0, the draws' temperature as a multiple of the serving one)."""
+    kind, colon, factor = text.strip().partition(":")
+    if kind == "argmax" and not colon:
+        return Proposal()
+    if kind == "sample" and not colon:
+        return Proposal(sample=True)
+    if kind == "sample":
+        try:
+            sharpen = float(factor)
+        except ValueError:
+            sharpen = float("nan")
+        if sharpen > 0 and sharpen != float("inf"):
+            return Proposal(sample=True, sharpen=sharpen)
+    raise ValueError(f"proposal {text!r}: expected argmax, sample or sample:F with a number F > 0 "
+                     f"(e.g. sample:0.5 draws at half the serving temperature)")
+
+
+def accept(draft_tokens: torch.Tensor, q_KV: torch.Tensor | None, target_logits: torch.Tensor, temperature: float,
+           generator) -> tuple[int, list[int]]:
+    """`(accepted drafts, committed tokens)` of one block: the accepted drafts, then the target's token.
+
+    `target_logits` `(K+1, V)` are the target's at the anchor and the K drafts; `q_KV` is the
+    distribution the drafts were drawn from (None: one-hot, argmax proposals). Greedy: drafts are
+    accepted while they equal the target's argmax. Sampling: `sampled_verdict`.
     """
     num_drafts = draft_tokens.shape[0]
     if temperature <= 0:
         target_tokens = target_logits.argmax(dim=-1)
-        matches = (draft_tokens == target_tokens[:num_drafts]).int()
-        accepted = int(matches.cumprod(0).sum())  # sync: one per block, the loop branches on it
-        return accepted, int(target_tokens[accepted])
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    q = torch.softmax(draft_logits.float() / temperature, dim=-1)
-    for k in range(num_drafts):
-        token = draft_tokens[k]
-        ratio = p[k, token] / q[k, token].clamp_min(1e-20)
-        if torch.rand((), generator=generator, device=ratio.device) < ratio:
-            continue
-        residual = (p[k] - q[k]).clamp_min(0)
-        residual = residual / residual.sum() if residual.sum() > 0 else p[k]
-        return k, int(torch.multinomial(residual, 1, generator=generator))
-    return num_drafts, int(torch.multinomial(p[num_drafts], 1, generator=generator))
+        accepted = (draft_tokens == target_tokens[:num_drafts]).int().cumprod(0).sum()
+        next_token = target_tokens.gather(0, accepted.view(1))[0]  # a tensor index, not an int: no sync
+    else:
+        accepted, next_token = sampled_verdict(draft_tokens, q_KV, target_logits, temperature, generator)
+    padded = torch.cat([draft_tokens, next_token.view(1)])
+    committed = torch.where(torch.arange(num_drafts + 1, device=padded.device) == accepted, next_token, padded)
+    verdict = torch.cat([accepted.view(1).to(committed.dtype), committed]).tolist()  # sync: one per block
+    return verdict[0], verdict[1:verdict[0] + 2]
+
+
+def sampled_verdict(draft_tokens: torch.Tensor, q_KV: torch.Tensor | None, target_logits: torch.Tensor,
+                    temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The standard lossless rule on every slot at once, as device scalars `(accepted, next token)`.
+
+    Slot k keeps its draft x with probability min(1, p(x) / q(x)) (p: the target's softmax at T);
+    the first slot that rejects draws its token from norm(max(0, p - q)) instead, and a block
+    accepted whole draws the bonus token from p after its last draft. Every slot's test and
+    correction is drawn here, so nothing waits for the host.
+    """
+    num_drafts = draft_tokens.shape[0]
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)  # (K+1, V)
+    index = draft_tokens[:, None]
+    p_draft = p[:num_drafts].gather(-1, index).squeeze(-1)
+    if q_KV is None:  # one-hot q: keep x with p(x); max(0, p - onehot(x)) is p without x
+        ratio, residual = p_draft, p[:num_drafts].scatter(-1, index, 0.0)
+    else:
+        ratio = p_draft / q_KV.gather(-1, index).squeeze(-1).clamp_min(1e-20)
+        residual = (p[:num_drafts] - q_KV).clamp_min(0)
+    keeps = torch.rand(num_drafts, generator=generator, device=p.device) < ratio
+    accepted = keeps.int().cumprod(0).sum()
+    rows = torch.cat([residual, p[num_drafts:]])  # the token after k accepted drafts comes from row k
+    mass = rows.sum(-1, keepdim=True)
+    # no residual mass: p <= q everywhere, so p = q there and that slot never rejects
+    rows = torch.where(mass > 0, rows / mass.clamp_min(1e-30), p)
+    next_tokens = torch.multinomial(rows, 1, generator=generator).squeeze(-1)
+    return accepted, next_tokens.gather(0, accepted.view(1))[0]
 
 
 @torch.inference_mode()
 def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tensor, max_new_tokens: int,
-                         stop_token_ids: list[int], temperature: float, generator=None) -> SpecStats:
+                         stop_token_ids: list[int], temperature: float, generator=None,
+                         proposal: Proposal = Proposal()) -> SpecStats:
     """The serving loop: prefill, then per step draft one block from the anchor (the last committed
-    token), verify it in one target forward, commit the accepted drafts plus the target's token.
+    token) by the `proposal` policy, verify it in one target forward, commit the accepted drafts
+    plus the target's token.
     Under inference mode, as the baseline `greedy_generate`: with autograd on, the drafter's
     parameters (which require grad) made every draft step record a graph (about a third slower)."""
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
@@ -373,15 +446,14 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
     # context) sits inside the budget, so the last verification may run past max_new_tokens.
     while len(generated) <= max_new_tokens and not stopped:
         anchor = torch.tensor([generated[-1]], dtype=torch.long, device=device)
-        draft_tokens, draft_logits = draft.propose(new_features, anchor, cache, embed_VH, lm_head, temperature,
-                                                   generator)
+        draft_logits = draft.block_logits(new_features, anchor, cache, embed_VH, lm_head)
+        draft_tokens, q_KV = proposal.draft(draft_logits, temperature, generator)
         session.before_verify()
         verify_ids = torch.cat([anchor, draft_tokens])[None]
         verify_features, target_logits = session.forward(verify_ids)
-        accepted, next_token = accept(draft_tokens, draft_logits, target_logits[0], temperature, generator)
+        accepted, committed = accept(draft_tokens, q_KV, target_logits[0], temperature, generator)
         session.rollback(len(draft_tokens) - accepted, verify_ids[:, :accepted + 1])
         new_features = verify_features[:, :accepted + 1]
-        committed = draft_tokens[:accepted].tolist() + [next_token]
         generated += committed
         stopped = not stops.isdisjoint(committed)
         stats.acceptance_lengths.append(accepted + 1)
@@ -401,14 +473,21 @@ def truncate(tokens: list[int], max_new_tokens: int, stops: set[int]) -> list[in
 
 
 @torch.inference_mode()
-def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=()) -> list[int]:
-    """Plain decoding, one target forward per token, with the KV cache (the baseline of `dflash eval`)."""
+def plain_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=(), temperature: float = 0.0,
+                   generator=None) -> list[int]:
+    """Plain decoding, one target forward per token, with the KV cache: greedy at temperature 0, else
+    sampled from softmax(logits / temperature) (the baseline of `dflash eval`)."""
     keyword = cache_keyword(target)
     out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1)
     generated, stops = [], set(stop_token_ids)
     while True:
-        generated.append(int(out.logits[0, -1].argmax()))  # sync: one per token, as any decoder
+        generated.append(int(choose(out.logits[0, -1], temperature, generator)))  # sync: one per token, as any decoder
         if len(generated) >= max_new_tokens or generated[-1] in stops:
             return generated
         next_ids = torch.tensor([[generated[-1]]], dtype=torch.long, device=input_ids.device)
         out = target(input_ids=next_ids, use_cache=True, logits_to_keep=1, **{keyword: returned_cache(out)})
+
+
+def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=()) -> list[int]:
+    """`plain_generate` at temperature 0."""
+    return plain_generate(target, input_ids, max_new_tokens, stop_token_ids)

@@ -1,6 +1,7 @@
-"""Served acceptance, measured: one prompt decoded plainly (greedy, the baseline) and then
-speculatively by each drafter through `dflash.model.modeling_dflash` (the class and loop an export
-serves), the results per prompt and per drafter, the report, its JSON and its plot. The engine
+"""Served acceptance, measured: one prompt decoded plainly (greedy, or sampled at temperature > 0:
+the baseline) and then speculatively by each drafter, and at temperature > 0 by each proposal policy,
+through `dflash.model.modeling_dflash` (the class and loop an export serves), the results per prompt
+and per drafter and policy, the report, its JSON and its plot. The engine
 of `dflash eval` (stages/evaluate.py) and of tools/compare_reference.py, with the drafters it
 loads (checked against the target) and the prompts it decodes.
 
@@ -16,6 +17,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -26,11 +28,17 @@ from dflash.data.chat import row_label
 from dflash.data.tokenizer import tokenizer_identity
 from dflash.extract.target import find_decoder_layers
 from dflash.model.export import CONFIG_NAME, WEIGHTS_NAME
-from dflash.model.modeling_dflash import DFlashDraftModel, greedy_generate, speculative_generate
+from dflash.model.modeling_dflash import DFlashDraftModel, Proposal, plain_generate, speculative_generate
 
 HELDOUT = "heldout"  # --prompts: the samples stage two holds out of the config's store ("heldout:NAME": one source's)
 TIE_ULPS = 4  # a logit gap within this many rounding steps of the dtype is a near-tie
 CODE_FENCE = "```"  # the served text's code blocks: tau inside them and outside (prose) is reported apart
+
+
+class EvalPrompt(NamedTuple):
+    label: str  # "sample <i> (row <r>)" or "row <r>"
+    ids: np.ndarray  # the prompt's tokens, up to where the answer starts
+    kind: str = ""  # the row's `kind` field (e.g. "writing", "code"), "" when it has none
 
 
 @dataclass
@@ -50,6 +58,7 @@ class PromptResult:
     generated_ids: list[int] = field(default_factory=list)  # the speculative output's tokens
     text: str = ""  # ... decoded
     in_code: list[bool] = field(default_factory=list)  # per verification: its first token lies in a ``` block
+    kind: str = ""  # the prompt row's `kind`, if it has one
 
 
 @dataclass
@@ -62,6 +71,7 @@ class EvalResult:
     block_size: int
     temperature: float
     max_new_tokens: int
+    proposal: str = "argmax"  # how blocks were drafted at temperature > 0 (modeling_dflash.Proposal)
     num_prompts: int = 0
     generated_tokens: int = 0
     verifications: int = 0
@@ -77,6 +87,7 @@ class EvalResult:
     verifications_in_code: int = 0
     tau_outside_code: float = 0.0  # ... outside every code block (prose)
     verifications_outside_code: int = 0
+    tau_by_kind: dict[str, float] = field(default_factory=dict)  # per prompt `kind`, when the rows carry one
     per_prompt: list[PromptResult] = field(default_factory=list)
 
 
@@ -111,10 +122,11 @@ def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.devi
 
 
 def load_prompts(config: Config, source: str, num_prompts: int, tokenizer, match: str = "",
-                 exclude: str = "") -> list[tuple[str, np.ndarray]]:
-    """`(label, token ids)` of the first `num_prompts` prompts: the store's held-out samples
-    (`source` "heldout", or "heldout:NAME": those of the mix's source NAME) or the rows of a data
-    source; with `match` / `exclude` (regular expressions), only prompts whose rendered text matches / does not match them."""
+                 exclude: str = "") -> list[EvalPrompt]:
+    """`EvalPrompt(label, token ids, kind)` of the first `num_prompts` prompts: the store's held-out
+    samples (`source` "heldout", or "heldout:NAME": those of the mix's source NAME) or the rows of a
+    data source; with `match` / `exclude` (regular expressions), only prompts whose rendered text
+    matches / does not match them."""
     if num_prompts < 1:
         raise ConfigError(f"--num-prompts must be positive, got {num_prompts}")
     keep = prompt_filter(tokenizer, match, exclude)
@@ -147,7 +159,7 @@ def prompt_filter(tokenizer, match: str, exclude: str):
 
 
 def heldout_prompts(config: Config, tokenizer, num_prompts: int, keep=None,
-                    source: str = "") -> list[tuple[str, np.ndarray]]:
+                    source: str = "") -> list[EvalPrompt]:
     """Prompts of the samples stage two holds out of training (same store, fraction, seed and
     `train.holdout_by`: `dflash.train.mix.held_out_split`), each prompt once, in the split's order
     (those `keep` accepts); with `source`, only those of that source of the store's mix."""
@@ -177,14 +189,14 @@ def heldout_prompts(config: Config, tokenizer, num_prompts: int, keep=None,
         sample = reader.read_sample(int(index))
         first_answer = int(np.argmax(sample["loss_mask"]))
         if first_answer > 0 and (keep is None or keep(sample["input_ids"][:first_answer])):
-            prompts.append((f"{reader.sample_label(int(index))} (sample {int(index)})",
-                            sample["input_ids"][:first_answer]))
+            prompts.append(EvalPrompt(f"{reader.sample_label(int(index))} (sample {int(index)})",
+                                      sample["input_ids"][:first_answer]))
     return prompts
 
 
-def source_prompts(source: str, split: str, tokenizer, num_prompts: int, keep=None) -> list[tuple[str, np.ndarray]]:
+def source_prompts(source: str, split: str, tokenizer, num_prompts: int, keep=None) -> list[EvalPrompt]:
     """The first `num_prompts` usable rows of a data source (those `keep` accepts), rendered up to
-    their last answer."""
+    their last answer, with the row's `kind` if it has one."""
     prompts, skipped = [], 0
     for row_id, row in chat.read_rows(source, split):
         try:
@@ -195,7 +207,8 @@ def source_prompts(source: str, split: str, tokenizer, num_prompts: int, keep=No
         ids = np.asarray(samples.prompt_token_ids(messages, tokenizer), dtype=np.int64)
         if keep is not None and not keep(ids):
             continue
-        prompts.append((row_label(row_id), ids))
+        kind = row.get("kind") if isinstance(row, dict) else None
+        prompts.append(EvalPrompt(row_label(row_id), ids, str(kind or "")))
         if len(prompts) == num_prompts:
             break
     if skipped:
@@ -224,16 +237,18 @@ def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, 
     if device.type != "cuda":
         return
     input_ids = torch.as_tensor(prompt_ids, device=device)[None]
-    greedy_generate(target, input_ids, max_new_tokens, stops)
+    plain_generate(target, input_ids, max_new_tokens, stops)
     for draft in drafts:
         speculative_generate(draft, target, input_ids, max_new_tokens, stops, 0.0)
 
 
 def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
-                  temperature: float, stops, generator, device: torch.device) -> PromptResult:
-    """Speculative decoding of one prompt, compared with the baseline `(tokens, seconds)`."""
+                  temperature: float, stops, generator, device: torch.device,
+                  proposal: Proposal = Proposal()) -> PromptResult:
+    """Speculative decoding of one prompt (blocks drafted by `proposal` at temperature > 0), compared
+    with the baseline `(tokens, seconds)`."""
     spec, spec_seconds = timed(device, lambda: speculative_generate(
-        draft, target, input_ids, max_new_tokens, stops, temperature, generator))
+        draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal))
     baseline_tokens, baseline_seconds = baseline
     result = PromptResult(prompt_id=prompt_id, prompt_tokens=input_ids.shape[1], generated_tokens=len(spec.generated),
                           acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
@@ -305,6 +320,10 @@ def summarize(result: EvalResult) -> EvalResult:
     result.verifications_in_code, result.verifications_outside_code = len(inside), len(outside)
     result.tau_in_code = float(np.mean(inside)) if inside else 0.0
     result.tau_outside_code = float(np.mean(outside)) if outside else 0.0
+    kinds = sorted({prompt.kind for prompt in result.per_prompt if prompt.kind})
+    result.tau_by_kind = {kind: float(np.mean([length for prompt in result.per_prompt if prompt.kind == kind
+                                               for length in prompt.acceptance_lengths] or [0.0]))
+                          for kind in kinds}
     return result
 
 
@@ -312,22 +331,27 @@ def print_report(results: list[EvalResult]) -> None:
     first = results[0]
     print(f"\ndflash eval: target {first.target}, {first.device} {first.dtype}, temperature {first.temperature:g}, "
           f"up to {first.max_new_tokens} new tokens, {first.num_prompts} prompts ({first.prompts_source})")
-    print("| drafter | generated tokens | verifications | tau | spec tokens/s | greedy tokens/s | speedup | lossless |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    plain = "greedy" if first.temperature <= 0 else "sampled"
+    print(f"| drafter | proposal | generated tokens | verifications | tau | spec tokens/s | {plain} tokens/s | speedup "
+          "| lossless |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for result in results:
         lossless = lossless_verdict(result)
-        print(f"| {result.drafter} | {result.generated_tokens:,} | {result.verifications:,} | {result.tau:.3f} | "
+        print(f"| {result.drafter} | {result.proposal} | {result.generated_tokens:,} | {result.verifications:,} | "
+              f"{result.tau:.3f} | "
               f"{result.spec_tokens_per_s:,.1f} | {result.baseline_tokens_per_s:,.1f} | {result.speedup:.2f}x | "
               f"{lossless} |")
     for result in results:
         total = max(result.verifications, 1)
-        print(f"{result.drafter}:\n  tokens committed per verification (1..B): "
+        print(f"{result.drafter} ({result.proposal} proposals):\n  tokens committed per verification (1..B): "
               + " ".join(f"{k}:{count / total:.1%}" for k, count in enumerate(result.histogram, start=1) if count))
         print("  slot acceptance (slot 1..B-1): " + " ".join(f"{value:.2f}" for value in result.slot_acceptance))
         if result.verifications_in_code:
             print(f"  by text: inside {CODE_FENCE} code blocks tau {result.tau_in_code:.3f} over "
                   f"{result.verifications_in_code:,} verifications, outside them {result.tau_outside_code:.3f} over "
                   f"{result.verifications_outside_code:,}")
+        if result.tau_by_kind:
+            print("  tau by prompt kind: " + ", ".join(f"{kind} {tau:.3f}" for kind, tau in result.tau_by_kind.items()))
         if result.temperature > 0:
             print("  lossless check: not applicable at temperature > 0 (sampled outputs differ by design)")
         elif result.mismatched_prompts == 0:
@@ -379,7 +403,7 @@ def plot(results: list[EvalResult], path: str) -> None:
     block = results[0].block_size
     width = 0.8 / len(results)
     for index, result in enumerate(results):
-        label = f"{Path(result.drafter).name or result.drafter}: tau {result.tau:.2f}"
+        label = f"{Path(result.drafter).name or result.drafter} ({result.proposal}): tau {result.tau:.2f}"
         fractions = [count / max(result.verifications, 1) for count in result.histogram]
         left.bar([k + (index - (len(results) - 1) / 2) * width for k in range(1, block + 1)], fractions, width,
                  label=label)

@@ -1,0 +1,235 @@
+"""Sampled serving (temperature > 0) is lossless for every proposal policy, shown by counting.
+
+The speculative loop (`speculative_generate`, unchanged) runs a thousand times per policy on a Markov
+target, a test double whose next-token logits depend on the last token only (a table), with a
+drafter double whose per-slot logits depend on the anchor only (another table, near the
+target's). Counting the first three generated tokens, their joint distribution equals the
+target's own (exact: p0(t1) P(t2|t1) P(t3|t2)) by a chi-square test, for `argmax`, `sample` and
+`sample:0.5` proposals; a rule that accepts every draft fails the same test. The doubles keep a
+draw to a few milliseconds of loop overhead (a tiny transformer costs tens of milliseconds a forward
+on a shared CPU), and a target that reads the tokens it verifies still checks that each block
+slot is verified against the right context. `plain_generate`, the baseline, samples the same
+distribution. On a real tiny Llama and export: every policy at temperature 0 is plain greedy
+decoding, and every policy serves at temperature > 0. `dflash eval --proposal argmax,sample` (slow)
+gives one result per policy and tau per prompt kind.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from dflash.model import modeling_dflash
+from dflash.model.drafter import DFlashDrafter, drafter_args
+from dflash.model.export import export_drafter
+from dflash.model.modeling_dflash import (DFlashDraftModel, Proposal, greedy_generate, parse_proposal, plain_generate,
+                                          speculative_generate)
+
+VOCAB = 3
+BLOCK = 4  # three drafts per block
+TEMPERATURE = 1.0
+DRAWS = 1000
+POLICIES = ["argmax", "sample", "sample:0.5"]
+
+
+class MarkovCache:
+    """A cache with nothing to crop: the Markov target reads no context beyond each token."""
+    layers = []
+
+    def crop(self, length: int) -> None:
+        pass
+
+
+class MarkovTarget(torch.nn.Module):
+    """A causal LM whose logits after a token are row `token` of a table."""
+
+    def __init__(self, logits_VV: torch.Tensor):
+        super().__init__()
+        self.table = logits_VV
+        self.embed, self.head = torch.nn.Embedding(VOCAB, 1), torch.nn.Linear(1, VOCAB)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, use_cache=True, output_hidden_states=False, logits_to_keep=0, past_key_values=None):
+        logits = self.table[input_ids[:, -logits_to_keep:] if logits_to_keep else input_ids]
+        features = torch.zeros(*input_ids.shape, 1)
+        return SimpleNamespace(logits=logits, hidden_states=(features, features), past_key_values=MarkovCache())
+
+
+class TableDrafter:
+    """Per anchor token, fixed logits for the block's B-1 slots (marginals, as DFlash's)."""
+    block_size, target_layer_ids = BLOCK, [0]
+
+    def __init__(self, logits_VKV: torch.Tensor):
+        self.table = logits_VKV
+
+    def new_cache(self):
+        return None
+
+    def block_logits(self, new_features, anchor, cache, embed_VH, lm_head):
+        return self.table[anchor[0]]
+
+
+def markov_pair(seed: int):
+    """A target table and a drafter table near it: the target's next-token logits plus noise, per slot
+    the logits of the token the target most likely reaches there."""
+    generator = torch.Generator().manual_seed(seed)
+    target_VV = 1.5 * torch.randn(VOCAB, VOCAB, generator=generator)
+    rows, token = [], torch.arange(VOCAB)
+    for _ in range(BLOCK - 1):
+        rows.append(target_VV[token] + torch.randn(VOCAB, VOCAB, generator=generator))
+        token = target_VV[token].argmax(-1)
+    return target_VV, torch.stack(rows, dim=1)
+
+
+def exact_joint(target_VV: torch.Tensor, last_prompt_token: int) -> np.ndarray:
+    """The target's own probability of each first three tokens, flat index t1 * V^2 + t2 * V + t3."""
+    P = torch.softmax(target_VV.double() / TEMPERATURE, -1)
+    joint = P[last_prompt_token][:, None, None] * P[:, :, None] * P[None, :, :]
+    return joint.flatten().numpy()
+
+
+def counted(generate) -> np.ndarray:
+    counts = np.zeros(VOCAB ** 3)
+    for _ in range(DRAWS):
+        t1, t2, t3 = generate()[:3]
+        counts[(t1 * VOCAB + t2) * VOCAB + t3] += 1
+    return counts
+
+
+def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson's test, the cells expected fewer than 5 times pooled into one (the test's approximation)."""
+    expected = probs * counts.sum()
+    rare = expected < 5
+    counts = np.append(counts[~rare], counts[rare].sum())
+    expected = np.append(expected[~rare], expected[rare].sum())
+    statistic = float(((counts - expected) ** 2 / expected).sum())
+    # the chi-square distribution's survival function: Q(df / 2, statistic / 2)
+    return float(torch.special.gammaincc(torch.tensor((expected.size - 1) / 2), torch.tensor(statistic / 2)))
+
+
+def spec_counts(seed: int, policy: str) -> tuple[np.ndarray, np.ndarray]:
+    target_VV, drafter_VKV = markov_pair(seed)
+    target, drafter = MarkovTarget(target_VV), TableDrafter(drafter_VKV)
+    prompt = torch.tensor([[0, 1]])
+    generator = torch.Generator().manual_seed(seed + 100)
+    proposal = parse_proposal(policy)
+    counts = counted(lambda: speculative_generate(drafter, target, prompt, 3, [], TEMPERATURE, generator,
+                                                  proposal).generated)
+    return counts, exact_joint(target_VV, 1)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_sampled_speculative_output_is_distributed_as_the_target(policy):
+    counts, probs = spec_counts(0, policy)
+    assert counts.sum() == DRAWS
+    assert chi_square_p_value(counts, probs) > 1e-3, policy
+
+
+def test_a_rule_that_accepts_every_draft_fails_the_same_test(monkeypatch):
+    """The test can fail: committing the drafts unverified serves the drafter's distribution."""
+
+    def accept_all(draft_tokens, q_KV, target_logits, temperature, generator):
+        num_drafts = draft_tokens.shape[0]
+        p_last = torch.softmax(target_logits[num_drafts].float() / temperature, -1)
+        return torch.tensor(num_drafts), torch.multinomial(p_last, 1, generator=generator)[0]
+
+    monkeypatch.setattr(modeling_dflash, "sampled_verdict", accept_all)
+    counts, probs = spec_counts(0, "argmax")
+    assert chi_square_p_value(counts, probs) < 1e-6
+
+
+def test_plain_sampling_is_distributed_as_the_target():
+    target_VV, _ = markov_pair(1)
+    generator = torch.Generator().manual_seed(7)
+    counts = counted(lambda: plain_generate(MarkovTarget(target_VV), torch.tensor([[2]]), 3, (), TEMPERATURE,
+                                            generator))
+    assert chi_square_p_value(counts, exact_joint(target_VV, 2)) > 1e-3
+
+
+def test_proposal_policies_parse_and_name_a_bad_value():
+    assert parse_proposal("argmax") == Proposal()
+    assert parse_proposal("sample") == Proposal(sample=True)
+    assert parse_proposal(" sample:0.5 ") == Proposal(sample=True, sharpen=0.5)
+    assert [parse_proposal(text).name for text in ("argmax", "sample", "sample:0.5", "sample:1")] == \
+        ["argmax", "sample", "sample:0.5", "sample"]
+    for bad in ("greedy", "sample:", "sample:0", "sample:-1", "sample:x", "argmax:2", "sample:inf", ""):
+        with pytest.raises(ValueError, match=f"proposal {bad!r}: expected argmax, sample or sample:F"):
+            parse_proposal(bad)
+
+
+def test_argmax_proposals_are_q_one_hot():
+    """argmax drafts the drafter's top token at any temperature and leaves q one-hot (None); sample:F draws
+    from softmax(logits / (F T))."""
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    tokens, q = Proposal().draft(logits, 1.0, None)
+    assert tokens.tolist() == [1, 0] and q is None
+    tokens, q = parse_proposal("sample:0.5").draft(logits, 2.0, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(q, torch.softmax(logits, -1))
+    tokens, q = Proposal(sample=True).draft(logits, 0.0, None)  # temperature 0: greedy whatever the policy
+    assert tokens.tolist() == [1, 0] and q is None
+
+
+def tiny_pair(tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+                         initializer_range=0.3)
+    target = LlamaForCausalLM(config).eval()
+    args = drafter_args("tiny", vocab_size=64, mask_token_id=63, hidden_size=32, target_layer_ids=(0, 2), block_size=8)
+    export_drafter(DFlashDrafter(args).state_dict(), args, tmp_path, dtype=torch.float32)
+    return target, DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+
+
+def test_every_policy_is_greedy_at_temperature_zero_and_serves_above_it(tmp_path):
+    target, draft = tiny_pair(tmp_path)
+    prompt = torch.tensor([[3, 14, 15, 9, 26]])
+    greedy = greedy_generate(target, prompt, 16)
+    for policy in POLICIES:
+        out = draft.spec_generate(target, prompt, 16, temperature=0.0, return_stats=True, proposal=policy)
+        assert out.generated == greedy, policy
+        sampled = speculative_generate(draft, target, prompt, 16, [], 0.8, torch.Generator().manual_seed(1),
+                                       parse_proposal(policy))
+        assert len(sampled.generated) == 16 and all(0 <= token < 64 for token in sampled.generated)
+        assert all(1 <= length <= 8 for length in sampled.acceptance_lengths)
+    assert plain_generate(target, prompt, 16) == greedy
+
+
+@pytest.mark.slow
+def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_config, capsys):
+    """`dflash eval --temperature 0.8 --proposal argmax,sample` on the embedded tiny target: one result per
+    policy on the same prompts, the JSON names each result's policy and gives tau per prompt kind."""
+    import json
+
+    from dflash.config import load_config
+    from dflash.extract.target import load_causal_lm, prepare_checkpoint
+    from stages import evaluate
+
+    config = load_config(pipeline_config(tmp_path, 2, 1, ""))
+    target = load_causal_lm(str(prepare_checkpoint(config.target.path, config.data.cache_dir)), torch.float32,
+                            torch.device("cpu"))
+    vocab, hidden = target.get_input_embeddings().weight.shape
+    args = drafter_args("tiny", vocab_size=vocab, mask_token_id=vocab - 1, hidden_size=hidden, block_size=4)
+    export_drafter(DFlashDrafter(args).state_dict(), args, tmp_path / "export", dtype=torch.float32)
+    rows = [{"kind": kind, "messages": [{"role": "user", "content": text}]}
+            for kind, text in (("writing", "Write a haiku about rain."), ("code", "Reverse a list in Python."))]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = evaluate.EvalOptions(drafters=(str(tmp_path / "export"),), prompts=str(tmp_path / "prompts.jsonl"),
+                                   num_prompts=2, max_new_tokens=6, temperature=0.8, proposals=("argmax", "sample"),
+                                   device="cpu", out=str(tmp_path / "eval.json"))
+    evaluate.run(config, options)
+    printed = capsys.readouterr().out
+    assert "| argmax |" in printed and "| sample |" in printed and "tau by prompt kind: code" in printed
+    results = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert [result["proposal"] for result in results] == ["argmax", "sample"]
+    for result in results:
+        assert sorted(result["tau_by_kind"]) == ["code", "writing"] and result["num_prompts"] == 2
+        assert [prompt["kind"] for prompt in result["per_prompt"]] == ["writing", "code"]
+    with pytest.raises(ValueError, match="--proposal: proposal 'top-k'"):
+        evaluate.run(config, evaluate.EvalOptions(drafters=options.drafters, proposals=("argmax", "top-k")))
