@@ -120,7 +120,7 @@ def markdown(report: dict, plots: list[Path]) -> str:
     lines += [f"| {row['source']} | {row['prompts']} | {row['weight']:g} | {row['answers']} | "
               f"{number(row['tokens_seen'], 0)} |" for row in report["mix"]]
     train = report["train"]
-    lines += ["", "## Stage two", "", f"{train['steps']} steps, {train['tokens_seen']:,} tokens seen; last held-out "
+    lines += ["", "## Stage two", "", f"{train['steps']} steps, {int(train['tokens_seen']):,} tokens seen; last held-out "
               f"teacher-forced tau {number(train['heldout_tau'])}, walked as served "
               f"{number(train['heldout_served_tau'])}.", ""]
     lines += served_tables(report["evals"])
