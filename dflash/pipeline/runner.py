@@ -60,6 +60,8 @@ def start(part: Part) -> tuple[subprocess.Popen, float, list[str]]:
     say(f"{part.name}: started{' (continuing: ' + ' '.join(part.resume_args) + ')' if part.resume_args else ''}: "
         f"{' '.join(command)}")
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    if part.phase == "train":  # stage two names every recompile's failed guard (TORCH_LOGS= turns it off)
+        env.setdefault("TORCH_LOGS", "recompiles")
     return subprocess.Popen(command, env=env), time.monotonic(), command
 
 

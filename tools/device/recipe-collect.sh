@@ -14,8 +14,8 @@ export PYTHONPATH=$PWD:/tmp/site
 work=${WORK:-/tmp/rw}
 deadline=$((SECONDS + ${WAIT:-560}))
 if [ -n "${COLD:-}" ]; then
-  until grep -q '] eval-heldout:' "$work/results/progress.txt" 2>/dev/null || [ $SECONDS -ge $deadline ] \
-      || ! pgrep -f "recipe.sh run" > /dev/null; do sleep 5; done
+  until grep -q 'recipe: eval-.*: started' "$work/recipe.log" 2>/dev/null || [ $SECONDS -ge $deadline ] \
+      || ! pgrep -f "stages.cli recipe" > /dev/null; do sleep 5; done
   mkdir -p /tmp/collect
   for variant in $COLD; do
     left=$((deadline - SECONDS - 40)); limit=${COLD_LIMIT:-100}; [ $left -lt $limit ] && limit=$left
@@ -29,19 +29,24 @@ if [ -n "${COLD:-}" ]; then
   done
 fi
 mkdir -p /tmp/collect/logs
-WORK=$work LOGS=/tmp/collect/results WAIT=$((deadline - SECONDS > 0 ? deadline - SECONDS : 1)) bash tools/recipe.sh collect
-cp /tmp/collect/results/summary.txt /tmp/collect/results/progress.txt "$OUT"/ 2>/dev/null
-if [ -n "${SPEED:-}" ] && [ -f "$work/results/summary.txt" ]; then
+while [ ! -f "$work/report.md" ] && [ $SECONDS -lt $deadline ] && pgrep -f "stages.cli recipe" > /dev/null; do
+  sleep 10
+done
+mkdir -p /tmp/collect/results
+cp -r "$work"/results "$work"/evals "$work"/plots "$work"/report.* /tmp/collect/results/ 2>/dev/null
+cp "$work"/report.md "$OUT"/ 2>/dev/null
+grep -a "recipe: " "$work/recipe.log" | tee "$OUT/progress.txt"
+if [ -n "${SPEED:-}" ] && [ -f "$work/report.md" ]; then
   mkdir -p /tmp/collect/speed
   OUT=/tmp/collect/speed DEADLINE=$(($(date +%s) + deadline - SECONDS)) bash "$(dirname "$0")/speed.sh" 2>&1 | tee /tmp/collect/speed/speed.txt
 fi
-if [ -n "${EXPORT:-}" ] && [ -f "$work/results/summary.txt" ]; then
-  tar cf - -C "$work" export | split -b 15m -d - "$OUT/export.tar."
+if [ -n "${EXPORT:-}" ] && [ -f "$work/report.md" ]; then
+  tar cf - -C "$work/exports" export | split -b 15m -d - "$OUT/export.tar."
   ls -l "$OUT"/export.tar.*
 fi
-for f in "$work"/logs/*.log; do tr '\r' '\n' < "$f" | grep -av 'it/s\]\|s/it\]\|step/s\]\|answer/s\]\|tok/s\]' \
-  | tail -c 20000 > "/tmp/collect/logs/$(basename "$f")"; done
+tr '\r' '\n' < "$work/recipe.log" | grep -av 'it/s\]\|s/it\]\|step/s\]\|answer/s\]\|tok/s\]' \
+  | tail -c 60000 > /tmp/collect/logs/recipe.log
 cp "$work"/drafter/metrics.jsonl /tmp/collect/ 2>/dev/null
-grep -a -A4 "Recompiling function" "$work/logs/train.log" 2>/dev/null | head -c 30000 > /tmp/collect/logs/recompiles.txt
+grep -a -A4 "Recompiling function" "$work/recipe.log" 2>/dev/null | head -c 30000 > /tmp/collect/logs/recompiles.txt
 tar czf "$OUT/logs.tgz" -C /tmp/collect . && rm -rf /tmp/collect/logs /tmp/collect/metrics.jsonl /tmp/collect/results
 nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
