@@ -30,12 +30,12 @@ import torch
 
 from dflash.config import ConfigError, load_config
 from dflash.dist import init_distributed
-from dflash.outputs import write_text_atomic
 from dflash.model.drafter import DFlashDrafter
+from dflash.outputs import write_text_atomic
 from dflash.store.reader import StoreReader
 from dflash.train import served
 from dflash.train.batch import StoreDataset, collate_options, collate_packed
-from dflash.train.checkpoint import complete_checkpoints, load_checkpoint, step_dir_name
+from dflash.train.checkpoint import checkpoint_drafter_args, complete_checkpoints, load_checkpoint, step_dir_name
 from dflash.train.sampler import holdout_groups, split_holdout
 from dflash.train.step import build_context, evaluate_served
 
@@ -92,8 +92,6 @@ def checkpoint_for(drafter: str, checkpoints: Path) -> Path:
 @functools.cache
 def load_drafter(checkpoint: Path, device: torch.device) -> DFlashDrafter:
     """A checkpoint's drafter on `device`, once per checkpoint (several evals serve the last one)."""
-    from stages.export import checkpoint_drafter_args  # the export stage's reading of a checkpoint's drafter
-
     loaded = load_checkpoint(checkpoint)
     model = DFlashDrafter(checkpoint_drafter_args(loaded))
     model.load_state_dict(loaded.model_state)
