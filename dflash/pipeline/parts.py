@@ -68,14 +68,16 @@ def evals(config: Config) -> tuple[RecipeEval, ...]:
     return named
 
 
-def stage(run: RecipeRun, command: str, *args: str, sets: tuple[str, ...] = ()) -> list[str]:
-    """`python -m stages.cli COMMAND` with the recipe's config, the run folder's paths and `sets`."""
-    return [sys.executable, "-m", "stages.cli", command, *config_args(run, sets), *args]
+def stage(run: RecipeRun, command: str, *args: str, data: tuple[str, ...] | None = None) -> list[str]:
+    """`python -m stages.cli COMMAND` with the recipe's config, the run folder's paths and the data it reads
+    (`data`: these data.* settings instead of the answers')."""
+    return [sys.executable, "-m", "stages.cli", command, *config_args(run, data), *args]
 
 
-def config_args(run: RecipeRun, sets: tuple[str, ...] = ()) -> list[str]:
+def config_args(run: RecipeRun, data: tuple[str, ...] | None = None) -> list[str]:
     layout = run.layout
-    paths = (f"store.path={layout.store}", f"train.out_dir={layout.drafter}", *data_sets(run), *sets)
+    paths = (f"store.path={layout.store}", f"train.out_dir={layout.drafter}",
+             *(data_sets(run) if data is None else data))
     given = ["-c", run.config_path] if run.config_path else []
     return given + [item for override in (*run.overrides, *paths) for item in ("--set", override)]
 
@@ -107,7 +109,7 @@ def generate_part(run: RecipeRun, source: RecipeSource) -> Part:
         args += ["--ask-temperature", f"{source.ask_temperature:g}"]
     if source.turns != 1:
         args += ["--turns", str(source.turns)]
-    command = stage(run, "generate", *args, sets=(f"data.source={source.source}",))
+    command = stage(run, "generate", *args, data=(f"data.source={source.source}",))
     return Part(f"generate-{source.name}", "generate", command, (out / "generate-manifest.txt",),
                 info={"source": source.name, "prompts": source.source, "weight": source.weight})
 

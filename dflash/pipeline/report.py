@@ -43,13 +43,19 @@ def part_row(record: dict) -> dict:
 
 
 def mix(done: list[dict], metrics: list[dict]) -> list[dict]:
-    """Each source: its weight, the answers the target wrote and (where stage two logs them as
-    `tokens_seen/NAME`) the tokens trained on."""
+    """Each source: its weight and share of the weights, the answers the target wrote, the tokens of them
+    in the store (a store of data.mix counts them per source) and, where stage two logs them as
+    `tokens_seen/NAME`, the tokens trained on."""
     last = next((line for line in reversed(metrics) if "tokens_seen" in line), {})
-    return [{"source": record["facts"]["source"], "prompts": record["facts"]["prompts"],
-             "weight": record["facts"]["weight"], "answers": record["facts"].get("answers"),
-             "tokens_seen": last.get(f"tokens_seen/{record['facts']['source']}")}
-            for record in done if record["phase"] == "generate"]
+    stored = next((record["facts"] for record in done if record["phase"] == "extract"), {})
+    sources = [record["facts"] for record in done if record["phase"] == "generate"]
+    by_source = stored.get("tokens_by_source") or ({sources[0]["source"]: stored.get("tokens")} if len(sources) == 1
+                                                   else {})
+    total = sum(source["weight"] for source in sources)
+    return [{"source": source["source"], "prompts": source["prompts"], "weight": source["weight"],
+             "share": source["weight"] / total, "answers": source.get("answers"),
+             "stored_tokens": by_source.get(source["source"]), "tokens_seen": last.get(f"tokens_seen/{source['source']}")}
+            for source in sources]
 
 
 def train_summary(metrics: list[dict]) -> dict:
@@ -115,10 +121,10 @@ def markdown(report: dict, plots: list[Path]) -> str:
     lines += [f"| {row['part']} | {row['seconds']:,.1f} | "
               f"{number(row.get('rate'), 1) + ' ' + row['rate_unit'] if 'rate' in row else ''} |"
               for row in report["parts"]]
-    lines += ["", "## Data mix as trained", "", "| source | prompts | weight | answers | tokens trained |",
-              "|---|---|---:|---:|---:|"]
-    lines += [f"| {row['source']} | {row['prompts']} | {row['weight']:g} | {row['answers']} | "
-              f"{number(row['tokens_seen'], 0)} |" for row in report["mix"]]
+    lines += ["", "## Data mix as trained", "", "| source | prompts | weight (share) | answers | tokens stored | "
+              "tokens trained |", "|---|---|---:|---:|---:|---:|"]
+    lines += [f"| {row['source']} | {row['prompts']} | {row['weight']:g} ({row['share']:.1%}) | {row['answers']} | "
+              f"{number(row['stored_tokens'], 0)} | {number(row['tokens_seen'], 0)} |" for row in report["mix"]]
     train = report["train"]
     lines += ["", "## Stage two", "", f"{train['steps']} steps, {int(train['tokens_seen']):,} tokens seen; last held-out "
               f"teacher-forced tau {number(train['heldout_tau'])}, walked as served "

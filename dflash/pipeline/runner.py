@@ -94,8 +94,12 @@ def facts(run: RecipeRun, part: Part) -> dict:
         from dflash.store.reader import StoreReader
 
         reader = StoreReader(layout.store)
-        return {"samples": len(reader), "tokens": int(reader.sample_length.sum()),
-                "supervised_tokens": int(reader.sample_num_supervised.sum())}
+        found = {"samples": len(reader), "tokens": int(reader.sample_length.sum()),
+                 "supervised_tokens": int(reader.sample_num_supervised.sum())}
+        if getattr(reader, "source_names", None) and hasattr(reader, "sample_source"):  # a store of data.mix
+            found["tokens_by_source"] = {name: int(reader.sample_length[reader.sample_source == number].sum())
+                                         for number, name in enumerate(reader.source_names)}
+        return found
     if part.phase == "train":
         lines = [json.loads(line) for line in (layout.drafter / "metrics.jsonl").read_text().splitlines() if line]
         seen = [line for line in lines if "tokens_seen" in line]
