@@ -132,3 +132,18 @@ def test_the_report_copies_the_eval_json_and_renders_again_from_report_json(tmp_
     (root / "report.md").unlink()
     recipe_stage.rerender(str(root))  # from report.json alone
     assert (root / "report.md").read_text() == text
+
+
+def test_parts_side_by_side_each_recorded_and_a_failure_named(tmp_path, capsys):
+    from dflash.pipeline.parts import Part
+    from dflash.pipeline.runner import PartFailed, run_parts
+
+    run = recipe_run(tmp_path)
+    made = tmp_path / "made.txt"
+    good = Part("walk", "walk", [sys.executable, "-c", f"open({str(made)!r}, 'w').write('x')"], (made,))
+    bad = Part("walk-bad", "walk", [sys.executable, "-c", "raise SystemExit(3)"], ())
+    with pytest.raises(PartFailed, match="walk-bad failed with exit code 3"):
+        run_parts(run, [bad, good], at_once=True)
+    assert records.is_complete(run.layout, good) and records.read_record(run.layout, "walk-bad") is None
+    printed = capsys.readouterr().out
+    assert "recipe: walk-bad, walk: side by side" in printed and "recipe: walk: done in" in printed
