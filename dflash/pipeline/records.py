@@ -35,9 +35,10 @@ def all_records(layout: RunLayout) -> list[dict]:
 
 
 def is_complete(layout: RunLayout, part: Part) -> bool:
-    """Whether `part` ran to its end with this very command and its outputs are still there."""
+    """Whether `part` ran to its end with this very command (whichever Python ran it) and its outputs are
+    still there."""
     record = read_record(layout, part.name)
-    return (record is not None and record["command"] == part.command
+    return (record is not None and record["command"][1:] == part.command[1:]
             and all(Path(path).exists() for path in part.outputs))
 
 
