@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from dflash.data.chat import training_sources
 from dflash.data.samples import OVERLONG_POLICIES
 from dflash.errors import DflashError
 from dflash.model.masks import BACKENDS as ATTENTION_BACKENDS
@@ -23,6 +24,7 @@ from dflash.store.schema import LABEL_CHOICES
 
 DEFAULT_ROOT = "/data/dflash"
 WANDB_MODES = ("offline", "online", "disabled")  # train.wandb; dflash.train.metrics opens the run
+DISTILL_KINDS = ("kl", "tv")  # train.distill; dflash.model.loss computes them
 HOLDOUT_UNITS = ("prompt", "sample")  # train.holdout_by; dflash.train.sampler.split_holdout splits by them
 
 
@@ -30,10 +32,32 @@ class ConfigError(DflashError, ValueError):
     """A config value is missing, unknown or invalid; the message names the key."""
 
 
-def setting(default, meaning: str, *, choices: tuple = (), positive: bool = False):
+def setting(default, meaning: str, *, choices: tuple = (), positive: bool = False, minimum=None, maximum=None,
+            below=None):
     """A config key: its default and its meaning (the line `dflash config show` prints), the values
-    it may take and whether it must be positive (both checked by `validate`)."""
-    return field(default=default, metadata={"meaning": meaning, "choices": tuple(choices), "positive": positive})
+    it may take, whether it must be positive, and its bounds: at least `minimum`, at most `maximum`,
+    less than `below` (all checked by `validate` at load, so `config show` refuses a bad value too)."""
+    return field(default=default, metadata={"meaning": meaning, "choices": tuple(choices), "positive": positive,
+                                            "minimum": minimum, "maximum": maximum, "below": below})
+
+
+def allowed_range(metadata) -> str:
+    """The bounds of a numeric key in words, e.g. '> 0', '>= 0', 'in [0, 1)'."""
+    low = "(0" if metadata["positive"] else (f"[{metadata['minimum']}" if metadata["minimum"] is not None else "")
+    high = (f"{metadata['maximum']}]" if metadata["maximum"] is not None
+            else f"{metadata['below']})" if metadata["below"] is not None else "")
+    if low and high:
+        return f"in {low}, {high}"
+    if low:
+        return "> 0" if metadata["positive"] else f">= {metadata['minimum']}"
+    return f"<= {metadata['maximum']}" if metadata["maximum"] is not None else f"< {metadata['below']}"
+
+
+def within_bounds(metadata, value) -> bool:
+    return not ((metadata["positive"] and value <= 0)
+                or (metadata["minimum"] is not None and value < metadata["minimum"])
+                or (metadata["maximum"] is not None and value > metadata["maximum"])
+                or (metadata["below"] is not None and value >= metadata["below"]))
 
 
 @dataclass(frozen=True)
@@ -41,7 +65,8 @@ class TargetConfig:
     path: str = setting(f"{DEFAULT_ROOT}/target",
                         "the frozen target: a checkpoint directory, a .gguf file, or embedded:tiny")
     layer_ids: tuple[int, ...] = setting(
-        (), "decoder layers whose outputs are cached (empty: evenly spaced from 1 to L-3, docs/ARCHITECTURE.md)")
+        (), "decoder layers whose outputs are cached (empty: evenly spaced from 1 to L-3, docs/ARCHITECTURE.md)",
+        minimum=0)
     num_layer_ids: int = setting(5, "how many evenly spaced layers when target.layer_ids is empty", positive=True)
     dtype: str = setting("auto", "dtype the target runs in: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, "
                          "float16, float32", choices=("auto", "bfloat16", "float16", "float32"))
@@ -64,7 +89,7 @@ class DataConfig:
     source: str = setting(f"{DEFAULT_ROOT}/data",
                           "JSONL/JSON/Parquet file or directory, embedded:NAME, or a datasets hub name")
     mix: tuple[MixSource, ...] = setting(
-        (), "several sources with a weight each, replacing data.source: a list of tables "
+        (), "several sources with a weight each; when set, data.source is not read: a list of tables "
         "{source = ..., weight = ..., name = ...} (weights are shares of each epoch's tokens)")
     split: str = setting("train", "split of a hub dataset")
     max_length: int = setting(4096, "tokens per sample at most; longer ones are cut (or dropped, see data.overlong)",
@@ -72,9 +97,23 @@ class DataConfig:
     overlong: str = setting("truncate", "what happens to a sample longer than data.max_length: truncate or drop",
                             choices=OVERLONG_POLICIES)
     strict: bool = setting(False, "stop at the first bad row (in file order) instead of counting bad rows")
-    num_workers: int = setting(8, "tokenizer processes")
+    num_workers: int = setting(8, "tokenizer processes (0 or 1: in this process)", minimum=0)
     cache_dir: str = setting(f"{DEFAULT_ROOT}/cache",
                              "where tokenization results, the embedded target and converted GGUF targets are cached")
+
+
+def validate_mix(data: DataConfig) -> None:
+    """data.mix: every table names a source, and the names (given or defaulted) are unique."""
+    seen = {}
+    for index, (name, source, _) in enumerate(training_sources(data) if data.mix else []):
+        if not source.strip():
+            raise ConfigError(f"data.mix[{index}].source is empty: give the source's path or name")
+        if not name:
+            raise ConfigError(f"data.mix[{index}].name: the source {source!r} has no default name; set one")
+        if name in seen:
+            raise ConfigError(f"data.mix[{index}].name: {name!r} is also the name of data.mix[{seen[name]}]; "
+                              f"names must be unique (set name = \"...\" on one of them)")
+        seen[name] = index
 
 
 @dataclass(frozen=True)
@@ -83,12 +122,15 @@ class StoreConfig:
     codec: str = setting("fp8", "how features are stored: fp8 (e4m3, per-token-per-layer scales) or bf16 (lossless)",
                          choices=CODECS)
     bucket_edges: tuple[int, ...] = setting((64, 256, 512, 1024, 2048, 3296, 8192),
-                                            "sequence-length bucket edges; every optimizer step mixes several buckets")
+                                            "sequence-length bucket edges; every optimizer step mixes several buckets",
+                                            minimum=1)
     shard_tokens: int = setting(262_144, "tokens per shard (the unit written by one process and committed "
                                 "atomically)", positive=True)
     labels: str = setting("data", "what stage two trains against: data (the dataset's tokens) or target (the "
                           "target's greedy next token at every position, computed and stored by stage one)",
                           choices=LABEL_CHOICES)
+    topk: int = setting(0, "soft targets: stage one also stores the target's k most likely next tokens and their "
+                        "probabilities at every supervised position, for train.distill_weight (0: off)", minimum=0)
     overwrite: bool = setting(False, "replace an existing store that holds different content (--overwrite)")
 
 
@@ -108,31 +150,34 @@ class DrafterConfig:
                         "tiny, qwen3.6-27b")
     init_from: str = setting("", "an exported drafter directory to start from (fine-tuning)")
     block_size: int = setting(BLOCK_SIZE, "tokens per block: the anchor and block_size-1 drafted tokens",
-                              positive=True)
+                              minimum=2)
     mask_token_id: int = setting(-1, "token id of the block's mask slots (-1: the store's choice, an unused "
-                                 "special token of the target's tokenizer)")
-    num_layers: int = setting(0, "drafter layers (0: the size's own; auto: 5)")
+                                 "special token of the target's tokenizer)", minimum=-1)
+    num_layers: int = setting(0, "drafter layers (0: the size's own; auto: 5)", minimum=0)
     layer_types: tuple[str, ...] = setting((), "per-layer sliding_attention / full_attention (empty: sliding "
                                            "except the last)")
-    sliding_window: int = setting(0, "window of the sliding layers in positions (0: the size's own; auto: 2048)")
-    intermediate_size: int = setting(0, "MLP width (0: the size's own; auto: the target's)")
+    sliding_window: int = setting(0, "window of the sliding layers in positions (0: the size's own; auto: 2048)",
+                                 minimum=0)
+    intermediate_size: int = setting(0, "MLP width (0: the size's own; auto: the target's)", minimum=0)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     out_dir: str = setting(f"{DEFAULT_ROOT}/runs/drafter", "run directory: metrics.jsonl, checkpoints/, W&B files")
     epochs: int = setting(6, "passes over the training samples", positive=True)
-    max_steps: int = setting(0, "stop after this many optimizer steps (0: all epochs); also the LR schedule's length")
+    max_steps: int = setting(0, "stop after this many optimizer steps (0: all epochs); also the LR schedule's length",
+                             minimum=0)
     max_minutes: float = setting(0.0, "stop (and save) at the first logging step after this many minutes of this "
                                  "process's training, compile included (0: no limit); the LR schedule still "
-                                 "follows the steps, so a stop before them ends above train.min_lr_ratio")
-    lr: float = setting(6e-4, "peak learning rate (AdamW)")
-    min_lr_ratio: float = setting(0.0, "final learning rate as a fraction of train.lr")
-    warmup_ratio: float = setting(0.04, "fraction of the steps spent warming the learning rate up")
+                                 "follows the steps, so a stop before them ends above train.min_lr_ratio", minimum=0)
+    lr: float = setting(6e-4, "peak learning rate (AdamW)", positive=True)
+    min_lr_ratio: float = setting(0.0, "final learning rate as a fraction of train.lr", minimum=0, maximum=1)
+    warmup_ratio: float = setting(0.04, "fraction of the steps spent warming the learning rate up", minimum=0,
+                                  below=1)
     decay: str = setting("cosine", "learning-rate decay after warm-up: cosine or linear", choices=("cosine", "linear"))
-    weight_decay: float = setting(0.0, "AdamW weight decay")
-    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas")
-    clip: float = setting(1.0, "gradient-norm clipping")
+    weight_decay: float = setting(0.0, "AdamW weight decay", minimum=0)
+    betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas", minimum=0, below=1)
+    clip: float = setting(1.0, "gradient-norm clipping (the largest norm kept)", positive=True)
     token_budget: int = setting(16_384, "real (unpadded) context tokens per micro-batch at most", positive=True)
     accum_steps: int = setting(4, "micro-batches per rank per optimizer step", positive=True)
     fuse_accum: bool = setting(False, "run each rank's accum_steps micro-batches of a step (different length buckets) "
@@ -140,30 +185,40 @@ class TrainConfig:
                                "mean, averaged), one forward and backward instead of accum_steps; faster where a "
                                "micro-batch leaves the GPU underused (the small drafter), accum_steps times the "
                                "activation memory")
+    gather_context_keys: bool = setting(False, "with flex attention, give each 128-row query tile its own copy of the "
+                                        "context keys it reads, so no key tile is read by two query tiles in "
+                                        "flex's backward (the loader's workers lay them out); not yet measured "
+                                        "faster on a GPU, so off")
     max_anchors: int = setting(512, "anchors (blocks) sampled per sequence at most, fresh every epoch", positive=True)
     anchor_budget: int = setting(1024, "anchors per micro-batch at most (x block size = drafter rows); bounds "
                                  "short-sequence packs", positive=True)
     gamma: float = setting(0.0, "decay of the slot loss weights exp(-(k-1)/gamma) (0: 7 for block 16, 5 for 10, "
-                           "4 for 8)")
+                           "4 for 8)", minimum=0)
+    distill_weight: float = setting(0.0, "weight of the distillation term added to the cross entropy (0: off; "
+                                    "needs a store written with store.topk > 0)", minimum=0)
+    distill: str = setting("kl", "distillation term: kl (forward KL from the target's top-k distribution) or tv "
+                           "(total variation), over the stored k tokens and one bucket for the rest",
+                           choices=DISTILL_KINDS)
     loss_chunk: int = setting(2048, "block rows per LM-head and loss chunk (bounds the logits' memory)", positive=True)
-    seed: int = setting(0, "seed of the data order, anchors, held-out split and initialisation")
+    seed: int = setting(0, "seed of the data order, anchors, held-out split and initialisation",
+                        minimum=0)
     holdout_fraction: float = setting(0.01, "fraction of the store's samples held out of training (eval batches, "
-                                      "dflash eval prompts)")
+                                      "dflash eval prompts)", minimum=0, below=1)
     holdout_by: str = setting("prompt", "what the held-out split keeps apart: 'prompt' holds out every answer to a "
                               "held-out prompt (several answers per prompt never reach both sides), 'sample' draws "
                               "samples alone; a following run (train.follow) draws samples per shard",
                               choices=HOLDOUT_UNITS)
     eval_every: int = setting(500, "steps between held-out evaluations", positive=True)
-    eval_batches: int = setting(16, "held-out micro-batches per evaluation")
+    eval_batches: int = setting(16, "held-out micro-batches per evaluation", minimum=0)
     eval_served_tokens: int = setting(0, "N > 0: each evaluation also logs eval/served_tau, the tau `dflash eval "
                                       "--max-new-tokens N` would serve at temperature 0, walked verification by "
                                       "verification over the first N tokens of the held-out answers that are the "
-                                      "target's greedy ones (needs store.labels = 'target'; 0: off)")
+                                      "target's greedy ones (needs store.labels = 'target'; 0: off)", minimum=0)
     log_every: int = setting(10, "steps between metric lines (the only steps that move numbers to the host)",
                              positive=True)
     save_every: int = setting(1000, "steps between checkpoints", positive=True)
     keep_last: int = setting(3, "checkpoints kept", positive=True)
-    num_workers: int = setting(4, "DataLoader worker processes per rank")
+    num_workers: int = setting(4, "DataLoader worker processes per rank (0: in this process)", minimum=0)
     attention: str = setting("auto", "attention backend: auto (flex on CUDA, dense SDPA on CPU), flex or dense",
                              choices=("auto", *ATTENTION_BACKENDS))
     compile: bool = setting(True, "torch.compile the drafter layers on CUDA, ignored on the CPU: faster steps "
@@ -178,9 +233,10 @@ class TrainConfig:
                            "(stage2-train --follow)")
     follow_every: int = setting(50, "with train.follow: optimizer steps between looks for newly completed shards "
                                 "(and at each segment's end)", positive=True)
-    follow_poll_s: float = setting(10.0, "with train.follow: seconds between looks while waiting for shards")
+    follow_poll_s: float = setting(10.0, "with train.follow: seconds between looks while waiting for shards",
+                                  minimum=0)
     follow_timeout_s: float = setting(1800.0, "with train.follow: stop with a checkpoint when no shard completes "
-                                      "for this many seconds")
+                                      "for this many seconds", minimum=0)
     wandb: str = setting("offline", "W&B mode: offline, online or disabled", choices=WANDB_MODES)
     wandb_project: str = setting("dflash", "W&B project name")
 
@@ -314,7 +370,8 @@ def build_config(raw: dict) -> Config:
     if raw:
         known = {section.name for section in dataclasses.fields(Config)}
         raise ConfigError("unknown config section(s): " + ", ".join(
-            f"{section}{did_you_mean(section, known)}" for section in sorted(raw)))
+            f"{section}{did_you_mean(section, known)}" for section in sorted(raw)) + "; the sections are "
+            + ", ".join(sorted(known)))
     config = Config(**sections)
     validate(config)
     return config
@@ -326,7 +383,8 @@ def build_section(name: str, cls, values: dict):
     unknown = sorted(set(values) - known)
     if unknown:
         raise ConfigError("unknown config key(s): " + ", ".join(
-            f"{name}.{key}{did_you_mean(key, known, f'{name}.')}" for key in unknown))
+            f"{name}.{key}{did_you_mean(key, known, f'{name}.')}" for key in unknown) + "; `dflash config show` "
+            "lists every key")
     coerced = {key: coerce(f"{name}.{key}", hints[key], value) for key, value in values.items()}
     return cls(**coerced)
 
@@ -377,6 +435,7 @@ def coerce(key: str, hint, value):
 def validate(config: Config) -> None:
     for key, key_field in key_fields(config):
         validate_value(key, key_field, lookup(config, key))
+    validate_mix(config.data)
     edges = config.store.bucket_edges
     if len(edges) < 2 or any(a >= b for a, b in zip(edges, edges[1:])):
         raise ConfigError(f"store.bucket_edges must be at least two increasing lengths, got {list(edges)}")
@@ -389,27 +448,9 @@ def validate(config: Config) -> None:
     if config.data.max_length > config.train.token_budget:
         raise ConfigError(f"train.token_budget ({config.train.token_budget}) must hold one "
                           f"sequence of data.max_length ({config.data.max_length})")
-    for key in ("drafter.num_layers", "drafter.sliding_window", "drafter.intermediate_size"):
-        if lookup(config, key) < 0:
-            raise ConfigError(f"{key} must be 0 (the size's own) or positive, got {lookup(config, key)}")
-    if config.drafter.mask_token_id < -1:
-        raise ConfigError(f"drafter.mask_token_id must be a token id or -1 (the store's choice), "
-                          f"got {config.drafter.mask_token_id}")
     if config.train.max_anchors > config.train.anchor_budget:
         raise ConfigError(f"train.anchor_budget ({config.train.anchor_budget}) must hold one "
                           f"sequence's train.max_anchors ({config.train.max_anchors})")
-    for key in ("train.follow_poll_s", "train.follow_timeout_s"):
-        if lookup(config, key) < 0:
-            raise ConfigError(f"{key} must be 0 or more seconds, got {lookup(config, key)}")
-    if config.train.max_minutes < 0:
-        raise ConfigError(f"train.max_minutes must be 0 (no limit) or more minutes, got {config.train.max_minutes}")
-    if not 0.0 <= config.train.holdout_fraction < 1.0:
-        raise ConfigError(f"train.holdout_fraction must be in [0, 1), got {config.train.holdout_fraction}")
-    if not 0.0 <= config.train.warmup_ratio < 1.0:
-        raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {config.train.warmup_ratio}")
-    if config.train.eval_served_tokens < 0:
-        raise ConfigError(f"train.eval_served_tokens must be 0 (off) or a token count, got "
-                          f"{config.train.eval_served_tokens}")
     if config.train.eval_served_tokens and config.store.labels != "target":
         raise ConfigError(f"train.eval_served_tokens = {config.train.eval_served_tokens} finds the target's greedy "
                           f"answers by the target's labels: it needs store.labels = \"target\", got "
@@ -425,8 +466,13 @@ def validate_value(key: str, key_field: dataclasses.Field, value) -> None:
     allowed = key_field.metadata["choices"]
     if allowed and value not in allowed:
         raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {value!r}")
-    if key_field.metadata["positive"] and value <= 0:
-        raise ConfigError(f"{key} must be positive, got {value}")
+    metadata = key_field.metadata
+    bounded = metadata["positive"] or any(metadata[bound] is not None for bound in ("minimum", "maximum", "below"))
+    if bounded:
+        values = value if isinstance(value, tuple) else (value,)
+        for item in values:
+            if not within_bounds(metadata, item):
+                raise ConfigError(f"{key} must be {allowed_range(metadata)}, got {value}")
     tables = value if isinstance(value, tuple) else ()
     for index, table in enumerate(tables):
         if dataclasses.is_dataclass(table):

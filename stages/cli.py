@@ -11,8 +11,9 @@ import sys
 
 import click
 
-from dflash.config import ConfigError, load_config
+from dflash.config import load_config
 from dflash.errors import DflashError
+from dflash.interrupts import EXIT_INTERRUPTED, interrupted_line
 
 CONFIG_HELP = "TOML config file (default: the embedded tiny config, configs/tiny.toml)."
 SET_HELP = "Override one config value, e.g. --set train.lr=3e-4 (repeatable)."
@@ -25,10 +26,8 @@ def config_options(command):
 
 
 def load_or_exit(config_path, overrides, extra=()):
-    try:
-        return load_config(config_path, [*overrides, *extra])
-    except ConfigError as err:
-        raise click.UsageError(str(err)) from None
+    """The config, or a ConfigError that `Commands` prints as one `Error:` line (exit status 1)."""
+    return load_config(config_path, [*overrides, *extra])
 
 
 def writes(*paths) -> None:
@@ -74,11 +73,17 @@ def one_line(error: BaseException, outputs: list[str]) -> str:
 
 class Commands(click.Group):
     """Expected failures end as one `Error: ...` line and exit status 1, without a traceback
-    (`--debug` or DFLASH_DEBUG=1 keeps it)."""
+    (`--debug` or DFLASH_DEBUG=1 keeps it); Ctrl-C ends as one `Interrupted: ...` line and exit
+    status 130. Click's own usage errors (an unknown option, a missing argument) keep status 2."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            if ctx.params.get("debug") or os.environ.get("DFLASH_DEBUG"):
+                raise
+            click.echo(interrupted_line(ctx.invoked_subcommand or ""), err=True)
+            ctx.exit(EXIT_INTERRUPTED)
         except Exception as error:
             if not is_expected(error) or ctx.params.get("debug") or os.environ.get("DFLASH_DEBUG"):
                 raise
@@ -103,7 +108,7 @@ def main(debug):
     """
 
 
-@main.command("stage1-extract")
+@main.command("stage1-extract", short_help="Run the target over the data, store its hidden states.")
 @config_options
 @click.option("--gpus", help="Comma-separated GPU ids, one process each via torchrun (e.g. 0,1,2,3,4).")
 @click.option("--overwrite", is_flag=True, help="Replace a store that was made with a different config.")
@@ -123,7 +128,7 @@ def stage1_extract(config_path, overrides, gpus, overwrite):
     extract.run(config)
 
 
-@main.command("stage2-train")
+@main.command("stage2-train", short_help="Train the drafter from a stage-one store (no target needed).")
 @config_options
 @click.option("--gpus", help="Comma-separated GPU ids, one DDP process each via torchrun (e.g. 5,6,7).")
 @click.option("--resume", is_flag=False, flag_value="latest", default=None, metavar="[PATH]",
@@ -150,7 +155,7 @@ def stage2_train(config_path, overrides, gpus, resume, follow):
     train.run(config, resume=resume)
 
 
-@main.command("inspect-cache")
+@main.command("inspect-cache", short_help="Bucket and shard statistics of a store; verify it.")
 @click.argument("store", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON only.")
 @click.option("--verify", is_flag=True, help="Read every chunk; check checksums, shapes, NaN/Inf, completion marks.")
@@ -173,13 +178,15 @@ def inspect_cache(store, as_json, verify, per_shard, plot, repair):
         sys.exit(1)
 
 
-@main.command("export")
-@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@main.command("export", short_help="Write a checkpoint as inference engines load it.")
+@click.argument("checkpoint", type=click.Path(file_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def export(checkpoint, out_dir):
     """Export a training CHECKPOINT directory to OUT_DIR in the inference format.
 
-    OUT_DIR gets config.json (Qwen3 config with dflash_config) and model.safetensors.
+    OUT_DIR gets config.json (Qwen3 config with dflash_config), model.safetensors and
+    modeling_dflash.py, the drafter's class and decoding loop that engines load with
+    trust_remote_code (docs/INTERNALS.md lists the fields they read).
     """
     writes(out_dir)
     from stages import export as export_stage
@@ -188,13 +195,14 @@ def export(checkpoint, out_dir):
     click.echo(f"exported {checkpoint} -> {path}")
 
 
-@main.command("eval")
+@main.command("eval", short_help="Served acceptance: speculative decoding with the target.")
 @config_options
 @click.option("--drafter", "drafter_dirs", required=True, multiple=True, type=click.Path(file_okay=False),
               help="An exported drafter directory (from `dflash export`); repeat it to compare several "
                    "drafters on the same prompts and baseline.")
 @click.option("--prompts", default="heldout", show_default=True,
-              help="'heldout': the samples stage two held out of the config's store; or a data source "
+              help="'heldout': the samples stage two held out of the config's store ('heldout:NAME': those of "
+                   "the store's data.mix source NAME); or a data source "
                    "(JSONL/JSON/Parquet file or directory, embedded:NAME, hub name), rendered up to its last answer.")
 @click.option("--num-prompts", default=32, show_default=True, help="How many prompts (the first ones).")
 @click.option("--match", default="", help="Only prompts whose rendered text matches this regular expression "
@@ -232,7 +240,7 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
     evaluate_stage.run(config, options)
 
 
-@main.command("generate")
+@main.command("generate", short_help="Regenerate a dataset's answers with the target.")
 @config_options
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Output directory: part-NNNNN.jsonl shards that data.source reads, and a manifest.")
@@ -272,9 +280,12 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
                    "such as embedded:ask-code's \"Write a Python function\") at this temperature until it ends the "
                    "turn, then answers the prompt it wrote (rows marked \"asked\"); prompts it does not end "
                    "within --max-new-tokens are dropped and counted. 0: the rows' prompts as they are.")
+@click.option("--turns", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="2: after each answer not cut, the target writes a follow-up user turn (from a start such as "
+                   "\"Can you\", at --ask-temperature, which must be > 0) and answers it: two-turn rows.")
 def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, top_k, num_samples, with_greedy, seed,
              engine, decode_attention, batch_size, rows_per_shard, limit, static_cache, device, gpus, overwrite,
-             ask_temperature):
+             ask_temperature, turns):
     """Regenerate the answers of data.source with the target, for training on what it would say.
 
     Each row is rendered up to its last assistant turn with the chat template stage one uses;
@@ -283,7 +294,8 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
     shards written atomically, so a killed run resumes (finished shards are kept). It says which
     decoding path runs, and its summary the tokens/s. Point data.source at --out to build a store
     from the answers (docs/generate.md). With --ask-temperature the target writes the prompts too
-    (from starts such as `data.source = "embedded:ask-code"`'s), then answers them.
+    (from starts such as `data.source = "embedded:ask-general"`'s), then answers them; with --turns 2
+    it then writes a follow-up user turn after each answer and answers that too.
     """
     if gpus and not under_torchrun():
         relaunch_without_gpus(gpus)
@@ -295,7 +307,7 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
         out=out, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         num_samples=num_samples, with_greedy=with_greedy, seed=seed, engine=engine, decode_attention=decode_attention,
         batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache,
-        overwrite=overwrite, ask_temperature=ask_temperature)
+        overwrite=overwrite, ask_temperature=ask_temperature, turns=turns)
     generate_stage.run(config, options)
 
 
@@ -334,7 +346,7 @@ def config_group():
     """Inspect configs."""
 
 
-@config_group.command("show")
+@config_group.command("show", short_help="Every config key with its value, default and meaning.")
 @config_options
 def config_show(config_path, overrides):
     """Print every config key with its value (after -c and --set), default and meaning."""

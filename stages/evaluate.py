@@ -28,14 +28,15 @@ from dflash.data.tokenizer import load_target_tokenizer
 from dflash.dist import resolve_device
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
 from dflash.model.modeling_dflash import greedy_generate
-from dflash.serve.evaluation import (HELDOUT, EvalResult, decode_prompt, load_drafter, load_prompts, mark_code, plot,
-                                     print_report, summarize, timed, warm_up, write_json)
+from dflash.serve.evaluation import (HELDOUT, EvalResult, check_drafter_export, decode_prompt, load_drafter,
+                                     load_prompts, mark_code, plot, print_report, summarize, timed, warm_up,
+                                     write_json)
 
 
 @dataclass(frozen=True)
 class EvalOptions:
     drafters: tuple[str, ...]  # export directories
-    prompts: str = HELDOUT  # "heldout" or a data source
+    prompts: str = HELDOUT  # "heldout", "heldout:NAME" (one source of the store's mix) or a data source
     num_prompts: int = 32
     match: str = ""  # regular expression the prompt's text must match ("" = any)
     exclude: str = ""  # regular expression the prompt's text must not match ("" = none)
@@ -48,6 +49,8 @@ class EvalOptions:
 
 
 def run(config: Config, options: EvalOptions) -> list[EvalResult]:
+    for path in options.drafters:
+        check_drafter_export(path)
     device = resolve_device(options.device)
     dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)

@@ -11,5 +11,8 @@ from dflash.train.checkpoint import checkpoint_drafter_args, load_checkpoint
 
 def run(checkpoint: str, out_dir: str) -> Path:
     """Export `checkpoint` to `out_dir`; returns the export directory."""
+    if not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"there is no checkpoint directory {checkpoint}; stage2-train writes them under "
+                                f"train.out_dir/checkpoints (step-NNNNNNNN)")
     loaded = load_checkpoint(checkpoint)
     return export_drafter(loaded.model_state, checkpoint_drafter_args(loaded), out_dir)

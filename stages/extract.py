@@ -12,8 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.config import Config
+from dflash.config import Config, training_sources
 from dflash.data import samples
+from dflash.data.chat import BadRowError
 from dflash.data.tokenizer import choose_mask_token, load_target_tokenizer
 from dflash.dist import DistState, all_reduce_sum, init_distributed, shutdown
 from dflash.extract.capture import write_shards
@@ -50,7 +51,10 @@ def run(config: Config) -> ExtractResult:
 def extract(config: Config, dist: DistState) -> ExtractResult:
     target_path = prepare_checkpoint_in_order(config.target.path, config.data.cache_dir, dist)
     tokenizer = load_target_tokenizer(target_path, config.target.chat_template)
-    tokenized = tokenize_in_order(config, tokenizer, dist)
+    per_source = tokenize_in_order(config, tokenizer, dist)
+    for (name, data), (_, source, _) in zip(per_source, training_sources(config.data)):
+        samples.require_samples(data, source)  # before the store exists: never an empty one
+    tokenized, source_ids = join_sources(per_source)
     lengths = np.array([len(s.input_ids) for s in tokenized.samples], dtype=np.int64)
     row_ids = np.array([s.row_id for s in tokenized.samples], dtype=np.int64)
     shards = plan.plan_shards(lengths, row_ids, list(config.store.bucket_edges), config.store.shard_tokens)
@@ -61,7 +65,7 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     result = ExtractResult(store_path=config.store.path, bad_rows=dict(tokenized.bad_rows),
                            shards_skipped=sum(s.name in done for s in shards))
     if dist.is_main:
-        report_data(tokenized, len(shards), len(done), config.data.max_length)
+        report_data(per_source, len(shards), len(done), config.data.max_length)
     needs_weights = dist.is_main and not store_format.frozen_weights_complete(group)
     if not mine and not needs_weights:
         if dist.is_main and len(done) == len(shards):
@@ -69,13 +73,14 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
         dist.barrier()
         return result
     target = load_target(str(target_path), dist.device, dtype=target_dtype(config.target.dtype, dist.device),
-                         layer_ids=attrs["target_layer_ids"], predict_labels=config.store.labels == "target")
+                         layer_ids=attrs["target_layer_ids"], predict_labels=config.store.labels == "target", topk=config.store.topk)
     if needs_weights:
         store_writer.write_frozen_weights(group, target.embedding_weight(), target.lm_head_weight())
     if config.target.compile and dist.device.type == "cuda":
         compile_decoder_layers(target)
     start = time.perf_counter()
-    written = write_shards(config, dist, target, tokenized.samples, lengths, row_ids, mine)
+    written = write_shards(config, dist, target, tokenized.samples, lengths, row_ids, mine,
+                           source_ids=source_ids if config.data.mix else None)
     result.seconds = time.perf_counter() - start
     for name in (f.name for f in fields(written)):  # ExtractResult holds every WriteStats field
         setattr(result, name, getattr(written, name))
@@ -84,18 +89,43 @@ def extract(config: Config, dist: DistState) -> ExtractResult:
     return result
 
 
-def tokenize_in_order(config: Config, tokenizer, dist: DistState) -> samples.TokenizedData:
-    """Rank 0 tokenizes (and fills the cache) first; the other ranks then read the cache."""
-    def tokenize():
+def tokenize_source(config: Config, tokenizer, source: str) -> samples.TokenizedData:
+    """One training source tokenized and cached; with data.strict a bad row stops it, named with its file."""
+    try:
         return samples.tokenize_rows(
-            config.data.source, tokenizer, split=config.data.split,
+            source, tokenizer, split=config.data.split,
             max_length=config.data.max_length, overlong=config.data.overlong,
             min_supervised=config.drafter.block_size, strict=config.data.strict,
             num_workers=config.data.num_workers, cache_dir=config.data.cache_dir)
+    except BadRowError as bad:  # data.strict: name the file that holds the row
+        raise bad.located(source, "fix the row, or set data.strict=false to skip and count bad rows") from None
+
+
+def tokenize_in_order(config: Config, tokenizer, dist: DistState) -> list[tuple[str, samples.TokenizedData]]:
+    """`(name, tokenized)` of every training source (data.mix's, or data.source), each read and
+    cached on its own (`samples.tokenize_rows`: row ids stay the source's own). Rank 0 tokenizes
+    (and fills the cache) first; the other ranks then read the cache."""
+    def tokenize():
+        return [(name, tokenize_source(config, tokenizer, source))
+                for name, source, _ in training_sources(config.data)]
 
     result = tokenize() if dist.is_main else None
     dist.barrier()
     return result if dist.is_main else tokenize()
+
+
+def join_sources(per_source: list[tuple[str, samples.TokenizedData]]) -> tuple[samples.TokenizedData, np.ndarray]:
+    """Every source's samples in one list (source by source), and each one's source number (int32);
+    the bad rows are counted over all sources (the report names them per source)."""
+    joined = samples.TokenizedData(samples=[])
+    source_ids = []
+    for number, (_, tokenized) in enumerate(per_source):
+        joined.samples += tokenized.samples
+        joined.num_rows += tokenized.num_rows
+        for reason, count in tokenized.bad_rows.items():
+            joined.bad_rows[reason] = joined.bad_rows.get(reason, 0) + count
+        source_ids.append(np.full(len(tokenized.samples), number, dtype=np.int32))
+    return joined, np.concatenate(source_ids)
 
 
 def open_store_in_order(config: Config, attrs: dict, dist: DistState):
@@ -128,13 +158,17 @@ def root_attrs(config: Config, target_path: Path, tokenizer, shards, samples) ->
         num_truncated=sum(sample.truncated for sample in samples), shards=shards)
 
 
-def report_data(tokenized: samples.TokenizedData, num_shards: int, num_done: int, max_length: int) -> None:
-    kept = len(tokenized.samples)
-    print(f"data: {tokenized.num_rows} rows, {kept} kept, {tokenized.num_rows - kept} skipped, "
-          f"{tokenized.num_truncated} cut at data.max_length ({max_length} tokens)")
-    for reason, count in sorted(tokenized.bad_rows.items()):
-        examples = ", ".join(str(r + 1) for r in tokenized.examples.get(reason, [])[:5])
-        print(f"  skipped {count} row(s): {reason} (e.g. rows {examples})")
+def report_data(per_source: list[tuple[str, samples.TokenizedData]], num_shards: int, num_done: int,
+                max_length: int) -> None:
+    for name, tokenized in per_source:
+        kept = len(tokenized.samples)
+        where = f"data (source {name})" if len(per_source) > 1 else "data"
+        print(f"{where}: {tokenized.num_rows} rows, {kept} kept ({tokenized.num_tokens:,} tokens), "
+              f"{tokenized.num_rows - kept} skipped, {tokenized.num_truncated} cut at data.max_length "
+              f"({max_length} tokens)")
+        for reason, count in sorted(tokenized.bad_rows.items()):
+            examples = ", ".join(str(r + 1) for r in tokenized.examples.get(reason, [])[:5])
+            print(f"  skipped {count} row(s): {reason} (e.g. rows {examples})")
     print(f"plan: {num_shards} shards, {num_done} already complete")
 
 

@@ -11,6 +11,9 @@ source, `sample` 0 the greedy answer and 1.. the sampled ones, `cut` says the an
 --max-new-tokens). With --ask-temperature the target first writes each row's last user turn from the
 row's text as its start (rows such as embedded:ask-code's: "Write a Python function"), sampled from
 each row's own stream, then answers the prompts it wrote; those it does not end are dropped and counted.
+With --turns 2 (and --ask-temperature) the target then writes a second user turn after each answer that
+was not cut, from one of dflash.data.starts.FOLLOW_UP_STARTS at the asking temperature, and answers it:
+such rows hold two exchanges (`"turns": 2`); an answer cut at --max-new-tokens stays a one-turn row.
 
 The rows are planned first, in source order, into shards of `--rows-per-shard` prompts; the
 answers of every shard still to write stream through one engine (dflash/serve/generation.py; the
@@ -19,7 +22,9 @@ written atomically as `part-NNNNN.jsonl` once its answers are in, its rows in pr
 order, so a killed run resumes where it stopped (finished shards are kept) and writes the same
 files as an uninterrupted one. `generate-manifest.txt` (JSON; not a data suffix, so `data.source`
 never reads it) records what the output holds: a rerun with other content settings is refused
-unless --overwrite. Under torchrun (`--gpus`) rank r writes shards r, r + world, ...
+unless --overwrite. Under torchrun (`--gpus`) rank r writes shards r, r + world, ... With --turns 2 every
+turn of a group of shards (TURNS_GROUP_PROMPTS prompts) is made before the next group's, so that a resume
+keeps the groups done.
 """
 
 from __future__ import annotations
@@ -39,9 +44,13 @@ from dflash.extract.target import (load_causal_lm, prepare_checkpoint_in_order, 
                                    weights_fingerprint)
 from dflash.outputs import write_text_atomic
 from dflash.serve.decoding import ATTENTIONS
-from dflash.serve.generation import (ASKED_CUT, ASKED_EMPTY, BAD_PROMPT_TOO_LONG, ENGINES, Answer, Generator, Job,
-                                     Prompt, ask_job, asked_prompt, output_row, prepare_output, read_prompts,
-                                     sample_indices, shard_path)
+from dflash.serve.generation import (ASKED_CUT, ASKED_EMPTY, BAD_PROMPT_TOO_LONG, ENGINES, FIRST_ANSWER_CUT, Answer,
+                                     Generator, Job, Prompt, ask_job, asked_prompt, follow_up_answer_job,
+                                     follow_up_ask_job, output_row, prepare_output, read_prompts, sample_indices,
+                                     shard_path)
+
+TURNS = (1, 2)
+TURNS_GROUP_PROMPTS = 4096  # --turns 2: shards made together, first turn to last, before the next ones
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class GenerateOptions:
     static_cache: str = "auto"  # "auto": on CUDA (compiled decoding), "on", "off"
     overwrite: bool = False
     ask_temperature: float = 0.0  # > 0: the target first writes each row's last user turn, sampled at this
+    turns: int = 1  # 2: the target then writes a follow-up user turn (at ask_temperature) and answers it
 
 
 @dataclass
@@ -78,6 +88,8 @@ class GenerateResult:
     cut: int = 0
     asked: int = 0  # prompts the target wrote (--ask-temperature), answered
     ask_dropped: dict = field(default_factory=dict)  # reason -> prompts it wrote that were not answered
+    follow_ups: int = 0  # --turns 2: second answers (two-turn rows)
+    follow_up_dropped: dict = field(default_factory=dict)  # reason -> answers left as one-turn rows
     seconds: float = 0.0
 
 
@@ -97,6 +109,11 @@ def check_options(options: GenerateOptions) -> None:
     if options.ask_temperature < 0:
         raise ConfigError(f"--ask-temperature must be >= 0 (0: answer the rows' prompts as they are), got "
                           f"{options.ask_temperature}")
+    if options.turns not in TURNS:
+        raise ConfigError(f"--turns must be one of {', '.join(map(str, TURNS))}, got {options.turns}")
+    if options.turns > 1 and options.ask_temperature <= 0:
+        raise ConfigError(f"--turns {options.turns}: the target writes the follow-up user turns at --ask-temperature, "
+                          f"which must be > 0")
     if options.temperature < 0 or not 0 < options.top_p <= 1:
         raise ConfigError(f"--temperature must be >= 0 and --top-p in (0, 1], got {options.temperature}, "
                           f"{options.top_p}")
@@ -143,20 +160,42 @@ def generate(config: Config, options: GenerateOptions, dist: DistState) -> Gener
                               decode_attention=options.decode_attention)
         if dist.is_main:
             print(generator.describe())
-        todo_shards = {k: shards[k] for k in todo}
-        if options.ask_temperature > 0:
-            todo_shards = ask_shards(generator, tokenizer, todo_shards, options, config.data.max_length, dist, result)
-        generate_shards(generator, todo_shards, out, options, dist, result)
+        for group in shard_groups({k: shards[k] for k in todo}, options.turns):
+            if options.ask_temperature > 0:
+                group = ask_shards(generator, tokenizer, group, options, config.data.max_length, dist, result)
+            if options.turns == 1:
+                generate_shards(generator, group, out, options, dist, result)
+            else:
+                two_turn_shards(generator, tokenizer, group, out, options, config.data.max_length, dist, result)
     dist.barrier()
     summarize(dist, result, options)
     return result
 
 
+def shard_groups(shards: dict[int, list[Prompt]], turns: int) -> list[dict[int, list[Prompt]]]:
+    """The shards to make, at once (one turn: every answer streams through one engine run), or with --turns 2
+    in groups of consecutive shards that hold TURNS_GROUP_PROMPTS prompts or more (the last: what is left)."""
+    if turns == 1:
+        return [shards]
+    groups, group = [], {}
+    for k, prompts in shards.items():
+        group[k] = prompts
+        if sum(map(len, group.values())) >= TURNS_GROUP_PROMPTS:
+            groups.append(group)
+            group = {}
+    return groups + ([group] if group else [])
+
+
+def plan_jobs(shards: dict[int, list[Prompt]], options: GenerateOptions) -> list[Job]:
+    """Every answer to make, in shard, prompt and sample order."""
+    samples = sample_indices(options.temperature, options.num_samples, options.with_greedy)
+    return [Job(prompt, sample, k) for k, prompts in shards.items() for prompt in prompts for sample in samples]
+
+
 def generate_shards(generator: Generator, shards: dict[int, list[Prompt]], out: Path, options: GenerateOptions,
                     dist: DistState, result: GenerateResult) -> None:
     """Every answer of `shards` through one engine; each shard is written as soon as it is whole."""
-    samples = sample_indices(options.temperature, options.num_samples, options.with_greedy)
-    jobs = [Job(prompt, sample, k) for k, prompts in shards.items() for prompt in prompts for sample in samples]
+    jobs = plan_jobs(shards, options)
     members: dict[int, list[int]] = {k: [] for k in shards}  # each shard's jobs, in prompt then sample order
     for index, job in enumerate(jobs):
         members[job.shard].append(index)
@@ -189,25 +228,69 @@ def generate_shards(generator: Generator, shards: dict[int, list[Prompt]], out: 
     result.seconds += time.perf_counter() - start
 
 
+def run_jobs(generator: Generator, jobs: list[Job], dist: DistState, result: GenerateResult, desc: str,
+             temperature: float | None = None) -> list[Answer]:
+    """Every job's answer in job order, through one engine run (tokens and time added to `result`)."""
+    answers: list[Answer | None] = [None] * len(jobs)
+    start = time.perf_counter()
+    bar = tqdm(total=len(jobs), unit="job", disable=not dist.is_main, dynamic_ncols=True,
+               desc=f"{desc} (rank 0 of {dist.world_size})")
+
+    def take(index: int, answer: Answer) -> None:
+        answers[index] = answer
+        result.tokens += len(answer.token_ids)
+        bar.update(1)
+
+    if jobs:
+        generator.run(jobs, take, temperature=temperature)
+    bar.close()
+    result.seconds += time.perf_counter() - start
+    return answers
+
+
+def two_turn_shards(generator: Generator, tokenizer, shards: dict[int, list[Prompt]], out: Path,
+                    options: GenerateOptions, max_length: int, dist: DistState, result: GenerateResult) -> None:
+    """--turns 2: the first answers; the target's follow-up user turn after each one not cut (sampled at
+    --ask-temperature); the answers to those; then every shard, each row the longest conversation made
+    (a first answer whose follow-up was dropped stays a one-turn row, counted by reason)."""
+    jobs = plan_jobs(shards, options)
+    answers = run_jobs(generator, jobs, dist, result, "answer")
+    result.answers += len(answers)
+    result.cut += sum(answer.cut for answer in answers)
+    made = list(zip(jobs, answers))
+    asking = [i for i, answer in enumerate(answers) if not answer.cut]
+    if len(asking) < len(jobs):
+        result.follow_up_dropped[FIRST_ANSWER_CUT] = (result.follow_up_dropped.get(FIRST_ANSWER_CUT, 0)
+                                                      + len(jobs) - len(asking))
+    asks = [follow_up_ask_job(jobs[i], answers[i], tokenizer) for i in asking]
+    follow_ups, owners = [], []
+    for i, ask, turn in zip(asking, asks, run_jobs(generator, asks, dist, result, "follow-up ask",
+                                                   options.ask_temperature)):
+        prompt = asked_prompt(ask.prompt, turn, tokenizer, max_length)
+        if isinstance(prompt, str):
+            result.follow_up_dropped[prompt] = result.follow_up_dropped.get(prompt, 0) + 1
+            continue
+        follow_ups.append(follow_up_answer_job(ask, prompt))
+        owners.append(i)
+    for i, job, answer in zip(owners, follow_ups, run_jobs(generator, follow_ups, dist, result, "follow-up answer")):
+        made[i] = (job, answer)
+        result.follow_ups += 1
+        result.answers += 1
+        result.cut += answer.cut
+    for k in shards:
+        write_text_atomic(shard_path(out, k), "".join(json.dumps(output_row(job, answer), ensure_ascii=False) + "\n"
+                                                      for job, answer in made if job.shard == k))
+        result.shards_written += 1
+
+
 def ask_shards(generator: Generator, tokenizer, shards: dict[int, list[Prompt]], options: GenerateOptions,
                max_length: int, dist: DistState, result: GenerateResult) -> dict[int, list[Prompt]]:
     """--ask-temperature: the target writes the rest of every prompt's last user turn (each from its own
     sampling stream, so a resumed shard gets the same prompts), and those prompts replace the rows'; the
     ones it did not finish, or left empty or too long, are dropped and counted by reason."""
     jobs = [ask_job(prompt, tokenizer, k) for k, prompts in shards.items() for prompt in prompts]
-    asked: list[Prompt | str] = [""] * len(jobs)
-    start = time.perf_counter()
-    bar = tqdm(total=len(jobs), unit="prompt", disable=not dist.is_main, dynamic_ncols=True,
-               desc=f"ask (rank 0 of {dist.world_size})")
-
-    def take(index: int, answer: Answer) -> None:
-        asked[index] = asked_prompt(jobs[index].prompt, answer, tokenizer, max_length)
-        result.tokens += len(answer.token_ids)
-        bar.update(1)
-
-    generator.run(jobs, take, temperature=options.ask_temperature)
-    bar.close()
-    result.seconds += time.perf_counter() - start
+    asked = [asked_prompt(job.prompt, answer, tokenizer, max_length)
+             for job, answer in zip(jobs, run_jobs(generator, jobs, dist, result, "ask", options.ask_temperature))]
     kept: dict[int, list[Prompt]] = {k: [] for k in shards}
     for job, made in zip(jobs, asked):
         if isinstance(made, Prompt):
@@ -230,6 +313,7 @@ def content_identity(config: Config, options: GenerateOptions, checkpoint: Path,
            if key in ("max_new_tokens", "temperature", "top_p", "top_k", "num_samples", "with_greedy", "seed",
                       "rows_per_shard", "limit")},
         **({"ask_temperature": options.ask_temperature} if options.ask_temperature > 0 else {}),
+        **({"turns": options.turns} if options.turns > 1 else {}),
     }
 
 
@@ -244,18 +328,25 @@ def report_plan(result: GenerateResult, num_shards: int, num_done: int) -> None:
 
 def summarize(dist: DistState, result: GenerateResult, options: GenerateOptions) -> None:
     reasons = (ASKED_CUT, ASKED_EMPTY, BAD_PROMPT_TOO_LONG)
+    follow_up_reasons = (FIRST_ANSWER_CUT, *reasons)
     totals = all_reduce_sum(dist, [result.shards_written, result.shards_kept, result.answers, result.tokens,
                                    result.cut, result.seconds, result.asked,
-                                   *(result.ask_dropped.get(reason, 0) for reason in reasons)])
+                                   *(result.ask_dropped.get(reason, 0) for reason in reasons), result.follow_ups,
+                                   *(result.follow_up_dropped.get(reason, 0) for reason in follow_up_reasons)])
     if not dist.is_main:
         return
     written, kept, answers, tokens, cut = (int(v) for v in totals[:5])
     seconds = totals[5] / dist.world_size
     if options.ask_temperature > 0:
-        asked, dropped = int(totals[6]), [int(v) for v in totals[7:]]
+        asked, dropped = int(totals[6]), [int(v) for v in totals[7:10]]
         print(f"asked: the target wrote {asked + sum(dropped)} prompts (temperature {options.ask_temperature:g}), "
               f"{asked} answered; dropped {dropped[0]} it did not end within --max-new-tokens, {dropped[1]} empty, "
               f"{dropped[2]} of data.max_length tokens or more (tokens below count the prompts it wrote too)")
+    if options.turns > 1:
+        follow_ups, kept = int(totals[10]), [int(v) for v in totals[11:]]
+        print(f"turns: {follow_ups} two-turn rows; one-turn rows kept: {kept[0]} whose first answer was cut, "
+              f"{kept[1]} whose follow-up the target did not end within --max-new-tokens, {kept[2]} empty, {kept[3]} "
+              f"of data.max_length tokens or more (answers and cut below count both turns')")
     rate = f"{tokens / seconds:,.0f} tokens/s" if seconds > 0 else "-"
     print(f"generate done: {answers} answers, {tokens:,} tokens in {seconds:.1f} s ({rate} over "
           f"{dist.world_size} process(es)); {cut} cut at --max-new-tokens ({options.max_new_tokens}); "

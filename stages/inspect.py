@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from dflash.store.inspection import plot_lengths, print_report, repair_store, store_stats, verify_store
+from dflash.store.reader import check_is_store
 
 
 def run(store_path: Any, as_json: bool = False, verify: bool = False,
@@ -17,6 +18,7 @@ def run(store_path: Any, as_json: bool = False, verify: bool = False,
     """Statistics (and optionally verification, repair and a length plot) of the store at `store_path`.
 
     `repair` (with `verify`) removes the bad shards so that stage one rewrites them."""
+    check_is_store(store_path)
     stats = store_stats(store_path)
     report = verify_store(store_path).to_dict() if verify else None
     removed = repair_store(store_path, report["bad"]) if repair and report and report["bad"] else []

@@ -15,13 +15,14 @@ import torch
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
 from dflash.store.reader import StoreReader
+from dflash.train import mix
 from dflash.train.checkpoint import read_state
 from dflash.train.compile_cache import artifacts_to_load, load_compile_artifacts
 from dflash.train.follow import StoreFollower, wait_for_store
 from dflash.train.loop import StopFlag, TrainResult, TrainState, loop, print_plan
 from dflash.train.metrics import MetricsLogger
 from dflash.train.resume import resolve_resume, restore, resume_config
-from dflash.train.sampler import DataCursor, holdout_groups, schedule_for, split_holdout
+from dflash.train.sampler import DataCursor, schedule_for
 from dflash.train.sizing import build_drafter_args, check_labels
 from dflash.train.step import apply_parallelism, build_context, build_model, build_optimizer
 
@@ -43,6 +44,8 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     if checkpoint_path is not None and config.train.follow and follow_state is None:
         raise ConfigError(f"--resume {checkpoint_path}: that run did not follow the store; resume it without "
                           f"train.follow / --follow")
+    if follow_state is not None or config.train.follow:
+        mix.refuse_follow(config)
     reader = open_reader(config, dist, follow_state)
     check_labels(config, reader.attrs)
     if checkpoint_path is not None:
@@ -60,11 +63,7 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         steps_per_epoch = [follower.segments[0].schedule.num_steps]
     else:
         follower = None
-        train_indices, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed,
-                                                    holdout_groups(config, reader))
-        # Every epoch's schedule is index arithmetic (no data read); built once, it also fixes the LR horizon.
-        schedules = [schedule_for(config, reader, train_indices, epoch, dist.world_size, config.train.accum_steps)
-                     for epoch in range(config.train.epochs)]
+        train_indices, eval_indices, schedules = plan_epochs(config, reader, dist)
         steps_per_epoch = [schedule.num_steps for schedule in schedules]
         total_steps = sum(steps_per_epoch) if config.train.max_steps <= 0 else min(config.train.max_steps, sum(steps_per_epoch))
     model = build_model(config, args, dist)
@@ -97,15 +96,39 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     return result
 
 
+def plan_epochs(config: Config, reader: StoreReader, dist: DistState) -> tuple:
+    """`(train_indices, eval_indices, schedules)`: the held-out split (per source in a store of several)
+    and every epoch's schedule over its samples, weighted by data.mix (dflash/train/mix.py). Index
+    arithmetic, no data read; built once, the schedules also fix the LR horizon."""
+    train_indices, eval_indices = mix.held_out_split(config, reader)
+    if train_indices.size == 0:  # a store written before stage one refused sources without samples
+        raise ConfigError(f"store.path {config.store.path}: no training samples ({len(reader)} in the store, "
+                          f"{eval_indices.size} held out by train.holdout_fraction); rerun stage one with "
+                          f"--overwrite on a data.source with usable rows")
+    source_mix = mix.resolve_mix(config, reader)
+    epochs = [mix.epoch_samples(source_mix, reader, train_indices, config.train.seed, epoch)
+              for epoch in range(config.train.epochs)]
+    if dist.is_main and source_mix is not None:
+        print("mix (data.mix):\n" + mix.describe_mix(source_mix, reader, train_indices, epochs[0]))
+    elif dist.is_main and len(reader.source_names) > 1:
+        print(f"the store holds the sources {', '.join(reader.source_names)} and the config has no data.mix: "
+              f"every training sample once an epoch (the sources' own shares)")
+    schedules = [schedule_for(config, reader, samples, epoch, dist.world_size, config.train.accum_steps)
+                 for epoch, samples in enumerate(epochs)]
+    return train_indices, eval_indices, schedules
+
+
 def open_reader(config: Config, dist: DistState, follow_state: dict | None):
     """The store's reader: every complete shard; a following run waits for the store to exist,
     and a resumed one indexes the shards its checkpoint saw, in their arrival order."""
     on_corrupt = "skip" if config.train.skip_corrupt_shards else "raise"
+    soft_targets = config.train.distill_weight > 0  # the distillation term reads the stored top-k
     if follow_state is not None:
-        return StoreReader(config.store.path, on_corrupt=on_corrupt, shards=follow_state["arrival"])
+        return StoreReader(config.store.path, on_corrupt=on_corrupt, shards=follow_state["arrival"],
+                           soft_targets=soft_targets)
     if config.train.follow:
         wait_for_store(config, dist, status=Announcer(dist))
-    return StoreReader(config.store.path, on_corrupt=on_corrupt)
+    return StoreReader(config.store.path, on_corrupt=on_corrupt, soft_targets=soft_targets)
 
 
 class Announcer:

@@ -83,7 +83,7 @@ def test_choices_and_rules_are_read_from_each_fields_own_setting():
     assert fields["train.attention"].metadata["choices"] == ("auto", *masks.BACKENDS)
     with pytest.raises(ConfigError, match="store.codec must be one of bf16, fp8, got 'zstd'"):
         load_config(None, ["store.codec=zstd"])
-    with pytest.raises(ConfigError, match="train.keep_last must be positive, got 0"):
+    with pytest.raises(ConfigError, match="train.keep_last must be > 0, got 0"):
         load_config(None, ["train.keep_last=0"])
 
 

@@ -132,7 +132,7 @@ def test_a_killed_run_resumes_to_the_same_output(tmp_path, embedded_cache_dir, l
     sampling = [] if engine == "generate" else ["--temperature", "0.9", "--num-samples", "2", "--with-greedy"]
 
     def command(out, *extra):
-        return [sys.executable, "-m", "dflash.cli", "generate", "-c", config, "--out", str(out), "--engine", engine,
+        return [sys.executable, "-m", "stages.cli", "generate", "-c", config, "--out", str(out), "--engine", engine,
                 "--max-new-tokens", "12", "--rows-per-shard", "3", "--batch-size", "2", *sampling, *extra]
 
     subprocess.run(command(tmp_path / "whole"), check=True, env=env, capture_output=True)
@@ -200,7 +200,7 @@ def test_the_target_writes_the_prompts_it_then_answers(tmp_path, embedded_cache_
     from its own stream: a second run writes the same files); the answer is the target's greedy answer to
     that prompt; prompts it did not end are dropped and counted. A random target rarely ends a turn, so
     one token in 16 ends it here."""
-    from dflash.data.embedded import ASK_CODE_SEEDS, ask_code_rows
+    from dflash.data.embedded import ask_code_rows
     from dflash.data.tokenizer import load_target_tokenizer
     from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids
 
@@ -224,7 +224,8 @@ def test_the_target_writes_the_prompts_it_then_answers(tmp_path, embedded_cache_
     for row in written:
         assert row["asked"] is True and row["sample"] == 0
         user, answer = row["messages"][0]["content"], row["messages"][-1]["content"]
-        seed = ASK_CODE_SEEDS[(row["source_row"] - 1) % len(ASK_CODE_SEEDS)]
+        seed = ask_code_rows()[row["source_row"] - 1]["messages"][-1]["content"]
+        assert row["kind"] == "code"
         assert user.startswith(seed) and len(user) > len(seed)
         ids = torch.tensor([samples.prompt_token_ids(row["messages"][:-1], tokenizer)])
         expected = greedy_generate(target, ids, 24, stops)
@@ -258,3 +259,75 @@ def test_a_prompt_to_continue_ends_with_the_start_of_its_user_turn(embedded_cach
     assert generation.asked_prompt(prompt, generation.Answer([], " ", False), qwen_tokenizer, 256) == generation.ASKED_EMPTY
     assert generation.asked_prompt(prompt, generation.Answer([1], " x", False), qwen_tokenizer, 8) == \
         generation.BAD_PROMPT_TOO_LONG
+
+
+@pytest.mark.parametrize("engine", ["slots", "generate"])
+def test_two_turns_the_target_asks_a_follow_up_and_answers_it(tmp_path, embedded_cache_dir, llama_target_dir,
+                                                              monkeypatch, capsys, engine):
+    """--turns 2 over embedded:ask-general's first rows: after each greedy answer that ended, the target writes
+    a second user turn from a follow-up start and answers it (two-turn rows, both answers the target's greedy
+    ones); a cut first answer stays a one-turn row. Made in groups of two shards; a run that lost its last
+    group remakes the same files. One token in 16 ends a turn, as above."""
+    from dflash.data.embedded import ask_general_rows
+    from dflash.data.starts import FOLLOW_UP_STARTS
+    from dflash.data.tokenizer import load_target_tokenizer
+    from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids
+
+    real_stops = stop_token_ids
+    monkeypatch.setattr(generate, "stop_token_ids",
+                        lambda tokenizer, model: sorted(set(real_stops(tokenizer, model)) | set(range(7, 240_000, 16))))
+    monkeypatch.setattr(generate, "TURNS_GROUP_PROMPTS", 3)  # groups of two shards of two prompts
+    config = load_config(write_config(tmp_path, embedded_cache_dir, ask_general_rows()[:8], str(llama_target_dir)))
+    out = tmp_path / "out"
+    options = generate.GenerateOptions(out=str(out), max_new_tokens=20, ask_temperature=1.0, turns=2,
+                                       rows_per_shard=2, batch_size=4, engine=engine)
+    with pytest.raises(ConfigError, match="--turns 2: .* --ask-temperature"):
+        generate.run(config, generate.GenerateOptions(out=str(out), turns=2))
+    result = generate.run(config, options)
+    summary = capsys.readouterr().out
+    assert f"turns: {result.follow_ups} two-turn rows" in summary
+    written = read_parts(out)
+    assert len(written) == result.asked and result.answers == result.asked + result.follow_ups
+    two_turn = [row for row in written if row.get("turns") == 2]
+    cut_first = [row for row in written if "turns" not in row and row["cut"]]
+    assert len(two_turn) == result.follow_ups >= 2 and len(cut_first) >= 1, (result, summary)
+    assert len(cut_first) == result.follow_up_dropped[generation.FIRST_ANSWER_CUT]
+    assert len(written) - len(two_turn) == sum(result.follow_up_dropped.values())
+
+    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
+    tokenizer = load_target_tokenizer(checkpoint)
+    target = load_causal_lm(str(checkpoint), torch.float32, torch.device("cpu"))
+    stops = generate.stop_token_ids(tokenizer, target)
+
+    def greedy(messages):
+        ids = torch.tensor([samples.prompt_token_ids(messages, tokenizer)])
+        expected = greedy_generate(target, ids, 20, stops)
+        cut = expected[-1] not in stops
+        return tokenizer.decode(expected if cut else expected[:-1], skip_special_tokens=True), cut
+
+    for row in two_turn:
+        messages = row["messages"]
+        assert [m["role"] for m in messages[-4:]] == ["user", "assistant", "user", "assistant"]
+        assert row["kind"] == ask_general_rows()[row["source_row"] - 1]["kind"] and row["asked"] is True
+        assert any(messages[-2]["content"].startswith(start) and len(messages[-2]["content"]) > len(start)
+                   for start in FOLLOW_UP_STARTS)
+        assert greedy(messages[:-3]) == (messages[-3]["content"], False)  # the first answer ended
+        assert greedy(messages[:-1]) == (messages[-1]["content"], row["cut"])
+    for row in cut_first:
+        assert row["messages"][-2]["role"] == "user" and greedy(row["messages"][:-1]) == (row["messages"][-1]["content"], True)
+
+    # Stage one supervises both answers of a two-turn row.
+    tokenized = samples.tokenize_rows(str(out), tokenizer, max_length=1024, strict=True)
+    for sample in tokenized.samples:
+        spans = int(np.count_nonzero(np.diff(np.concatenate([[0], sample.loss_mask.astype(int)])) == 1))
+        assert spans == (2 if written[sample.row_id].get("turns") == 2 else 1)
+
+    # A run killed in its second group: the first group's shards kept, the rest remade as before.
+    first = {name: (out / name).read_text() for name in sorted(p.name for p in out.glob("part-*.jsonl"))}
+    assert len(first) == 4
+    for name in ("part-00002.jsonl", "part-00003.jsonl"):
+        (out / name).unlink()
+    resumed = generate.run(config, options)
+    assert (resumed.shards_kept, resumed.shards_written) == (2, 2)
+    assert {name: (out / name).read_text() for name in first} == first
+    assert json.loads((out / generation.MANIFEST).read_text())["content"]["turns"] == 2

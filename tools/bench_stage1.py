@@ -430,7 +430,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="also time capture with the target's greedy labels (store.labels = target)")
     parser.add_argument("--essential", action="store_true",
                         help="skip the unmasked bare forward and the writers-alone pass (a large --tokens in one "
-                             "device call: the bare forward, capture and the full path remain)")
+                             "10-minute run: the bare forward, capture and the full path remain)")
     parser.add_argument("--padding-only", action="store_true",
                         help="only print the padding efficiency of stage one's batches for --tokens of the length mix "
                              "(no target, any machine)")

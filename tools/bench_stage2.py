@@ -81,6 +81,8 @@ def bench_config(args):
         train["num_workers"] = args.workers
     if getattr(args, "fuse_accum", False):
         train["fuse_accum"] = True
+    if getattr(args, "gather_keys", False):
+        train["gather_context_keys"] = True
     data = {"max_length": min(4096, train.get("token_budget", Config().train.token_budget))}
     return replace(Config(), drafter={"size": size}, train=train, data=data)
 
@@ -184,13 +186,13 @@ def synthetic_item(pool: FeaturePool, length: int, row_id: int, bucket: int, max
             "epoch": 0, "bucket": bucket}
 
 
-def collate_options(ctx, mask_rule: bool = False) -> dict:
-    """What the trainer's loop passes to the collate (`--gather-keys`, `--split-block` change it);
+def collate_options(ctx, config, mask_rule: bool = False) -> dict:
+    """What the trainer's loop passes to the collate (`--gather-keys` changes it);
     `mask_rule` (`--mask-rule`): no tile layouts, so the block masks come from create_block_mask."""
     from dflash.train.batch import collate_options as trainer_options
 
-    options = trainer_options(ctx.backend, ctx.args)
-    return dict(options, mask_windows=None, gather_keys=False, split_block=False) if mask_rule else options
+    options = trainer_options(ctx.backend, ctx.args, config.train.gather_context_keys)
+    return dict(options, mask_windows=None, gather_keys=False) if mask_rule else options
 
 
 def peer_steps(pool, args_drafter, num_distinct: int, seed: int, options: dict) -> list[list[dict]]:
@@ -575,7 +577,7 @@ def loader_over_store(config, ctx, store_dir: Path, epochs: int):
     for epoch in range(epochs):
         schedule = schedule_for(config, reader, np.arange(len(reader)), epoch, 1, config.train.accum_steps)
         batches += [[(epoch, int(i)) for i in samples] for _, _, samples in schedule.rank_batches(0, 0)]
-    loader = build_loader(dataset, batches, **collate_options(ctx), num_workers=config.train.num_workers,
+    loader = build_loader(dataset, batches, **collate_options(ctx, config), num_workers=config.train.num_workers,
                           pin_memory=ctx.device.type == "cuda")
     return reader, batches, loader
 
@@ -658,24 +660,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fuse-accum", action="store_true",
                         help="train.fuse_accum: each step's accum_steps micro-batches packed as one (the same samples "
                              "and loss, one forward and backward)")
-    parser.add_argument("--flex-gqa", action="store_true",
-                        help="flex attention over grouped key heads (enable_gqa), as before, instead of each key "
-                             "head repeated for its query heads (dflash.model.masks.FLEX_REPEAT_KV)")
     parser.add_argument("--gather-keys", action="store_true",
-                        help="each query tile its own copy of the context keys it reads (dflash.model.tiles."
-                             "GATHER_CONTEXT_KEYS): no key tile read by two query tiles in flex's backward")
-    parser.add_argument("--split-block", action="store_true",
-                        help="flex attention over the context keys alone, each block's own keys attended densely "
-                             "beside it and merged by log-sum-exp (dflash.model.tiles.SPLIT_BLOCK_KEYS): no "
-                             "block-diagonal key tile in flex")
-    parser.add_argument("--flex-options", default="",
-                        help="flex attention's Triton kernel options, NAME=INT comma list (BLOCK_M, BLOCK_N, "
-                             "BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps, num_stages; "
-                             "dflash.model.masks.FLEX_KERNEL_OPTIONS); 'default': inductor's own for the head "
-                             "dim; unset: the trainer's (64 x 64 tiles for heads of at most 64 dims)")
-    parser.add_argument("--flex-autotune", action="store_true",
-                        help="compile flex attention with mode max-autotune-no-cudagraphs: inductor times its "
-                             "candidate kernel configs on the first call and logs them (a longer cold start)")
+                        help="train.gather_context_keys: each query tile its own copy of the context keys it reads, "
+                             "so no key tile is read by two query tiles in flex's backward")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
@@ -737,42 +724,12 @@ def main(argv: list[str]) -> int:
         shutdown(dist)
 
 
-def parse_flex_options(text: str) -> dict:
-    """`BLOCK_M=64,num_warps=4` -> {"BLOCK_M": 64, "num_warps": 4}."""
-    options = {}
-    if text.strip() == "default":
-        return options
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, value = item.partition("=")
-        if not value.strip().isdigit():
-            raise SystemExit(f"--flex-options: {item!r} is not NAME=INT")
-        options[name.strip()] = int(value)
-    return options
-
-
 def run(args, argv, dist) -> int:
     device = dist.device
     torch.manual_seed(args.seed)
     config = bench_config(args)
     if args.loader_only:
         return run_loader_only(args, argv, config, device)
-    if args.flex_gqa:
-        from dflash.model import masks
-
-        masks.FLEX_REPEAT_KV = False
-    if args.gather_keys:
-        from dflash.model import tiles
-
-        tiles.GATHER_CONTEXT_KEYS = True
-    if args.split_block:
-        from dflash.model import tiles
-
-        tiles.SPLIT_BLOCK_KEYS = True
-    if args.flex_options or args.flex_autotune:
-        from dflash.model import masks
-
-        masks.FLEX_KERNEL_OPTIONS = parse_flex_options(args.flex_options) if args.flex_options else None
-        masks.FLEX_COMPILE_MODE = "max-autotune-no-cudagraphs" if args.flex_autotune else None
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
         from dflash.train.compile_cache import load_compile_artifacts, own_or_first
 
@@ -789,22 +746,18 @@ def run(args, argv, dist) -> int:
         f"{config.train.accum_steps}{' fused' if config.train.fuse_accum else ''}, compile {config.train.compile}, "
         f"attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
-        f"{', block keys apart' if args.split_block else ''}"
-        f", flex options {flex_options or 'inductor defaults'}"
-        f"{', flex autotuned' if args.flex_autotune else ''}, "
+        f", flex options {flex_options or 'inductor defaults'}, "
         f"device {device}, "
         f"world size {dist.world_size}")
     pool = FeaturePool(16_384 if not args.quick else 2_048, len(ctx.args.target_layer_ids), ctx.args.hidden_size,
                        device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
-               "block_masks": "rule" if args.mask_rule else "tiles", "flex_key_heads": "grouped" if args.flex_gqa
-               else "repeated", "gathered_keys": args.gather_keys,
-               "split_block": args.split_block, "flex_options": flex_options,
-               "flex_autotune": args.flex_autotune, "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
+               "block_masks": "rule" if args.mask_rule else "tiles", "gathered_keys": args.gather_keys,
+               "flex_options": flex_options, "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
-    options = collate_options(ctx, args.mask_rule)
+    options = collate_options(ctx, config, args.mask_rule)
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode == "peer":
             steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed, options))

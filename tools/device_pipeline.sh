@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The pipeline on one GPU, as the device runs for issues 2 and 3 did it (logs under $LOGS):
+# The pipeline on one GPU, as issues 2 and 3 ran it (logs under $LOGS):
 #   1. the embedded tiny default end to end on CUDA (fla kernels, flex attention, compile),
 #   2. stage one over a small-but-real-shape target: 27B widths, 8 layers, random weights.
 # Usage: LOGS=out/ bash tools/device_pipeline.sh

@@ -65,6 +65,10 @@ EMBEDDED_PREFIX = "embedded:"  # dflash.data.embedded.EMBEDDED_SOURCES
 EMBEDDED_CODE_CHAT = "embedded:code-chat"
 
 
+# Evaluation-only sources: hand-written prompts that no drafter may be trained on (`refuse_heldout`).
+HELDOUT_SOURCES = ("embedded:chat-heldout",)
+
+
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")
 
 
@@ -86,12 +90,35 @@ def row_label(row_id: int) -> str:
 class BadRowError(DflashError, ValueError):
     """A row that cannot be used, raised in strict mode; names the row (1-based) and the reason."""
 
-    def __init__(self, row_id: int, reason: str, detail: str = ""):
-        self.row_id, self.reason, self.detail = row_id, reason, detail
-        super().__init__(f"{row_label(row_id)}: {reason}" + (f" ({detail})" if detail else ""))
+    def __init__(self, row_id: int, reason: str, detail: str = "", where: str = "", advice: str = ""):
+        self.row_id, self.reason, self.detail, self.where, self.advice = row_id, reason, detail, where, advice
+        super().__init__(f"{where or row_label(row_id)}: {reason}" + (f" ({detail})" if detail else "")
+                         + (f"; {advice}" if advice else ""))
 
     def __reduce__(self):  # pool workers send these back; the default pickling loses the fields
-        return BadRowError, (self.row_id, self.reason, self.detail)
+        return BadRowError, (self.row_id, self.reason, self.detail, self.where, self.advice)
+
+    def located(self, source: str, advice: str = "") -> "BadRowError":
+        """The same error naming the file (and its row) of `source` that holds the row."""
+        return BadRowError(self.row_id, self.reason, self.detail, row_place(source, self.row_id), advice)
+
+
+class HeldoutSourceError(DflashError, ValueError):
+    """A training or generation source that is an evaluation-only held-out set."""
+
+
+def refuse_heldout(source: str, what: str) -> None:
+    """Raise HeldoutSourceError when `source` (or one of several embedded ones joined by "+") is in
+    HELDOUT_SOURCES: `what` (stage one's tokenizing, `dflash generate`) would train on the prompts that
+    `dflash eval --prompts embedded:chat-heldout` measures on."""
+    if not str(source).startswith(EMBEDDED_PREFIX):
+        return
+    names = {EMBEDDED_PREFIX + name.removeprefix(EMBEDDED_PREFIX) for name in str(source).split("+")}
+    held = sorted(names.intersection(HELDOUT_SOURCES))
+    if held:
+        raise HeldoutSourceError(f"{what}: data source {source!r} includes {', '.join(held)}, the held-out "
+                                 f"evaluation prompts; they are never trained on or generated from (read them with "
+                                 f"`dflash eval --prompts {held[0]}`)")
 
 
 class RowProblem(Exception):
@@ -100,6 +127,19 @@ class RowProblem(Exception):
     def __init__(self, reason: str, detail: str = ""):
         self.reason, self.detail = reason, detail
         super().__init__(f"{reason}: {detail}")
+
+
+def row_place(source: str, row_id: int) -> str:
+    """Where a row is, as a user finds it: 'FILE row K' (K counted from 1 within that file) for a
+    local file or directory source, else 'SOURCE row N'. Reads the files again: only for errors."""
+    if os.path.exists(source):
+        first = 0
+        for path in list_source_files(source):
+            count = sum(1 for _ in _read_file(path))
+            if row_id < first + count:
+                return f"{path} {row_label(row_id - first)}"
+            first += count
+    return f"{source} {row_label(row_id)}"
 
 
 def list_source_files(source: str | Path) -> list[Path]:
@@ -171,13 +211,39 @@ def read_rows(source: str, split: str = "train") -> Iterator[tuple[int, dict]]:
     yield from enumerate(datasets.load_dataset(source, split=split))
 
 
+def source_name(source: str) -> str:
+    """A source's default name in a mix (`data.mix`'s `name`): its last path part without the data
+    suffix, or the embedded name (`embedded:code-chat` -> `code-chat`, `/data/math.jsonl` -> `math`)."""
+    name = source.removeprefix(EMBEDDED_PREFIX).rstrip("/").rsplit("/", 1)[-1]
+    for suffix in DATA_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)]
+    return name
+
+
+def training_sources(data) -> list[tuple[str, str, float]]:
+    """`(name, source, weight)` of every training source of a config's data section: data.mix's
+    tables when set (data.source is then not read), else data.source alone with weight 1."""
+    if not data.mix:
+        return [(source_name(data.source), data.source, 1.0)]
+    return [(item.name or source_name(item.source), item.source, item.weight) for item in data.mix]
+
+
 def prompt_messages(row) -> list[dict]:
     """The conversation before the last assistant turn; a row with no answer (a `prompt` string,
-    `turns` as in MT-Bench, or messages ending with the user) is a prompt as a whole."""
+    `turns` as in MT-Bench, or messages ending with the user, after earlier answers or not) is a
+    prompt as a whole."""
     if isinstance(row, dict) and isinstance(row.get("prompt"), str) and "response" not in row:
         return [{"role": "user", "content": row["prompt"]}]
     if isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
         return [{"role": "user", "content": str(row["turns"][0])}]
+    raw = (row.get("messages") or row.get("conversations")) if isinstance(row, dict) else None
+    if isinstance(raw, list) and raw:
+        messages = [parse_message(message, index) for index, message in enumerate(raw)]
+        if messages[-1]["role"] == "user":  # the next turn is the answer to make
+            if not messages[-1]["content"].strip():
+                raise RowProblem(BAD_EMPTY, "the last user turn is empty")
+            return messages
     try:
         messages = row_to_messages(row)
     except RowProblem as problem:

@@ -1,8 +1,9 @@
 """The embedded default's chat rows (`data.source = "embedded:NAME"`), offline.
 
 Nothing here downloads anything: the rows come from packages that ship real text (HumanEval
-problems, the Python standard library's own source; see docs/ENVIRONMENT.md). The embedded target
-they go with is dflash/extract/tiny_target.py's.
+problems, the Python standard library's own source; see docs/ENVIRONMENT.md), from the request starts
+of dflash/data/starts.py, or from the hand-written held-out prompts of chat_heldout.jsonl. The embedded
+target they go with is dflash/extract/tiny_target.py's.
 """
 
 import functools
@@ -230,22 +231,56 @@ def code_complete_rows() -> tuple[dict, ...]:
     return tuple(rows)
 
 
-# embedded:ask-code's starts of a user turn, in turn: HumanEval's instruction with an open code block (the
-# target fills it with a function of its own; the third start opens it as typed Python code often does) and a
-# request the target words itself. `dflash generate --ask-temperature` lets the target finish each one, then
-# answer it: coding tasks as the target imagines them (no problem of HumanEval's is shown).
-ASK_CODE_SEEDS = ("Complete the following Python function.\n\n```python\n", "Write a Python function",
-                  "Complete the following Python function.\n\n```python\nfrom typing import List\n\n\ndef ")
+# embedded:ask-general's and embedded:ask-code's sizes: `--limit` takes a prefix, every kind evenly.
+ASK_GENERAL_ROWS = 36_000
 ASK_CODE_ROWS = 32_000
+
+
+def ask_rows(starts_by_kind: dict[str, tuple[str, ...]], num_rows: int,
+             framings: tuple[str | None, ...] = (None,)) -> tuple[dict, ...]:
+    """`num_rows` one-turn rows of request starts, with no answer: for `dflash generate --ask-temperature`
+    (each row samples its own continuation), not for stage one as they are. Row i is of the i-th kind
+    modulo their number, so that any prefix holds every kind evenly; a kind's starts come in turn, each
+    round of them under the next of `framings` (a system turn, or None for none). Rows carry their `kind`."""
+    kinds = tuple(starts_by_kind)
+    rows = []
+    for i in range(num_rows):
+        kind = kinds[i % len(kinds)]
+        starts = starts_by_kind[kind]
+        turn = i // len(kinds)
+        system = framings[(turn // len(starts)) % len(framings)]
+        messages = [{"role": "system", "content": system}] if system else []
+        rows.append({"messages": messages + [{"role": "user", "content": starts[turn % len(starts)]}], "kind": kind})
+    return tuple(rows)
+
+
+@functools.cache
+def ask_general_rows() -> tuple[dict, ...]:
+    """ASK_GENERAL_ROWS request starts over every kind of dflash.data.starts.KINDS, interleaved, each round of a
+    kind's starts under the next of SYSTEM_FRAMINGS."""
+    from dflash.data.starts import KINDS, STARTS, SYSTEM_FRAMINGS
+
+    return ask_rows({kind: STARTS[kind] for kind in KINDS}, ASK_GENERAL_ROWS, SYSTEM_FRAMINGS)
 
 
 @functools.cache
 def ask_code_rows() -> tuple[dict, ...]:
-    """ASK_CODE_ROWS one-turn rows, each a user turn's start from ASK_CODE_SEEDS in turn, with no
-    answer: for `dflash generate --ask-temperature` (each row samples its own continuation), not
-    for stage one as they are."""
-    return tuple({"messages": [{"role": "user", "content": ASK_CODE_SEEDS[i % len(ASK_CODE_SEEDS)]}]}
-                 for i in range(ASK_CODE_ROWS))
+    """ASK_CODE_ROWS rows of the `code` kind's first three starts in turn (HUMANEVAL_STARTS: HumanEval's
+    instruction with an open code block, "Write a Python function", the instruction with `from typing import
+    List`), with no system turn: the prompts the recipe's measurements were made with (docs/real-target.md)."""
+    from dflash.data.starts import HUMANEVAL_STARTS
+
+    return ask_rows({"code": HUMANEVAL_STARTS}, ASK_CODE_ROWS)
+
+
+HELDOUT_FILE = Path(__file__).with_name("chat_heldout.jsonl")
+
+
+def chat_heldout_rows() -> list[dict]:
+    """The hand-written held-out prompts of chat_heldout.jsonl (120: 10 per kind of request, 36 of them
+    two-turn, ending with the user): for `dflash eval --prompts embedded:chat-heldout` only; training and
+    generating from them is refused (`chat.refuse_heldout`)."""
+    return [json.loads(line) for line in HELDOUT_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 EMBEDDED_SOURCES = {
@@ -255,6 +290,8 @@ EMBEDDED_SOURCES = {
     "embedded:code-docs": code_docs_rows,
     "embedded:code-complete": code_complete_rows,
     "embedded:ask-code": ask_code_rows,
+    "embedded:ask-general": ask_general_rows,
+    "embedded:chat-heldout": chat_heldout_rows,  # evaluation only (chat.refuse_heldout)
 }
 
 

@@ -23,7 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from dflash.data.chat import (BAD_OVERLONG, BAD_TOO_FEW_SUPERVISED, BadRowError, RowProblem, hash_json, read_rows,
-                              row_label, row_to_messages, source_fingerprint)
+                              refuse_heldout, row_label, row_to_messages, source_fingerprint)
+from dflash.errors import DflashError
+from dflash.interrupts import children_ignore_interrupts
 from dflash.outputs import atomic_file
 
 # Bump whenever tokenization output could change for the same inputs (invalidates caches).
@@ -48,6 +50,24 @@ class Sample:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+class NoSamplesError(DflashError, ValueError):
+    """No row of a source gave a usable sample; the message names the source and why rows were dropped."""
+
+
+def require_samples(data: "TokenizedData", source: str) -> None:
+    """Refuse a source none of whose rows survived (stage one writes no store without samples)."""
+    if data.samples:
+        return
+    if not data.num_rows:
+        raise NoSamplesError(f"data.source {source}: no rows read; point data.source at a file, directory or "
+                             f"dataset that holds conversations")
+    reasons = "; ".join(f"{count} {reason} (e.g. {row_label(data.examples.get(reason, [0])[0])})"
+                        for reason, count in sorted(data.bad_rows.items(), key=lambda item: -item[1]))
+    raise NoSamplesError(f"data.source {source}: all {data.num_rows} rows are bad ({reasons}); nothing was "
+                         f"written. Fix the rows (data.strict=true stops at the first one and names its file), "
+                         f"or the settings that drop them (data.max_length, data.overlong, drafter.block_size)")
 
 
 @dataclass
@@ -222,7 +242,9 @@ def _tokenize_all(rows, tokenizer, settings: TokenizeSettings, num_workers: int)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     methods = multiprocessing.get_all_start_methods()
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-    with context.Pool(num_workers, initializer=_init_worker, initargs=args) as pool:
+    with children_ignore_interrupts():  # Ctrl-C: leaving the `with` terminates the pool, without tracebacks
+        pool = context.Pool(num_workers, initializer=_init_worker, initargs=args)
+    with pool:
         for results in pool.imap(_tokenize_chunk, _chunks(rows, CHUNK_ROWS)):
             yield from results
 
@@ -314,8 +336,11 @@ def tokenize_rows(
     With `cache_dir`, the result is stored under a key that covers the source's content
     fingerprint (for a source string: file paths, sizes, mtimes and content hashes; for
     row pairs: a hash of the rows themselves), the tokenizer identity, max_length, overlong,
-    min_supervised and TOKENIZE_VERSION; any change re-tokenizes.
+    min_supervised and TOKENIZE_VERSION; any change re-tokenizes. An evaluation-only source
+    (`chat.HELDOUT_SOURCES`) is refused.
     """
+    if isinstance(rows, (str, Path)):
+        refuse_heldout(str(rows), "tokenizing for training")
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
     if max_length < 1:

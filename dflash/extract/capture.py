@@ -9,6 +9,7 @@ for the device except the writers' hand-off threads.
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -33,11 +34,13 @@ class WriteStats:
     handoff: dict = field(default_factory=dict)  # the writer hand-off threads' seconds (WriterPool.handoff)
 
 
-def write_shards(config, dist, target, samples, lengths, row_ids, shards, capture=None) -> WriteStats:
+def write_shards(config, dist, target, samples, lengths, row_ids, shards, capture=None,
+                 source_ids=None) -> WriteStats:
     """Capture every shard on the device; writer processes (dflash/extract/writers.py) compress and commit
     into the store at config.store.path, which must exist.
 
-    `lengths` and `row_ids` are indexed like `samples` (the kept-sample list the plan uses).
+    `lengths`, `row_ids` and `source_ids` (None: a store of one source) are indexed like `samples`
+    (the kept-sample list the plan uses).
     Shard k goes to writer k % extract.writer_processes, so a shard's batches and its commit
     stay in order while several shards compress at once. `capture(target, batch, codec, device)`
     makes each batch's `CapturedBatch` (default `capture_batch`; benchmarks pass their own).
@@ -52,7 +55,9 @@ def write_shards(config, dist, target, samples, lengths, row_ids, shards, captur
     shard_options = {"codec": config.store.codec, "num_layers": len(target.layer_ids),
                      "hidden_size": target.hidden_size, "rows_per_chunk": config.extract.rows_per_chunk,
                      "rows_per_zarr_shard": config.extract.rows_per_chunk * config.extract.chunks_per_file,
-                     "labels": target.predict_labels}
+                     "labels": target.predict_labels, "topk": target.topk}
+    if source_ids is not None:
+        shard_options["source_ids"] = np.asarray(source_ids, dtype=np.int32)
     writers = WriterPool(min(config.extract.writer_processes, len(shards)), config.store.path,
                          lengths, row_ids, shard_options, batch_bytes=encoded_batch_bytes(config, target))
     multiple = target_batch_multiple(dist.device)
@@ -91,6 +96,7 @@ def encoded_batch_bytes(config, target) -> int:
     per_row = num_layers * target.hidden_size * store_format.HIDDEN_DTYPES[config.store.codec].itemsize
     per_row += 4 * num_layers if config.store.codec == "fp8" else 0
     per_row += 4 if target.predict_labels else 0  # int32 target labels
+    per_row += 6 * target.topk  # soft targets: int32 ids and uint16 probabilities
     return int(1.25 * config.extract.batch_tokens) * per_row
 
 
@@ -134,16 +140,20 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
 
     Nothing here waits for the device: the copy lands in pinned memory and `CapturedBatch.wait`
     (called by a writer hand-off thread) waits for it, so the next forward is queued behind this one.
-    A target loaded with `predict_labels` adds `labels (B, T)` int32, its greedy next tokens.
+    A target loaded with `predict_labels` adds `labels (B, T)` int32, its greedy next tokens; one
+    loaded with `topk` adds `topk_ids (B, T, k)` int32 and `topk_probs (B, T, k)` uint16 bits (as
+    int16): only k entries a row cross to the host (`TargetModel.capture_head`).
     """
     cuda = device.type == "cuda"
     input_ids, attention_mask = pad_batch([s.input_ids for s in batch], pad_id=0,
                                           multiple=target_batch_multiple(device))
     if cuda:
         input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
-    labels_BT = None
-    if target.predict_labels:
-        hidden_BTnH, labels_BT = target.capture_with_labels(input_ids, attention_mask)
+    head = {}
+    if target.runs_head:
+        hidden_BTnH, head = target.capture_head(input_ids, attention_mask)
+        if "topk_probs" in head:
+            head["topk_probs"] = store_format.probs_to_bits(head["topk_probs"])
     else:
         hidden_BTnH = target.capture(input_ids, attention_mask)
     batch_size, seq_len, num_layers, hidden_size = hidden_BTnH.shape
@@ -155,9 +165,9 @@ def capture_batch(target, batch, codec: str, device: torch.device) -> CapturedBa
                 parts[name] = torch.empty((rows_RnH.shape[0], *chunk.shape[1:]), dtype=chunk.dtype, pin_memory=cuda)
             parts[name][start:start + chunk.shape[0]].copy_(chunk, non_blocking=cuda)
     parts = {name: part.view(batch_size, seq_len, *part.shape[1:]) for name, part in parts.items()}
-    if labels_BT is not None:
-        parts["labels"] = torch.empty(labels_BT.shape, dtype=torch.int32, pin_memory=cuda)
-        parts["labels"].copy_(labels_BT, non_blocking=cuda)
+    for name, values in head.items():  # labels, topk_ids, topk_probs
+        parts[name] = torch.empty(values.shape, dtype=values.dtype, pin_memory=cuda)
+        parts[name].copy_(values, non_blocking=cuda)
     ready = None
     if cuda:
         ready = torch.cuda.Event()

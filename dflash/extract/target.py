@@ -315,11 +315,42 @@ def greedy_tokens(hidden_RH: torch.Tensor, lm_head_VH: torch.Tensor, rows: int =
     return out_R
 
 
+def topk_distribution(hidden_RH: torch.Tensor, lm_head_VH: torch.Tensor, k: int, rows: int = LABEL_ROWS,
+                      vocab: int = LABEL_VOCAB) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of `softmax(hidden_RH @ lm_head_VH.T)` (temperature 1) and their
+    probabilities: `(ids (R, k) int32, probs (R, k) float32)`, most likely first.
+
+    Like `greedy_tokens`, `rows x vocab` logits at a time: per vocabulary chunk the running top k
+    is merged with the chunk's own and the running log-sum-exp updated (float32), so only k
+    values a row ever leave the device. Logit soft-capping, where a model has it, is not applied
+    (the families dflash targets have none).
+    """
+    device = hidden_RH.device
+    ids_Rk = torch.empty(hidden_RH.shape[0], k, dtype=torch.int32, device=device)
+    probs_Rk = torch.empty(hidden_RH.shape[0], k, dtype=torch.float32, device=device)
+    for start in range(0, hidden_RH.shape[0], rows):
+        chunk_rH = hidden_RH[start:start + rows]
+        best_rk = torch.full((chunk_rH.shape[0], k), -torch.inf, dtype=torch.float32, device=device)
+        best_id_rk = torch.zeros(chunk_rH.shape[0], k, dtype=torch.int64, device=device)
+        lse_r = torch.full((chunk_rH.shape[0],), -torch.inf, dtype=torch.float32, device=device)
+        for first in range(0, lm_head_VH.shape[0], vocab):
+            logits_rv = (chunk_rH @ lm_head_VH[first:first + vocab].T).float()
+            lse_r = torch.logaddexp(lse_r, torch.logsumexp(logits_rv, dim=-1))
+            value_rk, index_rk = logits_rv.topk(min(k, logits_rv.shape[1]), dim=-1)
+            merged_r2k = torch.cat([best_rk, value_rk], dim=1)
+            merged_id_r2k = torch.cat([best_id_rk, index_rk + first], dim=1)
+            best_rk, order_rk = merged_r2k.topk(k, dim=-1)
+            best_id_rk = merged_id_r2k.gather(1, order_rk)
+        ids_Rk[start:start + rows] = best_id_rk.to(torch.int32)
+        probs_Rk[start:start + rows] = (best_rk - lse_r[:, None]).exp()
+    return ids_Rk, probs_Rk
+
+
 class TargetModel:
     """A frozen causal LM cut after its last needed decoder layer, capturing those layers' outputs."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], config_hash: str, model_type: str,
-                 predict_labels: bool = False):
+                 predict_labels: bool = False, topk: int = 0):
         base_model, layers_attribute, layers = find_decoder_layers(model)
         self.num_layers = len(layers)
         validate_layer_ids(layer_ids, self.num_layers)
@@ -327,12 +358,13 @@ class TargetModel:
         self.config_hash = config_hash
         self.model_type = model_type
         self.predict_labels = predict_labels
+        self.topk = topk  # soft targets: the k most likely next tokens per position (`capture_head`)
         if model.get_output_embeddings() is None:
             raise ValueError(f"target: {type(model).__name__} has no LM head (output embeddings)")
         self.vocab_size, self.hidden_size = model.get_input_embeddings().weight.shape
         # Without labels, layers after the last needed id never run and, once dropped, hold no
         # memory; labels need every layer, the final norm and the LM head.
-        kept_layers = layers if predict_labels else nn.ModuleList(layers[: self.layer_ids[-1] + 1])
+        kept_layers = layers if self.runs_head else nn.ModuleList(layers[: self.layer_ids[-1] + 1])
         setattr(base_model, layers_attribute, kept_layers)
         self.model = model
         self.base_model = base_model
@@ -340,6 +372,11 @@ class TargetModel:
         self._filled_slots: set[int] = set()
         for slot, layer_id in enumerate(self.layer_ids):
             kept_layers[layer_id].register_forward_hook(self._make_hook(slot))
+
+    @property
+    def runs_head(self) -> bool:
+        """Whether captures also run the final norm and LM head (target labels or soft targets)."""
+        return self.predict_labels or self.topk > 0
 
     @property
     def device(self) -> torch.device:
@@ -375,23 +412,45 @@ class TargetModel:
     @torch.inference_mode()
     def capture_with_labels(self, input_ids_BT: torch.Tensor,
                             attention_mask_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`capture`'s features and the target's labels `(B, T)` int32 from the same forward.
-
-        The label of position p is the target's greedy (argmax) next token after reading the
-        tokens before p; position 0 has no prediction and keeps its own token. Needs a target
-        loaded with `predict_labels=True`. Everything stays on the device (no host sync).
-        """
+        """`capture`'s features and the target's labels `(B, T)` int32 from the same forward
+        (`capture_head` without soft targets)."""
         if not self.predict_labels:
             raise ValueError("capture_with_labels: the target was loaded without predict_labels")
+        captured_BTnH, head = self.capture_head(input_ids_BT, attention_mask_BT)
+        return captured_BTnH, head["labels"]
+
+    @torch.inference_mode()
+    def capture_head(self, input_ids_BT: torch.Tensor,
+                     attention_mask_BT: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`capture`'s features and what the LM head says, aligned as labels are: row p describes
+        the target's next token after reading the tokens before p (the logits at position p - 1).
+
+        `labels (B, T)` int32 with `predict_labels`: the greedy (argmax) token; row 0 has no
+        prediction and keeps its own token. `topk_ids (B, T, k)` int32 and `topk_probs (B, T, k)`
+        float32 with `topk`: the k most likely tokens at temperature 1 and their probabilities;
+        row 0 holds zeros. Everything stays on the device (no host sync).
+        """
+        if not self.runs_head:
+            raise ValueError("capture_head: the target was loaded without predict_labels or topk")
         captured_BTnH, last_BTH = self._forward(input_ids_BT, attention_mask_BT)
         batch_size, seq_len = last_BTH.shape[:2]
         # Every row through the head (the last one's prediction is not needed: one row in T) rather
         # than copying the (B, T-1, H) slice into a contiguous buffer first.
-        next_BT = greedy_tokens(last_BTH.reshape(-1, self.hidden_size), self.lm_head_weight()).view(batch_size, seq_len)
-        labels_BT = torch.empty_like(next_BT)
-        labels_BT[:, 0] = input_ids_BT[:, 0].to(labels_BT.device, non_blocking=True)
-        labels_BT[:, 1:] = next_BT[:, :-1]
-        return captured_BTnH, labels_BT
+        last_RH = last_BTH.reshape(-1, self.hidden_size)
+        head = {}
+        if self.predict_labels:
+            next_BT = greedy_tokens(last_RH, self.lm_head_weight()).view(batch_size, seq_len)
+            head["labels"] = torch.empty_like(next_BT)
+            head["labels"][:, 0] = input_ids_BT[:, 0].to(next_BT.device, non_blocking=True)
+            head["labels"][:, 1:] = next_BT[:, :-1]
+        if self.topk:
+            ids_Rk, probs_Rk = topk_distribution(last_RH, self.lm_head_weight(), self.topk)
+            for name, values_Rk in (("topk_ids", ids_Rk), ("topk_probs", probs_Rk)):
+                shifted_BTk = torch.zeros((batch_size, seq_len, self.topk), dtype=values_Rk.dtype,
+                                          device=values_Rk.device)
+                shifted_BTk[:, 1:] = values_Rk.view(batch_size, seq_len, self.topk)[:, :-1]
+                head[name] = shifted_BTk
+        return captured_BTnH, head
 
     def _forward(self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor):
         """`(features (B, T, n, H), final normed hidden (B, T, H) or None)` for a right-padded batch.
@@ -429,7 +488,7 @@ class TargetModel:
             missed = [self.layer_ids[s] for s in range(len(self.layer_ids)) if s not in self._filled_slots]
             raise RuntimeError(f"capture: decoder layers {missed} did not run in {type(self.base_model).__name__}")
         # The base model's last_hidden_state has been through the final norm (what the LM head reads).
-        return captured_BTnH, (output.last_hidden_state if self.predict_labels else None)
+        return captured_BTnH, (output.last_hidden_state if self.runs_head else None)
 
 
 def compile_decoder_layers(target: "TargetModel") -> int:
@@ -454,13 +513,14 @@ def load_target(
     dtype: torch.dtype = torch.bfloat16,
     layer_ids: list[int] | None = None,
     predict_labels: bool = False,
+    topk: int = 0,
 ) -> TargetModel:
     """Load a causal LM checkpoint directory as a frozen `TargetModel` on `device`.
 
     `layer_ids=None` picks `default_layer_ids(num_layers)`. Qwen3.5/3.6 vision-language
     checkpoints load as their text model. flash-linear-attention is used by transformers
     itself when it is importable. `predict_labels` keeps the whole model for
-    `capture_with_labels`.
+    `capture_with_labels`; `topk` (soft targets) keeps it for `capture_head`.
     """
     device = torch.device(device)
     config_hash, config_dict = read_config_hash(path)
@@ -469,7 +529,7 @@ def load_target(
         _, _, layers = find_decoder_layers(model)
         layer_ids = default_layer_ids(len(layers))
     target = TargetModel(model, layer_ids, config_hash, config_dict.get("model_type", model.config.model_type),
-                         predict_labels=predict_labels)
+                         predict_labels=predict_labels, topk=topk)
     # Move only after the cut, so dropped layers never reach the device.
     target.model.to(device)
     return target

@@ -13,7 +13,7 @@ slot (its shard writer may hold rows until a zarr shard file is full) and hands 
 back. The slots are made once: a fresh shared tensor per batch cost up to a second of page
 faults per GiB, part of it holding the GIL that the target's thread needs (a batch that does
 not fit a slot still goes that way). Each slot faults its pages in on its first batch:
-writing them all ahead, while the first forwards ran, measured slower (BENCHMARKS.md).
+writing them all ahead, while the first forwards ran, measured slower (docs/benchmarks-log.md).
 Slots and queues are bounded, so the main thread blocks (back-pressure) when the writers
 fall behind, and host memory stays bounded. Writer processes run at a lower CPU priority
 (nice +10) and the hand-off copies use one core each: the one thread whose delay idles the
@@ -41,6 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from dflash.errors import DflashError
+from dflash.interrupts import children_ignore_interrupts
 from dflash.padding import round_up
 
 PR_SET_PDEATHSIG = 1
@@ -110,8 +111,9 @@ class WriterPool:
                                   self.results, self.slots[i], self.free_slots[i]))
             for i, jobs in enumerate(self.job_queues)
         ]
-        for process in self.processes:
-            process.start()
+        with children_ignore_interrupts():  # Ctrl-C: the main process stops the writers (terminate)
+            for process in self.processes:
+                process.start()
         self.handoffs = [queue.Queue(maxsize=2) for _ in range(size)]
         self.threads = [threading.Thread(target=self.hand_off, args=(i,), daemon=True,
                                          name=f"dflash-writer-handoff-{i}") for i in range(size)]
@@ -340,11 +342,16 @@ def write_batch(shard_writer, indices, samples, parts: dict, copy: bool) -> None
     hidden_BTF = parts["hidden"].numpy()
     scale_BTn = parts["scale"].numpy() if "scale" in parts else None
     labels_BT = parts["labels"].numpy() if "labels" in parts else None
+    topk_ids_BTk = parts["topk_ids"].numpy() if "topk_ids" in parts else None
+    topk_probs_BTk = parts["topk_probs"].numpy().view(np.uint16) if "topk_probs" in parts else None
     for row, (index, (input_ids, loss_mask)) in enumerate(zip(indices, samples)):
         length = len(input_ids)
         hidden = hidden_BTF[row, :length]
         scale = None if scale_BTn is None else scale_BTn[row, :length]
         labels = None if labels_BT is None else labels_BT[row, :length].copy()
+        soft = {} if topk_ids_BTk is None else {"topk_ids": topk_ids_BTk[row, :length],
+                                                 "topk_probs": topk_probs_BTk[row, :length]}
         if copy:
             hidden, scale = hidden.copy(), None if scale is None else scale.copy()
-        shard_writer.write_sample(index, hidden, scale, input_ids, loss_mask, labels=labels)
+        # the shard writer zero-fills the soft targets of unsupervised rows (a copy, slot or not)
+        shard_writer.write_sample(index, hidden, scale, input_ids, loss_mask, labels=labels, **soft)

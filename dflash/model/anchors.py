@@ -10,9 +10,10 @@ so the draw is reproducible from those three numbers alone, in any worker, after
 import numpy as np
 
 
-def anchor_rng(seed: int, epoch: int, sample_key: int) -> np.random.Generator:
-    """The generator for one sample in one epoch (independent of order and worker)."""
-    return np.random.default_rng([seed, epoch, sample_key])
+def anchor_rng(seed: int, epoch: int, sample_key: int, source: int = 0) -> np.random.Generator:
+    """The generator for one sample in one epoch (independent of order and worker); `source`, the
+    sample's source in a store of several (row ids repeat across sources), keys the others apart."""
+    return np.random.default_rng([seed, epoch, sample_key] + ([source] if source else []))
 
 
 def eligible_anchors(loss_mask: np.ndarray) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 An export is a directory with `config.json` (a Qwen3 config plus DFlash fields, the layout
 inference engines load as `DFlashDraftModel`), `model.safetensors` holding exactly the
-drafter keys of docs/ARCHITECTURE.md, and `model/modeling_dflash.py` (a copy of
+drafter keys of docs/ARCHITECTURE.md, and `modeling_dflash.py` beside them (a copy of
 `dflash/model/modeling_dflash.py`, named by the config's `auto_map`), so that
 `AutoModel.from_pretrained(dir, trust_remote_code=True)` returns the drafter with its
 speculative-decoding loop. The frozen embedding and LM head are the target's and are not

@@ -11,8 +11,15 @@ logits exist (the loss ends the graph): peak memory is O(chunk_size * V), the he
 once per row, and only rows that carry a label go through it (their indices come from the
 collate, `label_rows`; without them, every row but slot 0's). Everything stays on the device.
 
+Soft targets (`train.distill_weight`, a store written with `store.topk`): beside the cross
+entropy, each labelled row adds `distill_weight * w * d(p, q)`, where p is the target's
+distribution over k + 1 buckets (the k stored tokens of the slot's position and "the rest", mass
+1 - sum of the k) and q the drafter's softmax summed into the same buckets (its rest from a
+log-sum-exp over the other tokens, not 1 - sum). d is the forward KL(p || q) or the total
+variation 0.5 * sum |p - q|. Its gradient joins the cross entropy's in the same chunk pass.
+
 Shapes: A anchors, B block size, Q = A * B block rows, K = B - 1 labelled slots, H hidden,
-V vocabulary, R rows of one chunk, L labelled rows, T tokens of the packed micro-batch.
+V vocabulary, R rows of one chunk, L labelled rows, T tokens of the packed micro-batch, k top-k.
 """
 
 import functools
@@ -23,6 +30,7 @@ import torch
 from dflash.model.drafter import rows_dynamic
 
 IGNORE_LABEL = -100  # label of slots that are not supervised; never equals an argmax
+DISTILL_KINDS = ("kl", "tv")
 
 
 def default_gamma(block_size: int) -> float:
@@ -69,6 +77,20 @@ def label_rows(
     over these rows only and the device learns their number from the shape, without a sync."""
     _, valid_AB = _slot_targets(loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_size)
     return valid_AB.reshape(-1).nonzero().squeeze(1)
+
+
+def block_soft_targets(topk_ids_Tk: torch.Tensor, topk_probs_Tk: torch.Tensor, loss_mask_T: torch.Tensor,
+                       doc_ids_T: torch.Tensor, anchor_index_A: torch.Tensor, anchor_valid_A: torch.Tensor,
+                       block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored soft targets of each block slot: `(ids (A, B, k) int64, probs (A, B, k) float32)`.
+
+    Slot k of the anchor at flat index i reads row i + k, the row its label comes from (a store's
+    row p holds the target's distribution of the token at p); rows that are no label get zeros
+    (their loss weight is 0)."""
+    target_AB, valid_AB = _slot_targets(loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_size)
+    keep_AB1 = valid_AB[..., None]
+    return (torch.where(keep_AB1, topk_ids_Tk[target_AB].long(), 0),
+            torch.where(keep_AB1, topk_probs_Tk[target_AB].float(), 0.0))
 
 
 def _slot_targets(loss_mask_T, doc_ids_T, anchor_index_A, anchor_valid_A, block_size: int):
@@ -123,20 +145,73 @@ def _compiled_ce_and_grad():
     return rows_dynamic(torch.compile(functools.partial(_ce_and_grad, fused=True)), ((0, 0), (1, 0), (2, 0)))
 
 
-class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
-    """`sum_q row_weight[q] * ce(hidden[q] @ lm_head.T, label[q])`, `chunk_size` rows at a time.
+def _ce_distill_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor,
+                         ids_Rk: torch.Tensor, probs_Rk: torch.Tensor, distill_weight: float, kind: str,
+                         grad_dtype: torch.dtype = torch.float32):
+    """`_ce_and_grad` with the distillation term: per-row cross entropy, distillation d(p, q), argmax,
+    and the gradient of `weight * (ce + distill_weight * d)` over the logits (float32 maths).
 
-    Also returns the per-row cross entropy and argmax (no gradient). The loss is the end of
+    Buckets b: the k ids and the rest. With q_v the drafter's softmax and Q_b its bucket sums, the
+    rest's sum comes from the exponentials with the k columns zeroed (no 1 - sum cancellation).
+    d Q_b / d z_v = q_v (1[v in b] - Q_b), so
+      KL: d/dz_v = q_v * sum(P) - P_b(v) * q_v / Q_b(v)   (P_b log P_b - P_b log Q_b summed)
+      TV: d/dz_v = 0.5 * q_v * (s_b(v) - sum_b s_b Q_b),  s_b = sign(Q_b - P_b).
+    Rows of weight 0 (zero-filled soft targets among them) stay finite.
+    """
+    logits_RV = logits_RV.float()
+    rows_R = torch.arange(logits_RV.shape[0], device=logits_RV.device)
+    label_logit_R = logits_RV[rows_R, labels_R]
+    top_logit_Rk = logits_RV.gather(1, ids_Rk)
+    max_R, argmax_R = logits_RV.max(dim=-1)
+    exp_RV = (logits_RV - max_R[:, None]).exp_()
+    sum_R = exp_RV.sum(dim=-1)
+    exp_RV.scatter_(1, ids_Rk, 0.0)  # from here the rest bucket's exponentials only
+    rest_sum_R = exp_RV.sum(dim=-1).clamp(min=torch.finfo(torch.float32).tiny)
+    log_sum_R = sum_R.log()
+    ce_R = max_R + log_sum_R - label_logit_R
+    log_q_Rk = top_logit_Rk - (max_R + log_sum_R)[:, None]
+    log_q_rest_R = rest_sum_R.log() - log_sum_R
+    q_Rk, q_rest_R = log_q_Rk.exp(), log_q_rest_R.exp()
+    p_Rk = probs_Rk.float()
+    p_rest_R = (1.0 - p_Rk.sum(dim=-1)).clamp(min=0.0)
+    if kind == "kl":
+        distill_R = ((torch.xlogy(p_Rk, p_Rk) - p_Rk * log_q_Rk).sum(dim=-1)
+                     + torch.xlogy(p_rest_R, p_rest_R) - p_rest_R * log_q_rest_R)
+        mass_R = p_Rk.sum(dim=-1) + p_rest_R
+        top_grad_Rk = q_Rk * mass_R[:, None] - p_Rk
+        rest_scale_R = mass_R / sum_R - p_rest_R / rest_sum_R  # times the rest's exponentials
+    elif kind == "tv":
+        sign_Rk, sign_rest_R = torch.sign(q_Rk - p_Rk), torch.sign(q_rest_R - p_rest_R)
+        distill_R = 0.5 * ((q_Rk - p_Rk).abs().sum(dim=-1) + (q_rest_R - p_rest_R).abs())
+        centre_R = (sign_Rk * q_Rk).sum(dim=-1) + sign_rest_R * q_rest_R
+        top_grad_Rk = 0.5 * q_Rk * (sign_Rk - centre_R[:, None])
+        rest_scale_R = 0.5 * (sign_rest_R - centre_R) / sum_R
+    else:
+        raise ValueError(f"train.distill must be one of {', '.join(DISTILL_KINDS)}, got {kind!r}")
+    soft_weight_R = weight_R * distill_weight
+    grad_RV = exp_RV.mul_((weight_R / sum_R + soft_weight_R * rest_scale_R)[:, None])
+    grad_RV.scatter_(1, ids_Rk, weight_R[:, None] * q_Rk + soft_weight_R[:, None] * top_grad_Rk)
+    grad_RV[rows_R, labels_R] -= weight_R
+    return ce_R, distill_R, argmax_R, grad_RV.to(grad_dtype)
+
+
+class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
+    """`sum_q row_weight[q] * ce(hidden[q] @ lm_head.T, label[q])`, `chunk_size` rows at a time; with
+    soft targets (`soft_ids_Qk`, `soft_probs_Qk`) plus `distill_weight * row_weight[q] * d(p, q)`.
+
+    Also returns the per-row cross entropy, distillation term (zeros without) and argmax (no gradient). The loss is the end of
     the graph, so the gradients are computed in the forward, from the logits already at hand,
     and the backward only scales them by the incoming scalar: the head runs once per row
     instead of twice (no recomputed logits).
     """
 
     @staticmethod
-    def forward(ctx, hidden_QH, lm_head_VH, labels_Q, row_weight_Q, chunk_size):
+    def forward(ctx, hidden_QH, lm_head_VH, labels_Q, row_weight_Q, chunk_size, soft_ids_Qk=None, soft_probs_Qk=None,
+                distill_weight=0.0, distill="kl"):
         num_rows = hidden_QH.shape[0]
         want_hidden, want_head = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ce_Q = torch.empty(num_rows, dtype=torch.float32, device=hidden_QH.device)
+        distill_Q = torch.zeros(num_rows, dtype=torch.float32, device=hidden_QH.device)
         argmax_Q = torch.empty(num_rows, dtype=torch.long, device=hidden_QH.device)
         grad_hidden = torch.empty_like(hidden_QH) if want_hidden else None
         grad_head = torch.zeros_like(lm_head_VH, dtype=torch.float32) if want_head else None
@@ -144,32 +219,44 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
         ce_and_grad = _compiled_ce_and_grad() if hidden_QH.is_cuda else _ce_and_grad
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
-            ce_R, argmax_R, grad_RV = ce_and_grad(hidden_QH[rows] @ lm_head_VH.T, safe_labels_Q[rows],
-                                                  row_weight_Q[rows].float(), hidden_QH.dtype)
+            logits_RV = hidden_QH[rows] @ lm_head_VH.T
+            if soft_ids_Qk is None:
+                ce_R, argmax_R, grad_RV = ce_and_grad(logits_RV, safe_labels_Q[rows], row_weight_Q[rows].float(),
+                                                      hidden_QH.dtype)
+            else:
+                ce_R, distill_Q[rows], argmax_R, grad_RV = _ce_distill_and_grad(
+                    logits_RV, safe_labels_Q[rows], row_weight_Q[rows].float(), soft_ids_Qk[rows], soft_probs_Qk[rows],
+                    distill_weight, distill, hidden_QH.dtype)
             ce_Q[rows], argmax_Q[rows] = ce_R, argmax_R
             if want_hidden:
                 grad_hidden[rows] = grad_RV @ lm_head_VH
             if want_head:
                 grad_head += grad_RV.T.float() @ hidden_QH[rows].float()
         ctx.save_for_backward(grad_hidden, grad_head.to(lm_head_VH.dtype) if want_head else None)
-        ctx.mark_non_differentiable(ce_Q, argmax_Q)
-        return (ce_Q * row_weight_Q).sum(), ce_Q, argmax_Q
+        ctx.mark_non_differentiable(ce_Q, distill_Q, argmax_Q)
+        return ((ce_Q + distill_weight * distill_Q) * row_weight_Q).sum(), ce_Q, distill_Q, argmax_Q
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_ce_unused, grad_argmax_unused):
+    def backward(ctx, grad_loss, grad_ce_unused, grad_distill_unused, grad_argmax_unused):
         grad_hidden, grad_head = ctx.saved_tensors
         scale = grad_loss.to(torch.float32)
         grad_hidden = None if grad_hidden is None else (grad_hidden * scale).to(grad_hidden.dtype)
         grad_head = None if grad_head is None else (grad_head * scale).to(grad_head.dtype)
-        return grad_hidden, grad_head, None, None, None
+        return grad_hidden, grad_head, None, None, None, None, None, None, None
 
 
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # scalar, sum(w * ce) / sum(w); differentiable
-    loss_sum: torch.Tensor  # scalar, sum(w * ce); differentiable (for normalising over micro-batches)
+    loss: torch.Tensor  # scalar, sum(w * ce) / sum(w); differentiable without a distillation term
+    loss_sum: torch.Tensor  # scalar, sum(w * ce); differentiable as `loss` is (for normalising over micro-batches)
     weight_sum: torch.Tensor  # scalar, sum(w) over valid slots
     correct: torch.Tensor  # (A, B) bool, top-1 prediction equals a valid label
+    objective: torch.Tensor | None = None  # what training differentiates: loss + distill_weight * distill
+    distill: torch.Tensor | None = None  # scalar, sum(w * d) / sum(w) (no gradient); None without soft targets
+
+    def __post_init__(self):
+        if self.objective is None:
+            self.objective = self.loss
 
 
 def dflash_loss(
@@ -182,6 +269,9 @@ def dflash_loss(
     rows_L: torch.Tensor | None = None,
     group_A: torch.Tensor | None = None,
     num_groups: int = 1,
+    soft_targets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    distill_weight: float = 0.0,
+    distill: str = "kl",
 ) -> LossOutput:
     """Gamma-weighted block cross entropy with the LM head applied `chunk_size` rows at a time.
 
@@ -193,6 +283,11 @@ def dflash_loss(
     carry a label; without it every row of slots 1.. goes through the head (unlabelled ones with
     weight 0). Both give the same loss, gradients and `correct`. The selected rows are cast to the
     head's dtype (the others are never touched); the gather's backward scatters the gradient back.
+
+    `soft_targets` (`block_soft_targets`: ids and probabilities `(A, B, k)`) with `distill_weight` > 0
+    add the distillation term `distill` ("kl" or "tv", the module docstring), weighted and normalised
+    as the cross entropy is; `objective` is then `loss + distill_weight * distill` and `loss` (the
+    cross entropy alone) carries no gradient.
     """
     num_anchors, block_size = labels_AB.shape
     if hidden_QH.shape[0] != num_anchors * block_size:
@@ -206,16 +301,28 @@ def dflash_loss(
     if rows_L is None:  # slot 0 (the anchor token) is never a label: every other row, no sync
         rows_L = torch.arange(num_anchors * block_size, device=hidden_QH.device).view(num_anchors, block_size)[:, 1:]
         rows_L = rows_L.reshape(-1)
-    loss_sum, _, argmax_L = _ChunkedLMHeadCrossEntropy.apply(
+    row_weight_L = row_weight_AB.reshape(-1).index_select(0, rows_L)
+    soft_L = ()
+    if soft_targets is not None and distill_weight > 0:
+        soft_L = tuple(values.reshape(num_anchors * block_size, -1).index_select(0, rows_L) for values in soft_targets)
+        soft_L += (float(distill_weight), distill)
+    objective_sum, ce_L, distill_L, argmax_L = _ChunkedLMHeadCrossEntropy.apply(
         hidden_QH.index_select(0, rows_L).to(lm_head_VH.dtype), lm_head_VH,
-        labels_AB.reshape(-1).index_select(0, rows_L), row_weight_AB.reshape(-1).index_select(0, rows_L), chunk_size,
+        labels_AB.reshape(-1).index_select(0, rows_L), row_weight_L, chunk_size, *soft_L,
     )
     argmax_AB = torch.full((num_anchors * block_size,), IGNORE_LABEL, dtype=argmax_L.dtype,
                            device=argmax_L.device).index_copy_(0, rows_L, argmax_L).view(num_anchors, block_size)
     # An all-padding micro-batch gives loss 0 (and zero gradients), not NaN.
-    loss = loss_sum if group_A is not None else loss_sum / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
+    def normalised(total):
+        return total if group_A is not None else total / weight_sum.clamp(min=torch.finfo(torch.float32).tiny)
+
     correct_AB = (argmax_AB == labels_AB) & valid_AB
-    return LossOutput(loss=loss, loss_sum=loss_sum, weight_sum=weight_sum, correct=correct_AB)
+    if not soft_L:
+        return LossOutput(loss=normalised(objective_sum), loss_sum=objective_sum, weight_sum=weight_sum,
+                          correct=correct_AB)
+    loss_sum = (ce_L * row_weight_L).sum()
+    return LossOutput(loss=normalised(loss_sum), loss_sum=loss_sum, weight_sum=weight_sum, correct=correct_AB,
+                      objective=normalised(objective_sum), distill=normalised((distill_L * row_weight_L).sum()))
 
 
 def accepted_slots(correct_AB: torch.Tensor, valid_AB: torch.Tensor) -> torch.Tensor:

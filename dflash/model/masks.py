@@ -23,25 +23,17 @@ from functools import cache
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, create_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
-from dflash.model.tiles import PADDING_DOC, TILE, context_tiles_key, keys_key, tiles_key
+from dflash.model.tiles import PADDING_DOC, TILE, keys_key, tiles_key
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
-# Flex attention gets each key head repeated for its query heads (`attend`); False: grouped heads (enable_gqa).
-FLEX_REPEAT_KV = True
-# Flex's Triton kernel options (BLOCK_M, BLOCK_N, BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_warps,
-# num_stages; empty: inductor's defaults for the head dim; None: `flex_kernel_options` by head dim) and the
-# compile mode of flex on CUDA ("max-autotune-no-cudagraphs" times inductor's candidate configs on the first
-# call): both set by tools/bench_stage2.py (--flex-options, --flex-autotune) to compare configs.
-FLEX_KERNEL_OPTIONS: dict | None = None
 # Heads of at most 64 dims (the SmolLM2-sized drafter's 9 x 64): 64 x 64 tiles instead of inductor's default
 # (128 x 64 on an H200). The small drafter's step on an H200 (12-03): 88.3K -> 96.4K tokens/s at 4,096 anchors
 # per micro-batch; 128-dim heads (the 27B-shaped drafter) keep inductor's defaults, where they were measured.
 SMALL_HEAD_DIM = 64
 SMALL_HEAD_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64}
-FLEX_COMPILE_MODE: str | None = None
 
 
 # The window of a full-attention layer in the shared rule: wider than any position difference.
@@ -144,61 +136,6 @@ def gather_keys(x_1NKD: torch.Tensor, index_M: torch.Tensor) -> torch.Tensor:
     return _GatherKeys.apply(x_1NKD, index_M)
 
 
-class SplitMask:
-    """Attention in two parts (`tiles.SPLIT_BLOCK_KEYS`): flex over the context keys alone (`block_mask`,
-    keys `[0, num_context)`, the same rule), and each block's queries over its own block's keys, a dense
-    `(B, B)` attention per block (`block_attention`; causal in sliding layers, whole in full ones), merged
-    by the two parts' log-sum-exps (`merge_attention`). The block-diagonal key tile of every query tile,
-    always partial, is then no flex work."""
-
-    def __init__(self, block_mask: BlockMask, num_context: int, block_size: int, reach: torch.Tensor):
-        self.block_mask, self.num_context, self.block_size, self.reach = block_mask, num_context, block_size, reach
-
-
-def block_attention(q_1NQD: torch.Tensor, k_1NQD: torch.Tensor, v_1NQD: torch.Tensor, block_size: int,
-                    reach: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each block's `block_size` queries over its own block's keys (row r of q, k, v: slot r % B of block
-    r // B), slot s seeing the keys j with `j - s < reach` (the rule's in-block reach, a 0-d tensor: 1 is
-    causal, B the whole block): the output `(1, N, Q, D)` and the scores' log-sum-exp `(1, N, Q)`, softmax in
-    float32 at least."""
-    _, heads, rows, dim = q_1NQD.shape
-    shape = (heads, rows // block_size, block_size, dim)
-    q_NABD, k_NABD, v_NABD = (x[0].reshape(shape) for x in (q_1NQD, k_1NQD, v_1NQD))
-    scores_NABB = (q_NABD @ k_NABD.transpose(-1, -2)).to(_at_least_float32(q_1NQD.dtype)) * dim ** -0.5
-    slots = torch.arange(block_size, device=q_1NQD.device)
-    hidden_BB = slots[None, :] - slots[:, None] >= reach
-    scores_NABB = scores_NABB.masked_fill(hidden_BB, float("-inf"))
-    lse_NAB = scores_NABB.logsumexp(dim=-1)
-    out_NABD = (scores_NABB - lse_NAB[..., None]).exp().to(v_NABD.dtype) @ v_NABD
-    return out_NABD.reshape(1, heads, rows, dim), lse_NAB.reshape(1, heads, rows)
-
-
-def merge_attention(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
-    """Softmax attention over the union of two disjoint key sets from each set's output and log-sum-exp
-    (in float32 at least). A row that sees no key of the first set (log-sum-exp -inf) takes the second's
-    output, and no gradient reaches the first part for it."""
-    dtype = _at_least_float32(out_a.dtype)
-    share_a = torch.sigmoid(lse_a.to(dtype) - lse_b.to(dtype))[..., None]
-    return out_a.to(dtype) * share_a + out_b.to(dtype) * (1 - share_a)
-
-
-def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def blocks_and_merge(out_1NQD, lse_1NQ, q_1NQD, k_1NQD, v_1NQD, block_size: int, reach: torch.Tensor):
-    """The split attention's second half: the blocks' dense attention merged with flex's context part."""
-    out_b, lse_b = block_attention(q_1NQD, k_1NQD, v_1NQD, block_size, reach)
-    return merge_attention(out_1NQD, lse_1NQ, out_b, lse_b).to(q_1NQD.dtype)
-
-
-@cache
-def _compiled_blocks_and_merge():
-    # One fused graph for both layer types (the reach is a tensor) instead of a dozen eager passes over
-    # (Q, D) float32 tensors per layer; rows dynamic from the first call, as flex.
-    return torch.compile(blocks_and_merge, dynamic=True)
-
-
 def _optional_field(batch_meta, name: str):
     return batch_meta.get(name) if isinstance(batch_meta, Mapping) else getattr(batch_meta, name, None)
 
@@ -244,13 +181,7 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
         mask_mod = make_mask_mod(*tensors, block_size, layer_window)
         layout = _optional_field(batch_meta, tiles_key(layer_type))
         keys = _optional_field(batch_meta, keys_key(layer_type))
-        context_layout = _optional_field(batch_meta, context_tiles_key(layer_type))
-        if backend == "flex" and context_layout is not None:
-            num_context = num_keys - num_queries
-            block_mask = block_mask_from_layout(context_layout.to(device), mask_mod, num_queries, num_context)
-            masks[layer_type] = SplitMask(block_mask, num_context, block_size,
-                                          _rule_constants(layer_window, block_size, device)[1])
-        elif backend == "flex" and layout is not None and keys is not None:
+        if backend == "flex" and layout is not None and keys is not None:
             keys = keys.to(device)
             block_mask = block_mask_from_layout(layout.to(device), gathered_mask_mod(mask_mod, keys), num_queries,
                                                 keys.shape[1])
@@ -278,20 +209,18 @@ def _compiled_flex_attention():
     # the tile lists and the rule's tensors change every micro-batch; head dim and tiles stay static).
     # Marking those axes alone does not hold: flex's own checks specialise the first call's lengths,
     # so the default compiled a static kernel, then a generic one at the second length.
-    return torch.compile(flex_attention, dynamic=True, mode=FLEX_COMPILE_MODE)
+    return torch.compile(flex_attention, dynamic=True)
 
 
 def flex_kernel_options(head_dim: int) -> dict:
-    """Flex's kernel options on CUDA: FLEX_KERNEL_OPTIONS when set, else 64 x 64 tiles for small heads."""
-    if FLEX_KERNEL_OPTIONS is not None:
-        return dict(FLEX_KERNEL_OPTIONS)
+    """Flex's kernel options on CUDA: 64 x 64 tiles for small heads, inductor's defaults for the others."""
     return dict(SMALL_HEAD_OPTIONS) if head_dim <= SMALL_HEAD_DIM else {}
 
 
 def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mask) -> torch.Tensor:
     """Attention with grouped KV heads; the backend follows the mask (BlockMask -> flex, GatheredMask ->
-    flex over gathered keys, SplitMask -> flex over the context and dense blocks, tensor -> SDPA)."""
-    if not isinstance(mask, (BlockMask, GatheredMask, SplitMask)):
+    flex over gathered keys, tensor -> SDPA)."""
+    if not isinstance(mask, (BlockMask, GatheredMask)):
         return F.scaled_dot_product_attention(q_1NQD, k_1MKD, v_1MKD, attn_mask=mask, enable_gqa=True)
     attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention
     options = flex_kernel_options(q_1NQD.shape[-1]) if q_1NQD.is_cuda else {}
@@ -302,21 +231,13 @@ def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mas
         return attention(q_1NQD, gather_keys(k_1MKD, mask.source_K), gather_keys(v_1MKD, mask.source_K),
                          block_mask=mask.block_mask, enable_gqa=True)
     group = q_1NQD.shape[1] // k_1MKD.shape[1]
-    if group > 1 and not FLEX_REPEAT_KV and not isinstance(mask, SplitMask):
-        return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask, enable_gqa=True)
     if group > 1:
         # Each key head repeated for its query heads (the same attention). With grouped heads, flex's
         # backward runs a key head's query heads one after another in one program per key tile, and a
         # context tile is seen by every query tile of its sequence (dozens): that loop is the step's
         # longest (issue 24's profile). Repeated, each query head's share runs in its own program;
-        # the repeat's backward sums the key and value gradients of the group.
+        # the repeat's backward sums the key and value gradients of the group. Grouped heads measured
+        # slower on an H200 (12-02, the small drafter: 82.4K vs 88.4K tokens/s).
         k_1MKD = k_1MKD.repeat_interleave(group, dim=1)
         v_1MKD = v_1MKD.repeat_interleave(group, dim=1)
-    if isinstance(mask, SplitMask):
-        context = mask.num_context
-        out_1NQD, aux = attention(q_1NQD, k_1MKD[:, :, :context], v_1MKD[:, :, :context],
-                                  block_mask=mask.block_mask, return_aux=AuxRequest(lse=True))
-        merge = _compiled_blocks_and_merge() if q_1NQD.is_cuda else blocks_and_merge
-        return merge(out_1NQD, aux.lse, q_1NQD, k_1MKD[:, :, context:], v_1MKD[:, :, context:], mask.block_size,
-                     mask.reach)
     return attention(q_1NQD, k_1MKD, v_1MKD, block_mask=mask)

@@ -19,24 +19,11 @@ import numpy as np
 
 PADDING_DOC = -1  # doc id of padded context tokens and padded anchors
 TILE = 128  # rows and keys per BlockMask tile (flex attention's default block size)
-# Whether the trainer's collate gathers each query tile's context keys (`gather_context_keys`); measured
-# against the shared keys by tools/bench_stage2.py --gather-keys before it becomes the default.
-GATHER_CONTEXT_KEYS = False
-# Whether the collate lays out the context keys alone (`tile_layout(block_keys=False)`): flex attention then
-# reads only the context, and each block's own keys are attended densely beside it (`masks.SplitMask`): the
-# block-diagonal key tile, partial in every query tile, leaves flex. Measured slower on an H200 (12-03: the
-# small drafter 78.1K vs 88.3K tokens/s at 4,096 anchors): a bench option (tools/bench_stage2.py --split-block).
-SPLIT_BLOCK_KEYS = False
 
 
 def tiles_key(layer_type: str) -> str:
     """The micro-batch key of a layer type's `tile_layout` (the collate writes it)."""
     return f"tiles_{layer_type}"
-
-
-def context_tiles_key(layer_type: str) -> str:
-    """The micro-batch key of a layer type's layout over the context keys alone (`SPLIT_BLOCK_KEYS`)."""
-    return f"tiles_context_{layer_type}"
 
 
 def keys_key(layer_type: str) -> str:
@@ -45,11 +32,10 @@ def keys_key(layer_type: str) -> str:
 
 
 def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, anchor_pos_A: np.ndarray,
-                block_size: int, window: int | None, block_keys: bool = True) -> np.ndarray | None:
+                block_size: int, window: int | None) -> np.ndarray | None:
     """The `BlockMask` tiles of one layer type, from the rule above, as int32 `(2, QT, KT + 1)`:
     `[0]` partial tiles (a visible pair and an invisible one), `[1]` full tiles (only visible pairs);
-    per query tile the count, then the key-tile indices in ascending order (the rest 0). Without
-    `block_keys` the keys are the context alone (KT = T / TILE; `SPLIT_BLOCK_KEYS`).
+    per query tile the count, then the key-tile indices in ascending order (the rest 0).
 
     Needs what the collate lays out: T and A * B multiples of TILE, each sequence's real tokens
     contiguous at positions 0, 1, ... Returns None for any other layout (`build_masks` then
@@ -84,11 +70,11 @@ def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, 
     context_hi = np.where(real[anchor_R], context_hi, context_lo - 1)  # padded anchors: no context
     block_lo = num_tokens + anchor_R * block_size
     block_hi = block_lo + (slot_R if window is not None else block_size - 1)
-    num_key_tiles = (num_tokens + (num_rows if block_keys else 0)) // TILE
+    num_key_tiles = (num_tokens + num_rows) // TILE
     row_tile = np.arange(num_rows) // TILE
     touched = np.zeros((num_rows // TILE, num_key_tiles + 1), dtype=np.int64)
     covered = np.zeros_like(touched)
-    for lo, hi in ((context_lo, context_hi), (block_lo, block_hi))[:2 if block_keys else 1]:
+    for lo, hi in ((context_lo, context_hi), (block_lo, block_hi)):
         some = lo <= hi
         np.add.at(touched, (row_tile[some], lo[some] // TILE), 1)
         np.add.at(touched, (row_tile[some], hi[some] // TILE + 1), -1)

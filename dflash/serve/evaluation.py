@@ -25,9 +25,10 @@ from dflash.data import chat, samples
 from dflash.data.chat import row_label
 from dflash.data.tokenizer import tokenizer_identity
 from dflash.extract.target import find_decoder_layers
+from dflash.model.export import CONFIG_NAME, WEIGHTS_NAME
 from dflash.model.modeling_dflash import DFlashDraftModel, greedy_generate, speculative_generate
 
-HELDOUT = "heldout"  # --prompts: the samples stage two holds out of the config's store
+HELDOUT = "heldout"  # --prompts: the samples stage two holds out of the config's store ("heldout:NAME": one source's)
 TIE_ULPS = 4  # a logit gap within this many rounding steps of the dtype is a near-tie
 CODE_FENCE = "```"  # the served text's code blocks: tau inside them and outside (prose) is reported apart
 
@@ -79,11 +80,18 @@ class EvalResult:
     per_prompt: list[PromptResult] = field(default_factory=list)
 
 
+def check_drafter_export(export_dir: str) -> None:
+    """Refuse a --drafter that is not an export before anything slow (the target) is loaded."""
+    missing = [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (Path(export_dir) / name).is_file()]
+    if missing:
+        what = (f"is not a drafter export (no {' or '.join(missing)})" if Path(export_dir).exists()
+                else "does not exist")
+        raise FileNotFoundError(f"--drafter {export_dir} {what}; make one with `dflash export CHECKPOINT DIR`")
+
+
 def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.device) -> DFlashDraftModel:
     """The export as served, checked against the target it drafts for."""
-    if not (Path(export_dir) / "config.json").is_file():
-        raise FileNotFoundError(f"--drafter {export_dir}: not a drafter export (no config.json); make one with "
-                                f"`dflash export CHECKPOINT DIR`")
+    check_drafter_export(export_dir)
     draft = DFlashDraftModel.from_pretrained(export_dir, dtype=dtype).to(device).eval()
     _, _, layers = find_decoder_layers(target)
     vocab, hidden = target.get_input_embeddings().weight.shape
@@ -105,13 +113,13 @@ def load_drafter(export_dir: str, target, dtype: torch.dtype, device: torch.devi
 def load_prompts(config: Config, source: str, num_prompts: int, tokenizer, match: str = "",
                  exclude: str = "") -> list[tuple[str, np.ndarray]]:
     """`(label, token ids)` of the first `num_prompts` prompts: the store's held-out samples
-    (`source` "heldout") or the rows of a data source; with `match` / `exclude` (regular
-    expressions), only prompts whose rendered text matches / does not match them."""
+    (`source` "heldout", or "heldout:NAME": those of the mix's source NAME) or the rows of a data
+    source; with `match` / `exclude` (regular expressions), only prompts whose rendered text matches / does not match them."""
     if num_prompts < 1:
         raise ConfigError(f"--num-prompts must be positive, got {num_prompts}")
     keep = prompt_filter(tokenizer, match, exclude)
-    if source == HELDOUT:
-        prompts = heldout_prompts(config, tokenizer, num_prompts, keep)
+    if source == HELDOUT or source.startswith(HELDOUT + ":"):
+        prompts = heldout_prompts(config, tokenizer, num_prompts, keep, source.partition(":")[2])
     else:
         prompts = source_prompts(source, config.data.split, tokenizer, num_prompts, keep)
     if not prompts:
@@ -138,11 +146,14 @@ def prompt_filter(tokenizer, match: str, exclude: str):
     return keep
 
 
-def heldout_prompts(config: Config, tokenizer, num_prompts: int, keep=None) -> list[tuple[str, np.ndarray]]:
+def heldout_prompts(config: Config, tokenizer, num_prompts: int, keep=None,
+                    source: str = "") -> list[tuple[str, np.ndarray]]:
     """Prompts of the samples stage two holds out of training (same store, fraction, seed and
-    `train.holdout_by`), each prompt once, in the split's order (those `keep` accepts)."""
+    `train.holdout_by`: `dflash.train.mix.held_out_split`), each prompt once, in the split's order
+    (those `keep` accepts); with `source`, only those of that source of the store's mix."""
     from dflash.store.reader import StoreReader
-    from dflash.train.sampler import holdout_groups, split_holdout
+    from dflash.train.mix import held_out_split, source_number
+    from dflash.train.sampler import holdout_groups
 
     reader = StoreReader(config.store.path)
     stored = reader.attrs["tokenizer"]["hash"]
@@ -150,7 +161,9 @@ def heldout_prompts(config: Config, tokenizer, num_prompts: int, keep=None) -> l
         raise ValueError(f"store {config.store.path} was tokenized with another tokenizer or chat template than "
                          f"target {config.target.path} has now; its prompts would not be what the target reads")
     groups = holdout_groups(config, reader)
-    _, eval_indices = split_holdout(len(reader), config.train.holdout_fraction, config.train.seed, groups)
+    _, eval_indices = held_out_split(config, reader, groups)
+    if source:
+        eval_indices = eval_indices[reader.sample_source[eval_indices] == source_number(reader, source)]
     if groups is not None:  # one prompt per held-out prompt group: its several answers share the prompt
         _, first = np.unique(groups[eval_indices], return_index=True)
         eval_indices = eval_indices[np.sort(first)]
@@ -164,7 +177,8 @@ def heldout_prompts(config: Config, tokenizer, num_prompts: int, keep=None) -> l
         sample = reader.read_sample(int(index))
         first_answer = int(np.argmax(sample["loss_mask"]))
         if first_answer > 0 and (keep is None or keep(sample["input_ids"][:first_answer])):
-            prompts.append((f"{row_label(sample['row_id'])} (sample {int(index)})", sample["input_ids"][:first_answer]))
+            prompts.append((f"{reader.sample_label(int(index))} (sample {int(index)})",
+                            sample["input_ids"][:first_answer]))
     return prompts
 
 

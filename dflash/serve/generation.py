@@ -15,20 +15,23 @@ output shard it belongs to. Two paths make them:
   round up to `PAD_WIDTH` so that a few shapes serve every batch.
 
 The output format lives here too: prompts read from a chat source, `part-NNNNN.jsonl` shards
-of `{"messages": [..., answer], "source_row", "sample", "cut"}` rows, and the manifest that
-refuses to mix answers generated with other settings into one directory.
+of `{"messages": [..., answer], "source_row", "sample", "cut"}` rows (with `"asked"`, `"turns": 2` and
+the source's `"kind"` where they apply), and the manifest that refuses to mix answers generated with
+other settings into one directory. The jobs of `dflash generate --ask-temperature` and `--turns 2`
+(the target writes a user turn, then answers it) are made here too (`ask_job`, `follow_up_ask_job`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from dflash.data import chat, samples
+from dflash.data.starts import FOLLOW_UP_STARTS
 from dflash.errors import DflashError
 from dflash.outputs import write_text_atomic
 from dflash.padding import round_up
@@ -55,6 +58,7 @@ class Prompt:
     messages: list[dict]  # the conversation before the answer
     input_ids: list[int]  # rendered with the chat template, generation prompt added
     asked: bool = False  # the target wrote its last user turn (`asked_prompt`)
+    kind: str = ""  # the source row's `kind` of request (embedded:ask-general's), carried to the output
 
 
 @dataclass
@@ -62,6 +66,12 @@ class Job:
     prompt: Prompt
     sample: int  # 0: the greedy answer; 1..N: sampled answers
     shard: int  # output shard it belongs to
+    turn: int = 1  # 2: a job of the second user turn or its answer (`dflash generate --turns 2`)
+
+    @property
+    def stream_sample(self) -> int:
+        """The sample index that names this job's random stream: a second turn's jobs draw apart from the first's."""
+        return self.sample + (self.turn - 1) * TURN_STREAMS
 
 
 @dataclass
@@ -165,7 +175,7 @@ class Generator:
                  for index in sorted(range(first, min(first + window, len(jobs))),
                                      key=lambda i: -len(jobs[i].prompt.input_ids))]
         requests = [Request(index, jobs[index].prompt.input_ids, temperature if jobs[index].sample else 0.0,
-                            stream_id(self.seed, jobs[index].prompt.row_id, jobs[index].sample))
+                            stream_id(self.seed, jobs[index].prompt.row_id, jobs[index].stream_sample))
                     for index in order]
         decoder.run(requests, lambda done: on_answer(done.key, Answer(done.token_ids, self.decode(done.token_ids),
                                                                       done.cut)), on_steps)
@@ -176,8 +186,9 @@ class Generator:
         """Shard by shard: one sampling seed per shard, greedy and sampled jobs apart, length-sorted
         batches, longest first (memory peaks in the first batch, not after an hour)."""
         for shard in sorted({job.shard for job in jobs}):
-            torch.manual_seed(self.seed * 1_000_003 + shard)  # a resumed shard draws the same
             mine = [index for index, job in enumerate(jobs) if job.shard == shard]
+            # A resumed shard draws the same; its second turn apart from its first.
+            torch.manual_seed(self.seed * 1_000_003 + shard + (jobs[mine[0]].turn - 1) * TURN_STREAMS)
             for greedy in (True, False):
                 picked = sorted((i for i in mine if (jobs[i].sample == 0) == greedy),
                                 key=lambda i: -len(jobs[i].prompt.input_ids))
@@ -214,7 +225,9 @@ def read_prompts(source: str, split: str, tokenizer, max_length: int, strict: bo
                  bad_rows: dict[str, list[int]]) -> tuple[list[Prompt], int]:
     """Every usable row's prompt rendered with the chat template, in source order (the first
     `limit` if positive), and the number of rows read; unusable rows go into `bad_rows` per
-    reason (with `strict`, the first one in file order stops the run)."""
+    reason (with `strict`, the first one in file order stops the run). An evaluation-only source
+    (`chat.HELDOUT_SOURCES`) is refused."""
+    chat.refuse_heldout(source, "dflash generate")
     prompts, num_rows = [], 0
     for row_id, row in chat.read_rows(source, split):
         num_rows += 1
@@ -229,7 +242,8 @@ def read_prompts(source: str, split: str, tokenizer, max_length: int, strict: bo
                 raise chat.BadRowError(row_id, problem.reason, str(problem)) from None
             bad_rows.setdefault(problem.reason, []).append(row_id)
             continue
-        prompts.append(Prompt(row_id, messages, input_ids))
+        kind = row.get("kind") if isinstance(row, dict) else None
+        prompts.append(Prompt(row_id, messages, input_ids, kind=kind if isinstance(kind, str) else ""))
         if len(prompts) == limit:
             break
     return prompts, num_rows
@@ -269,18 +283,39 @@ def output_row(job: Job, answer: Answer) -> dict:
            "source_row": job.prompt.row_id + 1, "sample": job.sample, "cut": answer.cut}
     if job.prompt.asked:
         row["asked"] = True
+    if job.turn == 2:
+        row["turns"] = 2
+    if job.prompt.kind:
+        row["kind"] = job.prompt.kind
     return row
 
 
 ASK_SAMPLE = -1  # the sample index of a prompt's asking: its own sampling stream, apart from the answers' 0..N
 ASKED_CUT = "asked_cut"  # the target did not end the turn within --max-new-tokens
 ASKED_EMPTY = "asked_empty"  # it ended the turn at once
+TURN_STREAMS = 1 << 32  # a second turn's jobs draw from the streams of their sample index plus this
+FIRST_ANSWER_CUT = "first_answer_cut"  # --turns 2: the first answer was cut, so no follow-up is asked
 
 
 def ask_job(prompt: Prompt, tokenizer, shard: int) -> Job:
     """The job in which the target writes the rest of `prompt`'s last user turn."""
-    return Job(Prompt(prompt.row_id, prompt.messages, samples.ask_prompt_ids(prompt.messages, tokenizer)),
-               ASK_SAMPLE, shard)
+    return Job(replace(prompt, input_ids=samples.ask_prompt_ids(prompt.messages, tokenizer)), ASK_SAMPLE, shard)
+
+
+def follow_up_ask_job(job: Job, answer: Answer, tokenizer) -> Job:
+    """The job in which the target writes a second user turn after `answer` (the answer of `job`), from one of
+    FOLLOW_UP_STARTS, a function of the row and sample; its sample index is `ASK_SAMPLE - 1 - job.sample`,
+    so that every answer's follow-up draws from a stream of its own."""
+    start = FOLLOW_UP_STARTS[stream_id(0, job.prompt.row_id, job.sample) % len(FOLLOW_UP_STARTS)]
+    messages = job.prompt.messages + [{"role": "assistant", "content": answer.text}, {"role": "user", "content": start}]
+    prompt = replace(job.prompt, messages=messages, input_ids=samples.ask_prompt_ids(messages, tokenizer))
+    return Job(prompt, ASK_SAMPLE - 1 - job.sample, job.shard, turn=2)
+
+
+def follow_up_answer_job(ask: Job, prompt: Prompt) -> Job:
+    """The job that answers the second user turn that `ask` (a `follow_up_ask_job`) wrote into `prompt`,
+    at the first answer's sample index."""
+    return Job(prompt, ASK_SAMPLE - 1 - ask.sample, ask.shard, turn=2)
 
 
 def asked_prompt(prompt: Prompt, answer: Answer, tokenizer, max_length: int) -> Prompt | str:
@@ -296,7 +331,7 @@ def asked_prompt(prompt: Prompt, answer: Answer, tokenizer, max_length: int) -> 
     input_ids = samples.prompt_token_ids(messages, tokenizer)
     if len(input_ids) >= max_length:
         return BAD_PROMPT_TOO_LONG
-    return Prompt(prompt.row_id, messages, input_ids, asked=True)
+    return replace(prompt, messages=messages, input_ids=input_ids, asked=True)
 
 
 @dataclass

@@ -17,7 +17,8 @@ import zarr
 
 from dflash.store.reader import StoreReader
 from dflash.store.schema import (ATTRS_KEY, COMPLETE_KEY, FROZEN_WEIGHT_NAMES, HIDDEN_DTYPES, StoreMismatchError,
-                                 check_schema_version, count_nonfinite, has_target_labels, open_shard, shard_names)
+                                 PROB_SCALE, TOPK_ARRAYS, check_schema_version, count_nonfinite, has_target_labels,
+                                 open_shard, shard_names, store_topk)
 
 # ---------------------------------------------------------------- verification
 
@@ -58,6 +59,12 @@ def _expected_arrays(attrs: dict, num_tokens: int, num_samples: int) -> dict[str
         expected["scale"] = ((num_tokens, n), np.dtype(np.float32))
     if has_target_labels(attrs):
         expected["labels"] = ((num_tokens,), np.dtype(np.int32))
+    if store_topk(attrs):
+        k = store_topk(attrs)
+        expected["topk_ids"] = ((num_tokens, k), np.dtype(np.int32))
+        expected["topk_probs"] = ((num_tokens, k), np.dtype(np.uint16))
+    if "sources" in attrs:
+        expected["source_ids"] = ((num_samples,), np.dtype(np.int32))
     return expected
 
 
@@ -78,6 +85,10 @@ def _verify_shard(shard: zarr.Group, attrs: dict, planned: dict | None) -> tuple
     _expect(offsets[0] == 0 and offsets[-1] == num_tokens and bool(np.all(np.diff(offsets) > 0)),
             f"offsets do not split {num_tokens} rows into positive lengths")
     arrays["row_ids"][:]
+    if "source_ids" in arrays:
+        source_ids = arrays["source_ids"][:]
+        _expect(bool(((source_ids >= 0) & (source_ids < len(attrs["sources"]))).all()),
+                f"source_ids outside 0..{len(attrs['sources']) - 1} (the root attribute 'sources')")
     _verify_rows(arrays, attrs["codec"], int(attrs.get("target", {}).get("vocab_size") or 0))
     return num_samples, num_tokens
 
@@ -101,6 +112,20 @@ def _verify_rows(arrays: dict[str, Any], codec: str, vocab_size: int) -> None:
             labels = arrays["labels"][start:stop]
             _expect(bool((labels >= 0).all()) and (not vocab_size or bool((labels < vocab_size).all())),
                     f"target labels outside the vocabulary (0..{vocab_size - 1}) in rows {start}:{stop}")
+        if "topk_ids" in arrays:
+            _verify_topk(arrays["topk_ids"][start:stop], arrays["topk_probs"][start:stop], vocab_size,
+                         f"rows {start}:{stop}")
+
+
+def _verify_topk(ids: np.ndarray, probs: np.ndarray, vocab_size: int, where: str) -> None:
+    """Soft targets: ids inside the vocabulary, each row's probabilities summing to at most 1 (each
+    stored value is rounded, so up to k/2 units of 1/65535 over)."""
+    _expect(bool((ids >= 0).all()) and (not vocab_size or bool((ids < vocab_size).all())),
+            f"topk_ids outside the vocabulary (0..{vocab_size - 1}) in {where}")
+    sums = probs.astype(np.int64).sum(axis=1)
+    limit = PROB_SCALE + probs.shape[1] // 2
+    _expect(bool((sums <= limit).all()),
+            f"topk_probs sum above 1 in {where} (largest {sums.max() / PROB_SCALE:.6f})")
 
 
 def _verify_weights(root: zarr.Group, attrs: dict, bad: dict[str, str]) -> None:
@@ -216,8 +241,21 @@ def label_agreement(root: zarr.Group, names: list[str]) -> float | None:
     return same / total if total else None
 
 
+def _source_stats(reader: StoreReader) -> list[dict]:
+    """Samples, tokens and lengths of each source of a store of several (shards mix sources, so
+    stored bytes are not split by source)."""
+    stats = []
+    for number, name in enumerate(reader.source_names):
+        mine = reader.sample_source == number
+        entry = _summary(reader.sample_length[mine], reader.sample_num_supervised[mine], 0, 0)
+        stats.append({"name": name, **entry, "stored_bytes": None, "bytes_per_token": None,
+                      "compression_ratio": None})
+    return stats
+
+
 def store_stats(path: Any) -> dict:
-    """Per bucket, per shard and total statistics over the complete shards of a store.
+    """Per bucket, per shard, per source (a store of several) and total statistics over the complete
+    shards of a store.
 
     Stored bytes count every array of a shard (hidden, scale, ids, mask, offsets, row ids,
     metadata); the compression ratio compares them with raw bf16 features, n*H*2 bytes/token.
@@ -238,14 +276,16 @@ def store_stats(path: Any) -> dict:
         stored = sum(b for b, bk in zip(shard_bytes, reader.shard_buckets) if bk == bucket)
         entry = _summary(reader.sample_length[mask], reader.sample_num_supervised[mask], stored, raw_per_token)
         buckets.append({"bucket": bucket, "lo": edges[bucket], "hi": edges[bucket + 1], **entry})
+    sources = _source_stats(reader) if reader.has_sources else []
     weights_bytes = sum(int(root[n].nbytes_stored()) for n in ("embed_tokens", "lm_head") if n in root)
     return {
         "labels": "target" if reader.has_labels else "data",
+        "optional_arrays": list(TOPK_ARRAYS) if reader.topk else [], "topk": reader.topk,
         "label_agreement": label_agreement(root, reader.shard_names) if reader.has_labels else None,
         "codec": reader.codec, "num_layers": reader.num_layers, "hidden_size": reader.hidden_size,
         "raw_bytes_per_token": raw_per_token,
         "total": _summary(reader.sample_length, reader.sample_num_supervised, sum(shard_bytes), raw_per_token),
-        "buckets": buckets, "shards": shards, "frozen_weights_bytes": weights_bytes,
+        "buckets": buckets, "shards": shards, "sources": sources, "frozen_weights_bytes": weights_bytes,
         "incomplete_shards": list(reader.incomplete_shards), "skipped_shards": dict(reader.skipped_shards),
         "max_length": reader.attrs["max_length"], "num_truncated": reader.attrs.get("num_truncated"),
     }
@@ -257,6 +297,19 @@ COLUMNS = (
     ("supervised_share", "sup%", "{:.1%}"), ("stored_bytes", "stored", None),
     ("bytes_per_token", "B/tok", "{:.1f}"), ("compression_ratio", "ratio", "{:.2f}x"),
 )
+
+
+COLUMN_LEGEND = ("sup%: share of the tokens that are supervised (answer tokens the loss trains on); "
+                 "B/tok: stored bytes per token; ratio: raw bf16 size / stored size")
+
+
+def bucket_range(edges: list[int], bucket: int) -> str:
+    """A bucket's lengths as `plan.assign_bucket` fills it: [lo,hi), where the first bucket also
+    holds the lengths below the first edge ([0,hi)) and the last one the last edge's length
+    ([lo,hi]: data.max_length may equal it)."""
+    low = 0 if bucket == 0 else edges[bucket]
+    closing = "]" if bucket == len(edges) - 2 else ")"
+    return f"[{low},{edges[bucket + 1]}{closing}"
 
 
 def format_bytes(num_bytes: float) -> str:
@@ -287,8 +340,13 @@ def format_table(label: str, rows: list[tuple[str, dict]]) -> str:
 def print_report(stats: dict, report: dict | None, per_shard: bool, store_path: Any) -> None:
     print(f"store {store_path}: codec {stats['codec']}, {stats['num_layers']} layers x "
           f"hidden {stats['hidden_size']} (raw bf16 {stats['raw_bytes_per_token']} B/token)")
-    rows = [(f"{b['bucket']} [{b['lo']},{b['hi']})", b) for b in stats["buckets"]]
+    edges = [b["lo"] for b in stats["buckets"]] + [stats["buckets"][-1]["hi"]] if stats["buckets"] else []
+    rows = [(f"{b['bucket']} {bucket_range(edges, b['bucket'])}", b) for b in stats["buckets"]]
     print(format_table("bucket", rows + [("total", stats["total"])]))
+    print(COLUMN_LEGEND)
+    if stats.get("sources"):
+        print()
+        print(format_table("source", [(s["name"], s) for s in stats["sources"]]))
     if per_shard:
         print()
         print(format_table("shard", [(s["name"], s) for s in stats["shards"]]))
@@ -300,6 +358,8 @@ def print_report(stats: dict, report: dict | None, per_shard: bool, store_path: 
               f"the target's label at {shown} of the supervised positions")
     else:
         print("labels: the data tokens (store.labels = data)")
+    if stats.get("optional_arrays"):
+        print(f"optional arrays: {', '.join(stats['optional_arrays'])} (k={stats['topk']})")
     if stats["num_truncated"] is not None:
         print(f"{stats['num_truncated']} samples cut at max_length ({stats['max_length']} tokens)")
     if stats["incomplete_shards"]:
@@ -325,7 +385,7 @@ def plot_lengths(store_path: Any, out_path: str) -> str:
     edges = reader.attrs["bucket_edges"]
     bins = np.linspace(0, edges[-1], 65)
     per_bucket = [reader.sample_length[reader.sample_bucket == b] for b in range(len(edges) - 1)]
-    labels = [f"bucket {b} [{edges[b]},{edges[b + 1]})" for b in range(len(edges) - 1)]
+    labels = [f"bucket {b} {bucket_range(edges, b)}" for b in range(len(edges) - 1)]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.hist(per_bucket, bins=bins, stacked=True, label=labels)
     for edge in edges:

@@ -13,28 +13,46 @@ import numpy as np
 import torch
 import zarr
 
+from dflash.data.chat import source_name
 from dflash.store.schema import (ATTRS_KEY, COMPLETE_KEY, CorruptShardError, StoreMismatchError, bits_to_bf16,
-                                 check_schema_version, has_target_labels, open_shard, row_array_names, shard_names)
+                                 check_schema_version, has_target_labels, open_shard, row_array_names, shard_names,
+                                 store_topk)
+
+
+def check_is_store(path: Any) -> None:
+    """Refuse a local path that is no store (missing, a file, a folder without zarr's root metadata)
+    in the project's words, before zarr answers with its own."""
+    if not isinstance(path, (str, os.PathLike)) or "://" in str(path):
+        return
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"store.path: there is no store at {path}; `dflash stage1-extract` writes it")
+    if not os.path.isdir(path):
+        raise StoreMismatchError(f"{path} is not a dflash store (a file; a store is the folder stage one writes at "
+                                 f"store.path)")
+    if not os.path.isfile(os.path.join(path, "zarr.json")):
+        raise StoreMismatchError(f"{path} is not a dflash store (no zarr.json in it); `dflash stage1-extract` "
+                                 f"writes one at store.path")
 
 
 def open_existing(path: Any) -> zarr.Group:
     """The store at `path` for reading; a missing local store is named with what writes it."""
-    if isinstance(path, (str, os.PathLike)) and "://" not in str(path) and not os.path.exists(path):
-        raise FileNotFoundError(f"store.path: there is no store at {path}; `dflash stage1-extract` writes it")
+    check_is_store(path)
     return zarr.open_group(path, mode="r")
 
 
 def _read_root_attrs(root: zarr.Group, path: Any) -> dict:
     attrs = root.attrs.get(ATTRS_KEY)
     if attrs is None:
-        raise StoreMismatchError(f"{path} has no '{ATTRS_KEY}' attributes: not a dflash store")
+        raise StoreMismatchError(f"{path} is not a dflash store (no '{ATTRS_KEY}' attributes in its zarr.json); "
+                                 f"`dflash stage1-extract` writes one at store.path")
     check_schema_version(attrs, path)
     return attrs
 
 
-def _shard_index(shard: zarr.Group, codec: str, labels: bool) -> dict[str, np.ndarray]:
-    """Per-sample index of one complete shard; raises if its arrays cannot be opened or read."""
-    names = row_array_names(codec, labels) + ["offsets", "row_ids"]
+def _shard_index(shard: zarr.Group, codec: str, labels: bool, sources: bool = False) -> dict[str, np.ndarray]:
+    """Per-sample index of one complete shard (with `sources`, each sample's source number from its
+    `source_ids`; else source 0); raises if its arrays cannot be opened or read."""
+    names = row_array_names(codec, labels) + ["offsets", "row_ids"] + (["source_ids"] if sources else [])
     arrays = {name: shard[name] for name in names}
     offsets = np.asarray(arrays["offsets"][:], dtype=np.int64)
     row_ids = np.asarray(arrays["row_ids"][:], dtype=np.int64)
@@ -45,7 +63,11 @@ def _shard_index(shard: zarr.Group, codec: str, labels: bool) -> dict[str, np.nd
         raise ValueError(f"offsets inconsistent with arrays (offsets[-1]={offsets[-1]}, "
                          f"hidden rows={arrays['hidden'].shape[0]}, samples={len(row_ids)})")
     supervised = np.add.reduceat(loss_mask, offsets[:-1]) if len(row_ids) else np.zeros(0, np.int64)
-    return {"start": offsets[:-1], "length": lengths, "row_id": row_ids, "num_supervised": supervised}
+    source = np.asarray(arrays["source_ids"][:], dtype=np.int64) if sources else np.zeros(len(row_ids), np.int64)
+    if len(source) != len(row_ids):
+        raise ValueError(f"source_ids has {len(source)} entries for {len(row_ids)} samples")
+    return {"start": offsets[:-1], "length": lengths, "row_id": row_ids, "num_supervised": supervised,
+            "source": source}
 
 
 class StoreReader:
@@ -58,7 +80,8 @@ class StoreReader:
     `refresh()` appends shards completed since, keeping every earlier sample index.
     """
 
-    def __init__(self, path: Any, on_corrupt: str = "raise", shards: list[str] | None = None):
+    def __init__(self, path: Any, on_corrupt: str = "raise", shards: list[str] | None = None,
+                 soft_targets: bool = False):
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         self.path = path
@@ -69,6 +92,17 @@ class StoreReader:
         self.hidden_size: int = int(self.attrs["hidden_size"])
         self.num_layers: int = len(self.attrs["target_layer_ids"])
         self.has_labels: bool = has_target_labels(self.attrs)
+        self.topk: int = store_topk(self.attrs)  # k of the store's soft targets, 0 without
+        if soft_targets and not self.topk:
+            raise StoreMismatchError(f"train.distill_weight: the store at {path} holds no soft targets (top-k); "
+                                     f"run stage one with store.topk > 0 (into another store.path) or set "
+                                     f"train.distill_weight = 0")
+        self.soft_targets = soft_targets  # read_sample returns them
+        # A store of data.mix's sources names them (root attribute `sources`); an older or single-source
+        # store holds one source, named after the data.source that wrote it.
+        self.has_sources: bool = "sources" in self.attrs
+        self.source_names: list[str] = list(self.attrs["sources"]) if self.has_sources else [source_name(
+            str(self.attrs.get("config", {}).get("data", {}).get("source", "data")))]
         self.incomplete_shards: list[str] = []
         self.skipped_shards: dict[str, str] = {}
         self.shard_names: list[str] = []
@@ -110,7 +144,7 @@ class StoreReader:
             shard = open_shard(root, name)
             complete = shard is not None and COMPLETE_KEY in shard.attrs
             if complete:
-                index = _shard_index(shard, self.codec, self.has_labels)
+                index = _shard_index(shard, self.codec, self.has_labels, self.has_sources)
                 bucket = int(shard.attrs[COMPLETE_KEY]["bucket"])
         except Exception as exc:
             reason = f"{type(exc).__name__}: {exc}"
@@ -139,10 +173,12 @@ class StoreReader:
         self.sample_bucket = gather("bucket")
         self.sample_num_supervised = gather("num_supervised")
         self.sample_row_id = gather("row_id")
+        self.sample_source = gather("source")  # the number of its source, in `source_names`
         self.sample_local = np.concatenate([np.arange(len(p["start"])) for p in parts]) if parts else np.zeros(0, np.int64)
         # The per-sample table stage two schedules from (dflash.train.sampler, dflash.train.batch).
         self.index = {"length": self.sample_length, "bucket": self.sample_bucket,
-                      "num_supervised": self.sample_num_supervised, "row_id": self.sample_row_id}
+                      "num_supervised": self.sample_num_supervised, "row_id": self.sample_row_id,
+                      "source": self.sample_source}
 
     def __len__(self) -> int:
         return len(self.sample_length)
@@ -158,13 +194,15 @@ class StoreReader:
             if self._root is None:
                 self._root = zarr.open_group(self.path, mode="r")
             shard = self._root["shards"][name]
-            self._arrays[name] = {key: shard[key] for key in row_array_names(self.codec, self.has_labels)}
+            self._arrays[name] = {key: shard[key] for key in row_array_names(self.codec, self.has_labels,
+                                                                             self.soft_targets)}
         return self._arrays[name]
 
     def read_sample(self, i: int) -> dict:
         """Sample i: hidden (len, n*H) uint16|uint8, scale (len, n) float32 or None,
         input_ids int64, loss_mask bool, labels int64 (the target's, or None in a store of data
-        labels), row_id."""
+        labels), row_id, source (its number in `source_names`); with `soft_targets`, topk_ids (len, k)
+        int32 and topk_probs (len, k) uint16 (`schema.bits_to_probs` decodes them)."""
         name = self.shard_names[self.sample_shard[i]]
         start = int(self.sample_start[i])
         stop = start + int(self.sample_length[i])
@@ -177,15 +215,24 @@ class StoreReader:
                 "loss_mask": arrays["loss_mask"][start:stop].astype(bool),
                 "labels": arrays["labels"][start:stop].astype(np.int64) if "labels" in arrays else None,
                 "row_id": int(self.sample_row_id[i]),
+                "source": int(self.sample_source[i]),
             }
+            if self.soft_targets:
+                sample["topk_ids"] = arrays["topk_ids"][start:stop]
+                sample["topk_probs"] = arrays["topk_probs"][start:stop]
         except Exception as exc:
             raise CorruptShardError(
-                f"shard {name}: cannot read sample {i} (row {int(self.sample_row_id[i]) + 1}): "
+                f"shard {name}: cannot read sample {i} ({self.sample_label(i)}): "
                 f"{type(exc).__name__}: {exc}. Repair: `dflash inspect-cache {self.path} --verify --repair` "
                 f"removes the bad shards, then stage one (same config) rewrites them; or set "
                 f"train.skip_corrupt_shards = true to skip unreadable samples"
             ) from exc
         return sample
+
+    def sample_label(self, i: int) -> str:
+        """How users see sample i's origin: its row, and its source in a store of several."""
+        row = f"row {int(self.sample_row_id[i]) + 1}"
+        return f"{row} of source {self.source_names[self.sample_source[i]]}" if self.has_sources else row
 
     def read_tokens(self, indices) -> list[dict]:
         """The samples' input_ids int64, loss_mask bool and labels int64 (or None), without their

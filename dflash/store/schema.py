@@ -20,7 +20,7 @@ import zarr
 from zarr.codecs import BloscCodec, Crc32cCodec, ZstdCodec
 
 from dflash import __version__
-from dflash.data.chat import content_fingerprint
+from dflash.data.chat import content_fingerprint, training_sources
 from dflash.errors import DflashError
 
 SCHEMA_VERSION = 1
@@ -31,11 +31,15 @@ COMPLETE_KEY = "complete"
 # fingerprint and config hash are), nor paths and worker counts (`content` leaves them out).
 CONTENT_KEYS = (
     "schema_version", "content", "target", "target_layer_ids", "hidden_size", "codec",
-    "tokenizer", "max_length", "bucket_edges", "shards",
+    "tokenizer", "max_length", "bucket_edges", "shards", "topk",
 )
 LOCATION_KEYS = {"target": ("path",)}
 HIDDEN_DTYPES = {"bf16": np.dtype(np.uint16), "fp8": np.dtype(np.uint8)}
 LABEL_CHOICES = ("data", "target")
+# Soft targets (store.topk): the target's top-k next-token ids and probabilities, p stored as
+# round(p * 65535) in a uint16.
+TOPK_ARRAYS = ("topk_ids", "topk_probs")
+PROB_SCALE = 65535
 # bf16 compression: blosc (zstd-1, byte shuffle) by default; bit shuffle wins on trained activations
 # and loses on random ones, so it waits for a trained target at the real shape (BENCHMARKS.md, Codecs).
 DEFAULT_BF16_COMPRESSION = "blosc"
@@ -49,7 +53,7 @@ def root_attributes(config, target: dict, target_layer_ids: list[int], target_te
     its description and weights fingerprint), the cached layers, the tokenizer's identity, the
     mask token chosen for the data, the resolved config, the content identity and the plan's
     shards. Stage two reads them back and compares them (`diff_attrs`)."""
-    return {
+    attrs = {
         "schema_version": SCHEMA_VERSION,
         "package_version": __version__,
         "target": target,
@@ -65,30 +69,72 @@ def root_attributes(config, target: dict, target_layer_ids: list[int], target_te
         "bucket_edges": list(config.store.bucket_edges),
         "config": config.to_dict(),
         "content": content_identity(config),
+        **({"sources": source_names(config)} if config.data.mix else {}),
         "shards": [{"name": s.name, "bucket": s.bucket, "num_samples": len(s.sample_indices),
                     "num_tokens": s.num_tokens} for s in shards],
     }
+    if config.store.topk:  # only then: a store without soft targets keeps its identity
+        attrs["topk"] = config.store.topk
+    return attrs
 
 
 def content_identity(config) -> dict:
     """The stage-one settings that change what the store holds. Paths, worker counts, batch sizes
     and the overwrite flag do not, so a moved store, another `data.num_workers` or a rerun after
     `--overwrite` continue it (the target and tokenizer are compared through their own keys)."""
-    return {
+    identity = {
         "target": {"layer_ids": list(config.target.layer_ids), "num_layer_ids": config.target.num_layer_ids,
                    "dtype": config.target.dtype},
-        "data": {"source": content_fingerprint(config.data.source, config.data.split),
+        "data": {**data_sources_identity(config.data),
                  "split": config.data.split, "max_length": config.data.max_length,
                  "overlong": config.data.overlong, "min_supervised": config.drafter.block_size},
         "store": {"codec": config.store.codec, "bucket_edges": list(config.store.bucket_edges),
                   "shard_tokens": config.store.shard_tokens, "labels": config.store.labels},
     }
+    if config.store.topk:  # only then, as the root key `topk` (compared even where a store predates it)
+        identity["store"]["topk"] = config.store.topk
+    return identity
 
 
-def row_array_names(codec: str, labels: bool) -> list[str]:
-    """The per-token arrays of a shard: features, ids, mask, and the fp8 scales and target labels
-    where the store has them."""
-    return ["hidden", "input_ids", "loss_mask"] + (["scale"] if codec == "fp8" else []) + (["labels"] if labels else [])
+def data_sources_identity(data) -> dict:
+    """What the store's data is: `source`, one source's content hash, or with data.mix `sources`,
+    `[name, content hash]` of every source in order (a list, so that an added source differs too).
+    The weights are not content: they say how stage two samples the store, not what it holds."""
+    if not data.mix:
+        return {"source": content_fingerprint(data.source, data.split)}
+    return {"sources": [[name, content_fingerprint(source, data.split)]
+                        for name, source, _ in training_sources(data)]}
+
+
+def source_names(config) -> list[str] | None:
+    """The root attribute `sources`: the names of data.mix's sources in order (their number is each
+    shard's `source_ids`), or None for a store of data.source alone."""
+    if not config.data.mix:
+        return None
+    return [name for name, _, _ in training_sources(config.data)]
+
+
+def row_array_names(codec: str, labels: bool, topk: bool = False) -> list[str]:
+    """The per-token arrays of a shard: features, ids, mask, and the fp8 scales, target labels and
+    soft targets where the store has them."""
+    return (["hidden", "input_ids", "loss_mask"] + (["scale"] if codec == "fp8" else [])
+            + (["labels"] if labels else []) + (list(TOPK_ARRAYS) if topk else []))
+
+
+def store_topk(attrs: dict) -> int:
+    """k of a store's soft targets (root attribute `topk`), 0 when it has none."""
+    return int(attrs.get("topk", 0))
+
+
+def probs_to_bits(probs: torch.Tensor) -> torch.Tensor:
+    """Probabilities in [0, 1] -> round(p * 65535) as int16 tensors holding the uint16 bits (torch
+    narrows int32 -> int16 by wrapping, so the bits equal numpy's uint16 of the same value)."""
+    return (probs.float().clamp(0, 1) * PROB_SCALE).round().to(torch.int32).to(torch.int16)
+
+
+def bits_to_probs(bits: np.ndarray) -> np.ndarray:
+    """Stored uint16 probabilities -> float32 in [0, 1]."""
+    return np.asarray(bits, dtype=np.float32) / PROB_SCALE
 
 
 def has_target_labels(attrs: dict) -> bool:

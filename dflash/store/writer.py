@@ -86,7 +86,8 @@ def write_frozen_weights(group: zarr.Group, embed_VH: torch.Tensor, lm_head_VH: 
 class ShardWriter:
     """Writes one planned shard: samples arrive in plan order, `commit()` marks it complete.
 
-    `lengths` and `row_ids` are indexed like the kept-sample list the plan refers to.
+    `lengths` and `row_ids` (and `source_ids`, a store of several sources: each sample's source
+    number) are indexed like the kept-sample list the plan refers to.
     Rows are buffered and written in whole zarr-shard row ranges so no zarr shard is read,
     modified and rewritten; the tail is written by `commit()`.
     """
@@ -95,6 +96,8 @@ class ShardWriter:
         self, group: zarr.Group, plan: ShardPlan, lengths: np.ndarray, row_ids: np.ndarray,
         codec: str, num_layers: int, hidden_size: int, rows_per_chunk: int,
         rows_per_zarr_shard: int, bf16_compression: str = DEFAULT_BF16_COMPRESSION, labels: bool = False,
+        topk: int = 0,
+        source_ids: np.ndarray | None = None,
     ):
         if codec not in HIDDEN_DTYPES:
             raise ValueError(f"shard {plan.name}: unknown codec {codec!r}")
@@ -103,11 +106,12 @@ class ShardWriter:
                 f"rows_per_zarr_shard ({rows_per_zarr_shard}) must be a positive multiple of "
                 f"rows_per_chunk ({rows_per_chunk})"
             )
-        self.plan, self.codec, self.with_labels = plan, codec, labels
+        self.plan, self.codec, self.with_labels, self.topk = plan, codec, labels, topk
         self.num_layers, self.hidden_size = num_layers, hidden_size
         indices = list(plan.sample_indices)
         self.sample_lengths = np.asarray(lengths, dtype=np.int64)[indices]
         self.sample_row_ids = np.asarray(row_ids, dtype=np.int64)[indices]
+        self.sample_source_ids = None if source_ids is None else np.asarray(source_ids, dtype=np.int32)[indices]
         self.offsets = np.concatenate([[0], np.cumsum(self.sample_lengths)]).astype(np.int64)
         self.num_tokens = int(self.offsets[-1])
         if self.num_tokens != plan.num_tokens or np.any(self.sample_lengths <= 0):
@@ -139,7 +143,7 @@ class ShardWriter:
             return True
 
     def _row_array_names(self) -> list[str]:
-        return row_array_names(self.codec, self.with_labels)
+        return row_array_names(self.codec, self.with_labels, self.topk > 0)
 
     def _create_arrays(self, bf16_compression: str) -> dict[str, Any]:
         T, N, n = self.num_tokens, len(self.sample_lengths), self.num_layers
@@ -153,6 +157,9 @@ class ShardWriter:
             specs["scale"] = ((T, n), np.dtype(np.float32), plain_compressors())
         if self.with_labels:
             specs["labels"] = ((T,), np.dtype(np.int32), plain_compressors())
+        if self.topk:
+            specs["topk_ids"] = ((T, self.topk), np.dtype(np.int32), plain_compressors())
+            specs["topk_probs"] = ((T, self.topk), np.dtype(np.uint16), plain_compressors())
         arrays = {}
         for name, (shape, dtype, compressors) in specs.items():
             # zarr's cost is per chunk, not per byte: the small per-token arrays (a few bytes a
@@ -163,9 +170,12 @@ class ShardWriter:
                 name, shape=shape, dtype=dtype, **layout, serializer=BytesCodec(), compressors=compressors,
                 config=WRITE_EVERY_CHUNK,
             )
-        for name, size in (("offsets", N + 1), ("row_ids", N)):
+        per_sample = [("offsets", N + 1, np.int64), ("row_ids", N, np.int64)]
+        if self.sample_source_ids is not None:
+            per_sample.append(("source_ids", N, np.int32))
+        for name, size, dtype in per_sample:
             arrays[name] = self.group.create_array(
-                name, shape=(size,), dtype=np.int64, chunks=(size,),
+                name, shape=(size,), dtype=dtype, chunks=(size,),
                 serializer=BytesCodec(), compressors=plain_compressors(),
             )
         return arrays
@@ -173,9 +183,11 @@ class ShardWriter:
     def write_sample(
         self, i: int, hidden: np.ndarray, scale: np.ndarray | None,
         input_ids: np.ndarray, loss_mask: np.ndarray, labels: np.ndarray | None = None,
+        topk_ids: np.ndarray | None = None, topk_probs: np.ndarray | None = None,
     ) -> None:
         """Add kept sample `i` (the next one of the plan): hidden (len, n*H), scale (len, n) for fp8,
-        labels (len,) int32 for a store of target labels."""
+        labels (len,) int32 for a store of target labels, topk_ids (len, k) int32 and topk_probs
+        (len, k) uint16 for a store of soft targets (kept at supervised rows only, zeros elsewhere)."""
         local = self._next_sample
         if local >= len(self.sample_lengths) or self.plan.sample_indices[local] != i:
             expected = self.plan.sample_indices[local] if local < len(self.sample_lengths) else None
@@ -190,6 +202,12 @@ class ShardWriter:
             rows["labels"] = labels
         elif labels is not None:
             raise ValueError(f"shard {self.plan.name}: a store of data labels takes no labels (sample {i})")
+        if self.topk:
+            supervised = np.asarray(loss_mask).astype(bool)[:, None]
+            for name, values in (("topk_ids", topk_ids), ("topk_probs", topk_probs)):
+                rows[name] = None if values is None else np.where(supervised, values, 0).astype(values.dtype)
+        elif topk_ids is not None or topk_probs is not None:
+            raise ValueError(f"shard {self.plan.name}: a store without soft targets takes no top-k (sample {i})")
         self._check_sample(local, rows)
         for name, value in rows.items():
             self._buffers[name].append(value)
@@ -226,7 +244,7 @@ class ShardWriter:
         self._flushed_rows, self._buffered_rows = stop, end - stop
 
     def commit(self) -> dict:
-        """Write the tail, offsets and row ids, then the completion mark (last). Returns its stats."""
+        """Write the tail, offsets, row ids (and source ids), then the completion mark (last). Returns its stats."""
         if self._next_sample != len(self.sample_lengths):
             raise ValueError(
                 f"shard {self.plan.name}: commit after {self._next_sample} of "
@@ -235,6 +253,8 @@ class ShardWriter:
         self._flush(final=True)
         self.arrays["offsets"][:] = self.offsets
         self.arrays["row_ids"][:] = self.sample_row_ids
+        if self.sample_source_ids is not None:
+            self.arrays["source_ids"][:] = self.sample_source_ids
         stats = {
             "bucket": self.plan.bucket,
             "codec": self.codec,
@@ -247,5 +267,7 @@ class ShardWriter:
                 for name, array in self.arrays.items()
             },
         }
+        if self.topk:
+            stats["topk"] = self.topk
         self.group.attrs[COMPLETE_KEY] = stats
         return stats

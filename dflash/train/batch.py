@@ -23,20 +23,19 @@ import torch
 import torch.utils.data
 
 from dflash.data.chat import row_label
-from dflash.model import tiles
 from dflash.model.anchors import anchor_rng, sample_anchors
 from dflash.model.loss import label_rows
 from dflash.model.masks import layer_windows
-from dflash.model.tiles import PADDING_DOC, context_tiles_key, gather_context_keys, keys_key, tile_layout, tiles_key
+from dflash.model.tiles import PADDING_DOC, gather_context_keys, keys_key, tile_layout, tiles_key
 from dflash.padding import micro_batch_multiple, round_up
-from dflash.store.schema import CorruptShardError
+from dflash.store.schema import CorruptShardError, bits_to_probs
 from dflash.train.served import window_anchors
 
 
 class StoreDataset(torch.utils.data.Dataset):
     """Map-style dataset: `dataset[(epoch, i)]` is sample i of the store with its anchors.
 
-    Anchors come from `anchor_rng(seed, epoch, row_id)`: keyed by the sample's source row id,
+    Anchors come from `anchor_rng(seed, epoch, row_id, source)`: keyed by the sample's source row id,
     not its store index, so a sample keeps its anchors when the store is re-planned (other
     bucket edges or shard sizes reorder the index but not the row ids), and the draw does not
     depend on the worker or the order of reads.
@@ -76,7 +75,8 @@ class StoreDataset(torch.utils.data.Dataset):
             anchors = window_anchors(sample["loss_mask"], self.served_tokens)
         else:
             anchors = sample_anchors(sample["loss_mask"], self.max_anchors, anchor_rng(self.seed, epoch,
-                                                                                      int(sample["row_id"])))
+                                                                                      int(sample["row_id"]),
+                                                                                      int(sample.get("source", 0))))
         item = {
             **sample,
             "anchors": anchors,
@@ -115,6 +115,12 @@ def _pack_tokens(items: list[dict], num_tokens: int) -> dict[str, np.ndarray]:
     if items[0].get("labels") is not None:
         packed["labels"] = np.zeros(num_tokens, dtype=np.int64)
         packed["labels"][:num_real] = np.concatenate([item["labels"] for item in items])
+    if items[0].get("topk_ids") is not None:  # soft targets, decoded here: ids int64, probabilities float32
+        k = items[0]["topk_ids"].shape[1]
+        packed["topk_ids"] = np.zeros((num_tokens, k), dtype=np.int64)
+        packed["topk_ids"][:num_real] = np.concatenate([item["topk_ids"] for item in items])
+        packed["topk_probs"] = np.zeros((num_tokens, k), dtype=np.float32)
+        packed["topk_probs"][:num_real] = bits_to_probs(np.concatenate([item["topk_probs"] for item in items]))
     if items[0]["scale"] is not None:
         # pad rows decode to zero whatever the scale; 1.0 keeps them finite under any decode
         scale_TN = np.ones((num_tokens, items[0]["scale"].shape[1]), dtype=np.float32)
@@ -157,25 +163,25 @@ def fused_groups(items: list[dict], anchor_doc: np.ndarray) -> tuple[np.ndarray,
     return anchor_group.astype(np.int64), [int(buckets[g]) for g in range(len(present))]
 
 
-def collate_options(backend: str, args) -> dict:
+def collate_options(backend: str, args, gather_keys: bool = False) -> dict:
     """What the trainer's collate takes for a drafter (`DrafterArgs`) and attention backend: the
     padding, the block size and, with flex attention, each layer type's window (the collate lays out the
-    block masks' tiles), whether it gathers context keys (`tiles.GATHER_CONTEXT_KEYS`) and whether flex
-    reads the context keys alone (`tiles.SPLIT_BLOCK_KEYS`)."""
+    block masks' tiles) and whether it gathers context keys (`train.gather_context_keys`)."""
     flex = backend == "flex"
     return {"pad_multiple": micro_batch_multiple(backend), "block_size": args.block_size,
             "mask_windows": layer_windows(args.layer_types, args.sliding_window) if flex else None,
-            "gather_keys": flex and tiles.GATHER_CONTEXT_KEYS, "split_block": flex and tiles.SPLIT_BLOCK_KEYS}
+            "gather_keys": flex and gather_keys}
 
 
 def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None = None,
                    mask_windows: dict[str, int | None] | None = None,
-                   gather_keys: bool = False, split_block: bool = False) -> dict[str, torch.Tensor]:
+                   gather_keys: bool = False) -> dict[str, torch.Tensor]:
     """Pack `StoreDataset` items into one micro-batch of CPU tensors (see the module docstring).
 
     Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
     `input_ids`, `loss_mask`, `position_ids`, `doc_ids` `(T,)`, `labels (T,)` (stores of target
-    labels only); `anchor_pos`, `anchor_doc`,
+    labels only), `topk_ids (T, k)` int64 and `topk_probs (T, k)` float32 (soft targets, when read);
+    `anchor_pos`, `anchor_doc`,
     `anchor_index`, `anchor_valid` `(A,)`; per sample `lengths`, `row_ids`, `sample_indices`
     `(D,)`; scalars `bucket` (-1 if the samples' buckets differ), `epoch`, `num_tokens` (T),
     `num_real_tokens`, `num_real_anchors`; with `block_size`, `label_rows (L,)`: the block rows
@@ -183,8 +189,7 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     `block_size` and `mask_windows` (`dflash.model.masks.layer_windows`, flex attention), each layer
     type's `tile_layout` under `tiles_key(layer_type)`, so the trainer builds its block masks from the
     tiles instead of evaluating the rule over every (query, key) pair (with `gather_keys`, over each
-    query tile's own copies of its context keys, `keys_key(layer_type)`: `tiles.gather_context_keys`;
-    with `split_block`, over the context keys alone, under `context_tiles_key(layer_type)`);
+    query tile's own copies of its context keys, `keys_key(layer_type)`: `tiles.gather_context_keys`);
     for the samples of a fused step (items with a `group`), `anchor_group (A,)` and the host list
     `group_buckets` (`fused_groups`); and, when some samples
     could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
@@ -219,14 +224,9 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     if block_size is not None:
         batch["label_rows"] = label_rows(batch["loss_mask"], batch["doc_ids"], batch["anchor_index"],
                                          batch["anchor_valid"], block_size)
-        if gather_keys and split_block:
-            raise ValueError("collate_packed: gather_keys and split_block are two layouts; choose one")
         for layer_type, window in (mask_windows or {}).items():
             layout = tile_layout(arrays["doc_ids"], arrays["position_ids"], arrays["anchor_doc"],
-                                 arrays["anchor_pos"], block_size, window, block_keys=not split_block)
-            if layout is not None and split_block:
-                batch[context_tiles_key(layer_type)] = torch.from_numpy(layout)
-                continue
+                                 arrays["anchor_pos"], block_size, window)
             if layout is not None and gather_keys:
                 layout, keys = gather_context_keys(layout, len(arrays["doc_ids"]))
                 batch[keys_key(layer_type)] = torch.from_numpy(keys)
@@ -253,7 +253,6 @@ def build_loader(
     block_size: int | None = None,
     mask_windows: dict[str, int | None] | None = None,
     gather_keys: bool = False,
-    split_block: bool = False,
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = 2,
@@ -265,7 +264,7 @@ def build_loader(
         dataset,
         batch_sampler=sampler,
         collate_fn=partial(collate_packed, pad_multiple=pad_multiple, block_size=block_size,
-                           mask_windows=mask_windows, gather_keys=gather_keys, split_block=split_block),
+                           mask_windows=mask_windows, gather_keys=gather_keys),
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if workers_used else None,
@@ -276,8 +275,7 @@ def build_loader(
 def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *, pad_multiple: int,
                  block_size: int | None, num_workers: int, pin_memory: bool,
                  mask_windows: dict[str, int | None] | None = None,
-                 gather_keys: bool = False, split_block: bool = False,
-                 fuse: bool = False) -> torch.utils.data.DataLoader:
+                 gather_keys: bool = False, fuse: bool = False) -> torch.utils.data.DataLoader:
     """Micro-batches of `rank` from `start_step` of the schedule on; skipped steps are never read. With
     `fuse`, one per step: the rank's accum_steps micro-batches packed together, each sample keyed with
     its micro-batch (`fused_groups`)."""
@@ -290,5 +288,5 @@ def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *,
         batches = [[(schedule.epoch, int(i)) for i in samples]
                    for _, _, samples in schedule.rank_batches(rank, start_step)]
     return build_loader(dataset, batches, pad_multiple=pad_multiple, block_size=block_size, mask_windows=mask_windows,
-                        gather_keys=gather_keys, split_block=split_block, num_workers=num_workers,
+                        gather_keys=gather_keys, num_workers=num_workers,
                         pin_memory=pin_memory)

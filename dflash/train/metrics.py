@@ -128,7 +128,8 @@ class StepStats:
     """Metric sums kept on the device between logging steps (no host sync per step)."""
 
     def __init__(self, block_size: int, device: torch.device):
-        self.values = torch.zeros(6 + 2 * (block_size - 1), dtype=torch.float64, device=device)
+        # loss, loss sum, weight sum, accepted, blocks, micro-batches; per slot correct, valid; distill sum, count
+        self.values = torch.zeros(8 + 2 * (block_size - 1), dtype=torch.float64, device=device)
         self.block_size = block_size
         self.micro_batches = 0
         self.grad_norm = None
@@ -153,10 +154,12 @@ class StepStats:
                                         metrics["accepted_sum"].double(), metrics["num_blocks"].double(),
                                         torch.ones((), dtype=torch.float64, device=loss.device)])
         self.values[6:6 + self.block_size - 1] += metrics["slot_correct"].double()
-        self.values[6 + self.block_size - 1:] += metrics["slot_valid"].double()
+        self.values[6 + self.block_size - 1:6 + 2 * (self.block_size - 1)] += metrics["slot_valid"].double()
+        if out.distill is not None:
+            self.values[-2:] += torch.stack([out.distill.detach().double(), torch.ones_like(loss)])
         self.micro_batches += 1
         self.micro_batch_rows.append(batch["row_ids"])
-        self.micro_batch_losses.append(out.loss.detach())
+        self.micro_batch_losses.append(out.objective.detach())  # the non-finite guard covers both terms
         lengths = batch["lengths"]
         self.host["real_tokens"] += int(batch["num_real_tokens"])
         self.host["padded_tokens"] += int(batch["num_tokens"])
@@ -198,6 +201,9 @@ class StepStats:
         slot_correct, slot_valid = host[6:6 + k], host[6 + k:6 + 2 * k]
         metrics = {"loss": loss_mean / max(count, 1), "tau": 1 + accepted / max(blocks, 1),
                    "acc": sum(slot_correct) / max(sum(slot_valid), 1)}
+        distill_sum, distill_count = host[6 + 2 * k:8 + 2 * k]
+        if distill_count:
+            metrics["distill"] = distill_sum / distill_count
         for slot in range(k):
             metrics[f"acc_slot{slot + 1}"] = slot_correct[slot] / max(slot_valid[slot], 1)
         if with_grad_norm and self.grad_norm is not None:

@@ -59,8 +59,8 @@ class DataCursor:
         return cls(epoch=int(state["epoch"]), step=int(state["step"]), segment=int(state.get("segment", 0)))
 
 
-def split_holdout(num_samples: int, fraction: float, seed: int,
-                  groups: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def split_holdout(num_samples: int, fraction: float, seed: int, groups: np.ndarray | None = None,
+                  stream: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Deterministic train / eval split of sample indices `0..num_samples-1`.
 
     Returns `(train_indices, eval_indices)`, both sorted int64. The eval set has
@@ -69,13 +69,14 @@ def split_holdout(num_samples: int, fraction: float, seed: int,
     appearance, e.g. `StoreReader.prompt_groups`), whole groups are held out, in the order of a
     permutation of the groups, until the eval set has at least that many samples: the answers
     to one prompt never fall on both sides. One sample per group gives the split without groups.
+    `stream` extends the rng key (one source of a mix: dflash.train.mix.held_out_split).
     """
     if not 0.0 <= fraction < 1.0:
         raise ValueError(f"split_holdout: fraction must be in [0, 1), got {fraction}")
     num_eval = int(round(fraction * num_samples))
     if fraction > 0 and num_samples > 1:
         num_eval = min(max(num_eval, 1), num_samples - 1)
-    rng = np.random.default_rng([seed, _HOLDOUT_STREAM])
+    rng = np.random.default_rng([seed, _HOLDOUT_STREAM, *stream])
     if groups is None:
         order = rng.permutation(num_samples)
         return np.sort(order[num_eval:]).astype(np.int64), np.sort(order[:num_eval]).astype(np.int64)
@@ -388,7 +389,8 @@ def build_epoch_schedule(
     `lengths[i]`, `buckets[i]` are sample i's token count and bucket (the store index);
     `anchors[i]`, when given, its anchor count, packed under `anchor_budget` per micro-batch.
     `stream` extends the shuffle's rng key (a following run's segment). Deterministic in all
-    arguments; every selected sample appears exactly once.
+    arguments; every entry of `sample_indices` appears exactly once (a sample a mix repeats,
+    dflash/train/mix.py, is several entries).
     """
     lengths, buckets = np.asarray(lengths, dtype=np.int64), np.asarray(buckets, dtype=np.int64)
     if sample_indices is None:

@@ -20,7 +20,7 @@ from dflash.dist import DistState
 from dflash.model.drafter import (DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers,
                                   is_compiled)
 from dflash.model.export import load_exported
-from dflash.model.loss import block_labels, default_gamma, dflash_loss, gamma_weights
+from dflash.model.loss import block_labels, block_soft_targets, default_gamma, dflash_loss, gamma_weights
 from dflash.model.masks import build_masks, default_backend
 from dflash.store import codecs
 from dflash.train import served
@@ -39,6 +39,8 @@ class TrainContext:
     backend: str
     loss_chunk: int
     device: torch.device
+    distill_weight: float = 0.0  # train.distill_weight: the soft-target term beside the cross entropy
+    distill: str = "kl"
 
     @property
     def autocast(self):
@@ -81,7 +83,8 @@ def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) ->
     return TrainContext(args=args, codec=reader.attrs["codec"], embed_VH=embed.to(dist.device, dtype),
                         lm_head_VH=lm_head.to(dist.device, dtype),
                         weights_B=gamma_weights(args.block_size, gamma, device=dist.device),
-                        backend=backend, loss_chunk=config.train.loss_chunk, device=dist.device)
+                        backend=backend, loss_chunk=config.train.loss_chunk, device=dist.device,
+                        distill_weight=config.train.distill_weight, distill=config.train.distill)
 
 
 def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> torch.nn.Module:
@@ -122,17 +125,22 @@ def forward_loss(model, ctx: TrainContext, batch: dict):
     labels_AB, valid_AB = block_labels(batch.get("labels", batch["input_ids"]), batch["loss_mask"],
                                        batch["doc_ids"], batch["anchor_index"], batch["anchor_valid"],
                                        args.block_size)
+    soft_targets = None
+    if ctx.distill_weight > 0 and "topk_ids" in batch:  # soft targets read from the store (store.topk)
+        soft_targets = block_soft_targets(batch["topk_ids"], batch["topk_probs"], batch["loss_mask"], batch["doc_ids"],
+                                          batch["anchor_index"], batch["anchor_valid"], args.block_size)
     # The final norm returns float32 under autocast; the loss casts the rows it uses to the head's dtype.
     # A fused step's micro-batch (train.fuse_accum): each anchor's micro-batch, the loss their means' mean.
     out = dflash_loss(hidden_QH, ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B, ctx.loss_chunk,
                       rows_L=batch.get("label_rows"), group_A=batch.get("anchor_group"),
-                      num_groups=len(batch.get("group_buckets", [None])))
+                      num_groups=len(batch.get("group_buckets", [None])), soft_targets=soft_targets,
+                      distill_weight=ctx.distill_weight, distill=ctx.distill)
     return out, valid_AB
 
 
 # Token- and anchor-axis tensors go to the device; per-sample bookkeeping (lengths, bucket,
 # counts) stays on the host so metrics never force a device sync.
-DEVICE_KEYS = ("hidden", "scale", "input_ids", "labels", "loss_mask", "position_ids", "doc_ids",
+DEVICE_KEYS = ("hidden", "scale", "input_ids", "labels", "topk_ids", "topk_probs", "loss_mask", "position_ids", "doc_ids",
                "anchor_pos", "anchor_doc", "anchor_index", "anchor_valid", "label_rows", "anchor_group")
 
 
@@ -159,7 +167,7 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
         sync_context = wrapped.no_sync() if hasattr(wrapped, "no_sync") and not last else nullcontext()
         with sync_context:
             out, valid_AB = forward_loss(wrapped, ctx, batch)
-            (out.loss / len(micro_batches)).backward()
+            (out.objective / len(micro_batches)).backward()
         stats.add(out, valid_AB, batch)
     grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
     finite = torch.isfinite(grad_norm) & ~stats.loss_flags().any()

@@ -33,10 +33,10 @@ from dflash.dist import init_distributed
 from dflash.model.drafter import DFlashDrafter
 from dflash.outputs import write_text_atomic
 from dflash.store.reader import StoreReader
-from dflash.train import served
+from dflash.train import mix, served
 from dflash.train.batch import StoreDataset, collate_options, collate_packed
 from dflash.train.checkpoint import checkpoint_drafter_args, complete_checkpoints, load_checkpoint, step_dir_name
-from dflash.train.sampler import holdout_groups, split_holdout
+from dflash.train.sampler import holdout_groups
 from dflash.train.step import build_context, evaluate_served
 
 SAMPLE_ID = re.compile(r"\(sample (\d+)\)$")  # dflash.serve.evaluation.heldout_prompts' prompt ids
@@ -57,7 +57,7 @@ def served_samples(eval_result: dict) -> list[int]:
 def held_out_split(config, reader) -> tuple[np.ndarray | None, np.ndarray]:
     """Stage two's prompt groups and held-out sample indices under `config` (as the trainer splits)."""
     groups = holdout_groups(config, reader)
-    return groups, split_holdout(len(reader), config.train.holdout_fraction, config.train.seed, groups)[1]
+    return groups, mix.held_out_split(config, reader, groups)[1]
 
 
 def greedy_answers(reader, split, samples: list[int], tokens: int, block_size: int) -> list[int | None]:
