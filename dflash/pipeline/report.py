@@ -112,7 +112,8 @@ def render(layout: RunLayout) -> None:
 
 
 def number(value, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:,.{digits}f}"
+    """A number as the tables show it; none (or NaN: a walk with no prompt walked) as "-"."""
+    return "-" if value is None or value != value else f"{value:,.{digits}f}"
 
 
 def markdown(report: dict, plots: list[Path]) -> str:
