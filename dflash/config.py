@@ -242,6 +242,70 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class GenerateConfig:
+    max_new_tokens: int = setting(1024, "`dflash recipe`: tokens per answer at most, for a source that sets no "
+                                  "new_tokens", positive=True)
+    rows_per_shard: int = setting(1024, "`dflash recipe`: prompts per answers shard (the unit a killed generate "
+                                  "resumes by)", positive=True)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    num_prompts: int = setting(16, "`dflash recipe`: prompts per eval, for an eval set that sets no num_prompts",
+                               positive=True)
+    max_new_tokens: int = setting(128, "`dflash recipe`: tokens per prompt at most, for an eval set that sets no "
+                                  "new_tokens", positive=True)
+    seed: int = setting(0, "`dflash recipe`: the sampling seed of evals at temperature > 0")
+
+
+@dataclass(frozen=True)
+class RecipeSource:
+    """One source of `dflash recipe`'s answers (`recipe.sources`): the target answers its prompts."""
+    name: str = setting("", "the source's name: its answers folder (run_dir/answers/NAME), its data.mix name "
+                        "and `--prompts heldout:NAME`")
+    source: str = setting("", "the prompts: a data source (embedded:NAME, a file or folder)")
+    weight: float = setting(1.0, "its share of each epoch's tokens in data.mix", positive=True)
+    samples: int = setting(0, "sampled answers per prompt at `temperature` (0: the greedy answer alone)")
+    temperature: float = setting(0.0, "the sampling temperature of the sampled answers")
+    ask_temperature: float = setting(0.0, "> 0: the target first writes each prompt from the row's start "
+                                     "(`dflash generate --ask-temperature`)")
+    limit: int = setting(0, "only the first N prompts (0: all)")
+    turns: int = setting(1, "conversation turns the target writes (`dflash generate --turns`; 1: one answer)",
+                         positive=True)
+    new_tokens: int = setting(0, "tokens per answer at most (0: generate.max_new_tokens)")
+
+
+@dataclass(frozen=True)
+class RecipeEval:
+    """One eval set of `dflash recipe` (`recipe.evals`), served at each of its temperatures."""
+    name: str = setting("", "the eval's name: its results file run_dir/results/eval-NAME-tT.json")
+    prompts: str = setting("heldout", "`dflash eval --prompts`: heldout, heldout:SOURCE or a data source "
+                           "(embedded:humaneval)")
+    temperatures: tuple[float, ...] = setting((0.0,), "serving temperatures, one eval each")
+    proposals: tuple[str, ...] = setting((), "`dflash eval --proposal`, several served side by side (empty: the "
+                                         "default proposal)")
+    num_prompts: int = setting(0, "prompts served (0: eval.num_prompts)")
+    new_tokens: int = setting(0, "tokens per prompt at most (0: eval.max_new_tokens)")
+    curve: bool = setting(True, "with recipe.curve: serve every checkpoint at temperature 0, not the last alone")
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    run_dir: str = setting("runs/recipe", "`dflash recipe`'s folder: answers, store, drafter, exports, results, "
+                           "report")
+    sources: tuple[RecipeSource, ...] = setting(
+        (), "the sources the target answers, a list of tables [[recipe.sources]] (empty: data.source, greedy)")
+    evals: tuple[RecipeEval, ...] = setting(
+        (), "the eval sets, a list of tables [[recipe.evals]] (empty: the held-out prompts at temperature 0)")
+    curve: bool = setting(True, "export and serve every saved checkpoint (the served curve), not the last alone")
+    parallel_generates: bool = setting(True, "the sources' generates side by side on the one GPU (else in turn)")
+    parallel_evals: bool = setting(True, "the evals side by side on the one GPU (else in turn: speedups measured "
+                                   "alone)")
+    walk: bool = setting(True, "walk the temperature-0 held-out evals' prompts teacher-forced through their "
+                         "checkpoints (needs store.labels = \"target\")")
+
+
+@dataclass(frozen=True)
 class Config:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -249,6 +313,9 @@ class Config:
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

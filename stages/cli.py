@@ -104,6 +104,7 @@ def main(debug):
     5. eval            served acceptance: speculative decoding with the target and an export
     6. generate        regenerate a dataset's answers with the target (train on what it says)
     7. config show     every config key with its value, default and meaning
+    8. recipe          the whole pipeline, generate to served eval, resumable, with a report
     """
 
 
@@ -313,6 +314,36 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
         batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache,
         overwrite=overwrite, ask_temperature=ask_temperature, turns=turns)
     generate_stage.run(config, options)
+
+
+@main.command("recipe")
+@config_options
+@click.option("--from", "start_from", metavar="PART",
+              help="Rerun from this part's phase on (generate, extract, train, export, eval, walk, or a part name "
+                   "such as eval-heldout-t0): its records and every later one are deleted first.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False), metavar="RUN_DIR",
+              help="Only render RUN_DIR's report.md and plots again from its report.json; runs nothing.")
+def recipe(config_path, overrides, start_from, report_dir):
+    """The whole pipeline in one resumable command: generate -> stage1-extract -> stage2-train -> export
+    -> eval -> the teacher-forced walk, then a report.
+
+    Settings: the config's [generate], [eval] and [recipe] sections ([[recipe.sources]]: what the
+    target answers; [[recipe.evals]]: the prompts served, at which temperatures; recipe.run_dir: where
+    everything goes; `dflash config show` lists them). Without -c: configs/tiny-recipe.toml (the tiny
+    embedded target, CPU, a minute or two). Each part runs as its own `dflash` subprocess and writes
+    run_dir/results/PART.json when it succeeded; a rerun skips complete parts and continues a killed
+    one (generate's and stage one's shards, stage two's checkpoints). Writes run_dir/report.md,
+    report.json and plots/*.png.
+    """
+    from stages import recipe as recipe_stage
+
+    if report_dir:
+        recipe_stage.rerender(report_dir)
+        return
+    config_path = config_path or recipe_stage.default_config_path()
+    config = load_or_exit(config_path, overrides)
+    writes(config.recipe.run_dir)
+    recipe_stage.run(config, config_path, overrides, start_from)
 
 
 @main.group("config")

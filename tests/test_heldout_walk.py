@@ -1,16 +1,10 @@
-"""tools/heldout_walk.py's bookkeeping: which store sample each served prompt is, and which checkpoint
+"""dflash.train.walk's bookkeeping: which store sample each served prompt is, and which checkpoint
 each served export came from (the walk itself: tests/test_labels.py and tests/test_recipe.py)."""
-
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import heldout_walk  # noqa: E402
-
-from dflash.train.checkpoint import STATE_NAME, step_dir_name  # noqa: E402
+from dflash.train import walk as heldout_walk
+from dflash.train.checkpoint import STATE_NAME, step_dir_name
 
 
 def test_served_prompts_name_their_held_out_samples():

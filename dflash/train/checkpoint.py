@@ -29,6 +29,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash.model.drafter import DrafterArgs, drafter_args
+from dflash.model.export import load_exported
 from dflash.outputs import atomic_dir
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -273,3 +275,18 @@ def write_synced(path: Path, text: str) -> None:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def checkpoint_drafter_args(loaded: Checkpoint) -> DrafterArgs:
+    """The drafter arguments a checkpoint saved; older checkpoints: a named size or the export it started from
+    (`dflash export` and `dflash.train.walk` read a checkpoint's drafter with it)."""
+    if loaded.drafter_args is not None:
+        fields = dict(loaded.drafter_args)
+        fields.update(layer_types=tuple(fields["layer_types"]), target_layer_ids=tuple(fields["target_layer_ids"]))
+        return DrafterArgs(**fields)
+    config = loaded.config
+    if config["drafter"].get("init_from"):
+        args, _ = load_exported(config["drafter"]["init_from"])
+        return args
+    return drafter_args(config["drafter"]["size"], block_size=config["drafter"]["block_size"],
+                        mask_token_id=config["drafter"]["mask_token_id"])

@@ -1,0 +1,112 @@
+"""Runs `dflash recipe`'s parts: phase by phase, each phase planned once the earlier ones finished,
+its parts one after the other or side by side (subprocesses at once on the one GPU). One line per
+part as it starts and ends, with its wall time; the parts' own output (their progress bars) passes
+through. A part whose record is valid is skipped; a failed one stops the recipe with an error naming it."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from dflash.errors import DflashError
+from dflash.pipeline import records
+from dflash.pipeline.parts import PHASES, PLANNERS, Part, RecipeRun, side_by_side
+
+
+class PartFailed(DflashError):
+    """A part's subprocess exited with an error; the message names the part and its command."""
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] recipe: {text}", flush=True)
+
+
+def run_recipe(run: RecipeRun, start_phase: str = PHASES[0]) -> None:
+    """Every phase from `start_phase` on (earlier phases must be complete), then nothing else: the
+    report is `dflash.pipeline.report`'s."""
+    run.layout.records.mkdir(parents=True, exist_ok=True)
+    for phase in PHASES[PHASES.index(start_phase):]:
+        parts = PLANNERS[phase](run)
+        todo = [part for part in parts if not skipped(run, part)]
+        if todo:
+            run_parts(run, todo, side_by_side(run.config, phase) and len(todo) > 1)
+
+
+def skipped(run: RecipeRun, part: Part) -> bool:
+    if not records.is_complete(run.layout, part):
+        return False
+    record = records.read_record(run.layout, part.name)
+    say(f"{part.name}: complete ({record['seconds']:.1f} s, {record['finished']}), skipped")
+    return True
+
+
+def run_parts(run: RecipeRun, parts: list[Part], at_once: bool) -> None:
+    """`parts` in turn, or all started at once and waited for; a failure stops the recipe after the
+    others ended (their records are written: a rerun keeps them)."""
+    if not at_once:
+        for part in parts:
+            finish(run, part, *start(part))
+        return
+    say(f"{', '.join(part.name for part in parts)}: side by side")
+    started = [(part, *start(part)) for part in parts]
+    failures = [error for error in (finish_quietly(run, *item) for item in started) if error]
+    if failures:
+        raise failures[0]
+
+
+def start(part: Part) -> tuple[subprocess.Popen, float, list[str]]:
+    command = part.command + part.resume_args
+    say(f"{part.name}: started{' (continuing: ' + ' '.join(part.resume_args) + ')' if part.resume_args else ''}: "
+        f"{' '.join(command)}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    if part.phase == "train":  # stage two names every recompile's failed guard (TORCH_LOGS= turns it off)
+        env.setdefault("TORCH_LOGS", "recompiles")
+    return subprocess.Popen(command, env=env), time.monotonic(), command
+
+
+def finish(run: RecipeRun, part: Part, process: subprocess.Popen, began: float, command: list[str]) -> None:
+    code = process.wait()
+    seconds = time.monotonic() - began
+    if code != 0:
+        say(f"{part.name}: failed (exit {code}) after {seconds:.1f} s")
+        raise PartFailed(f"recipe part {part.name} failed with exit code {code}: {' '.join(command)} "
+                         f"(rerun `dflash recipe` to continue from it)")
+    records.write_record(run.layout, part, seconds, command, {**part.info, **facts(run, part)})
+    say(f"{part.name}: done in {seconds:.1f} s")
+
+
+def finish_quietly(run: RecipeRun, part: Part, process, began, command) -> PartFailed | None:
+    try:
+        finish(run, part, process, began, command)
+    except PartFailed as error:
+        return error
+    return None
+
+
+def facts(run: RecipeRun, part: Part) -> dict:
+    """What a finished part made, read from the files it wrote (for the report's rates)."""
+    layout = run.layout
+    if part.phase == "generate":
+        folder = part.outputs[0].parent
+        return {"answers": sum(1 for path in folder.glob("part-*.jsonl") for _ in path.open())}
+    if part.phase == "extract":
+        from dflash.store.reader import StoreReader
+
+        reader = StoreReader(layout.store)
+        found = {"samples": len(reader), "tokens": int(reader.sample_length.sum()),
+                 "supervised_tokens": int(reader.sample_num_supervised.sum())}
+        if getattr(reader, "source_names", None) and hasattr(reader, "sample_source"):  # a store of data.mix
+            found["tokens_by_source"] = {name: int(reader.sample_length[reader.sample_source == number].sum())
+                                         for number, name in enumerate(reader.source_names)}
+        return found
+    if part.phase == "train":
+        lines = [json.loads(line) for line in (layout.drafter / "metrics.jsonl").read_text().splitlines() if line]
+        seen = [line for line in lines if "tokens_seen" in line]
+        return {"steps": max((line.get("step", 0) for line in lines), default=0),
+                "tokens_seen": seen[-1]["tokens_seen"] if seen else 0}
+    if part.phase == "eval":
+        results = json.loads(Path(part.outputs[0]).read_text())["results"]
+        return {"generated_tokens": sum(result["generated_tokens"] for result in results),
+                "drafters": len(results)}
+    return {}

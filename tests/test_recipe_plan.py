@@ -1,0 +1,149 @@
+"""`dflash recipe`'s planning, completion records, --from and report, without running a stage: the parts'
+commands from the config, which records a rerun trusts, and a report rendered from fixture JSON whose
+numbers are the eval JSON's."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash.config import ConfigError, load_config
+from dflash.pipeline import records, report
+from dflash.pipeline.parts import RecipeRun, eval_parts, generate_parts, train_parts, walk_parts
+from stages import recipe as recipe_stage
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / "configs" / "tiny-recipe.toml")
+
+
+def recipe_run(tmp_path, *overrides: str) -> RecipeRun:
+    sets = (f"recipe.run_dir={tmp_path / 'run'}", *overrides)
+    return RecipeRun(load_config(TINY, sets), TINY, sets)
+
+
+def option(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def test_one_source_trains_on_its_answers_and_leaves_default_flags_out(tmp_path):
+    run = recipe_run(tmp_path)
+    (generate,) = generate_parts(run)
+    assert generate.command[:4] == [sys.executable, "-m", "stages.cli", "generate"]
+    assert option(generate.command, "--out") == str(tmp_path / "run" / "answers" / "code-docs")
+    assert option(generate.command, "--num-samples") == "1" and "--with-greedy" in generate.command
+    assert "--turns" not in generate.command and "--ask-temperature" not in generate.command
+    assert generate.command[-1 - generate.command[::-1].index("--set") + 1] == "data.source=embedded:code-docs"
+    (train,) = train_parts(run)
+    assert f"data.source={tmp_path / 'run' / 'answers' / 'code-docs'}" in train.command
+    assert not any(item.startswith("data.mix") for item in train.command) and train.resume_args == []
+
+
+def test_several_sources_are_a_data_mix_and_their_flags_pass_when_set(tmp_path):
+    sources = ('recipe.sources=[{name = "a", source = "embedded:code-docs", weight = 3.0, turns = 2}, '
+               '{name = "b", source = "embedded:ask-code", ask_temperature = 1.0, limit = 5}]')
+    run = recipe_run(tmp_path, sources, 'recipe.evals=[{name = "h", prompts = "heldout:a", proposals = ["x", "y"]}]')
+    first, second = generate_parts(run)
+    assert option(first.command, "--turns") == "2" and option(second.command, "--ask-temperature") == "1"
+    assert option(second.command, "--limit") == "5" and "--num-samples" not in second.command
+    mix = next(item for item in train_parts(run)[0].command if item.startswith("data.mix="))
+    loaded = load_config(TINY, [mix]).data.mix
+    assert [(source.name, source.weight) for source in loaded] == [("a", 3.0), ("b", 1.0)]
+    assert loaded[0].source == str(tmp_path / "run" / "answers" / "a")
+    (checkpoint := tmp_path / "run" / "drafter" / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (checkpoint / "state.pt").write_bytes(b"")
+    (served,) = eval_parts(run)
+    assert option(served.command, "--proposal") == "x,y" and option(served.command, "--prompts") == "heldout:a"
+    assert walk_parts(run)[0].command[-1] == str(tmp_path / "run" / "evals" / "walk.json")
+
+
+def test_two_sources_of_one_name_are_refused(tmp_path):
+    run = recipe_run(tmp_path, 'recipe.sources=[{source = "embedded:code-docs"}, {source = "x/code-docs.jsonl"}]')
+    with pytest.raises(ConfigError, match="named 'code-docs'"):
+        generate_parts(run)
+
+
+def test_a_record_holds_for_its_own_command_and_outputs_and_from_clears_later_phases(tmp_path):
+    run = recipe_run(tmp_path)
+    (part,) = generate_parts(run)
+    assert not records.is_complete(run.layout, part)
+    records.write_record(run.layout, part, 1.5, part.command, {"answers": 4})
+    assert not records.is_complete(run.layout, part)  # its output (the manifest) is missing
+    part.outputs[0].parent.mkdir(parents=True)
+    part.outputs[0].write_text("{}")
+    assert records.is_complete(run.layout, part)
+    changed = generate_parts(recipe_run(tmp_path, "generate.max_new_tokens=99"))[0]
+    assert not records.is_complete(run.layout, changed)  # another command: run again
+    (train,) = train_parts(run)
+    records.write_record(run.layout, train, 2.0, train.command, {})
+    assert recipe_stage.start_phase(run, "train") == "train"
+    assert [record["part"] for record in records.all_records(run.layout)] == ["generate-code-docs"]
+    with pytest.raises(ConfigError, match="--from nope"):
+        recipe_stage.start_phase(run, "nope")
+
+
+def fixture_run(root: Path) -> Path:
+    """A finished run's JSON files: records, stage two's metrics, one eval of two drafters and a walk."""
+    (root / "results").mkdir(parents=True)
+    (root / "drafter").mkdir()
+    (root / "evals").mkdir()
+    metrics = [{"step": 2, "tokens_seen": 100, "tokens_per_s": 50.0}, {"step": 2, "eval/tau": 1.5},
+               {"step": 4, "tokens_seen": 200, "tokens_per_s": 50.0}, {"step": 4, "eval/tau": 2.5,
+                                                                        "eval/served_tau": 2.25}]
+    (root / "drafter" / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in metrics))
+    result = {"drafter": str(root / "exports" / "export"), "temperature": 0.0, "num_prompts": 2, "tau": 2.375,
+              "speedup": 1.75, "generated_tokens": 16, "verifications": 8, "histogram": [2, 3, 3],
+              "slot_acceptance": [0.75, 0.375], "tau_in_code": 2.5, "verifications_in_code": 4,
+              "tau_outside_code": 2.25, "verifications_outside_code": 4, "tau_by_kind": {"code": 2.5, "prose": 2.25}}
+    earlier = {**result, "drafter": str(root / "exports" / "export-00000002"), "tau": 1.625, "speedup": 1.25}
+    (root / "evals" / "eval-h-t0.json").write_text(json.dumps({"results": [result, earlier]}))
+    (root / "evals" / "walk.json").write_text(json.dumps({"walks": [{
+        "eval": str(root / "evals" / "eval-h-t0.json"), "drafter": result["drafter"], "checkpoint": "c",
+        "walked_prompts": 2, "served_tau": 2.375, "served_tau_same_prompts": 2.375, "teacher_forced_tau": 2.5,
+        "ratio": 2.5 / 2.375, "prompts": []}]}))
+    made = [("generate-a", "generate", [str(root / "answers" / "a" / "generate-manifest.txt")],
+             {"source": "a", "prompts": "embedded:code-docs", "weight": 1.0, "answers": 32}),
+            ("train", "train", [str(root / "drafter" / "metrics.jsonl")], {"tokens_seen": 200, "steps": 4}),
+            ("export", "export", [str(root / "exports" / "export" / "config.json")], {"step": 4}),
+            ("export-00000002", "export", [str(root / "exports" / "export-00000002" / "config.json")], {"step": 2}),
+            ("eval-h-t0", "eval", [str(root / "evals" / "eval-h-t0.json")],
+             {"eval_set": "h", "prompts": "heldout", "temperature": 0.0, "generated_tokens": 32})]
+    for name, phase, outputs, facts in made:
+        record = {"part": name, "phase": phase, "command": [], "ran": [], "seconds": 4.0, "finished": "",
+                  "outputs": outputs, "facts": facts}
+        (root / "results" / f"{name}.json").write_text(json.dumps(record))
+    return root
+
+
+def test_the_report_copies_the_eval_json_and_renders_again_from_report_json(tmp_path):
+    root = fixture_run(tmp_path / "run")
+    recipe_stage.rerender(str(root))  # no report.json yet: gathered, then rendered
+    gathered = json.loads((root / "report.json").read_text())
+    (served,) = gathered["evals"]
+    assert [(row["tau"], row["speedup"], row["step"], row["tokens_seen"]) for row in served["results"]] == [
+        (2.375, 1.75, 4, 200), (1.625, 1.25, 2, 100)]
+    assert served["results"][0]["tau_by_kind"] == {"code": 2.5, "prose": 2.25}
+    assert gathered["train"]["heldout_tau"] == 2.5 and gathered["walk"][0]["teacher_forced_tau"] == 2.5
+    assert [row["rate"] for row in gathered["parts"] if row["part"] == "train"] == [50.0]
+    text = (root / "report.md").read_text()
+    assert "| h | heldout | 0 |  | export | 4 | 200 | 2.375 | 1.75 | 2.500 | 2.250 | code 2.500, prose 2.250 |" in text
+    for name in ("served-curve", "acceptance-lengths", "slot-acceptance"):
+        assert (root / "plots" / f"{name}.png").stat().st_size > 0
+    (root / "report.md").unlink()
+    recipe_stage.rerender(str(root))  # from report.json alone
+    assert (root / "report.md").read_text() == text
+
+
+def test_parts_side_by_side_each_recorded_and_a_failure_named(tmp_path, capsys):
+    from dflash.pipeline.parts import Part
+    from dflash.pipeline.runner import PartFailed, run_parts
+
+    run = recipe_run(tmp_path)
+    made = tmp_path / "made.txt"
+    good = Part("walk", "walk", [sys.executable, "-c", f"open({str(made)!r}, 'w').write('x')"], (made,))
+    bad = Part("walk-bad", "walk", [sys.executable, "-c", "raise SystemExit(3)"], ())
+    with pytest.raises(PartFailed, match="walk-bad failed with exit code 3"):
+        run_parts(run, [bad, good], at_once=True)
+    assert records.is_complete(run.layout, good) and records.read_record(run.layout, "walk-bad") is None
+    printed = capsys.readouterr().out
+    assert "recipe: walk-bad, walk: side by side" in printed and "recipe: walk: done in" in printed
