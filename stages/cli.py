@@ -213,10 +213,12 @@ def export(checkpoint, out_dir):
 @click.option("--temperature", default=0.0, show_default=True,
               help="0: greedy, checked token for token against plain greedy decoding; > 0: sampling with "
                    "the lossless speculative acceptance rule.")
-@click.option("--proposal", "proposals", default="argmax", show_default=True,
+@click.option("--proposal", "proposals", default="sample", show_default=True,
               help="How a block's drafts come from the drafter's per-slot distributions at temperature > 0: "
                    "argmax (the target keeps a draft x with p(x)), sample (per-slot draws from q), sample:F (draws "
-                   "at F x the temperature); a comma-separated list serves each on the same prompts and baseline.")
+                   "at F x the temperature); a comma-separated list serves each on the same prompts and baseline. "
+                   "sample is the default: on one H200 (12-04) it served 1.62 at T=1 and 2.04 at T=0.7 on held-out "
+                   "code-docs where argmax served 1.31 and 1.92 (docs/eval.md).")
 @click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0).")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write every number, per prompt too, as JSON.")

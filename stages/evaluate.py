@@ -46,7 +46,7 @@ class EvalOptions:
     exclude: str = ""  # regular expression the prompt's text must not match ("" = none)
     max_new_tokens: int = 256
     temperature: float = 0.0
-    proposals: tuple[str, ...] = ("argmax",)  # proposal policies served at temperature > 0, each a result
+    proposals: tuple[str, ...] = ("sample",)  # proposal policies served at temperature > 0, each a result
     seed: int = 0
     device: str = "auto"
     out: str = ""  # JSON path

@@ -48,9 +48,16 @@ def converted_dir(gguf_path: str | Path, cache_dir: str | Path) -> Path:
     out_dir = Path(cache_dir) / f"target-gguf-{sha256[:16]}"
     if (out_dir / SOURCE_NAME).is_file():
         return out_dir
-    with atomic_dir(out_dir) as staging:  # replaces an incomplete earlier attempt (no completion mark)
-        write_checkpoint(gguf_path, staging)
-        (staging / SOURCE_NAME).write_text(json.dumps({"gguf": str(gguf_path.resolve()), "sha256": sha256}) + "\n")
+    try:
+        with atomic_dir(out_dir) as staging:  # replaces an incomplete earlier attempt (no completion mark)
+            write_checkpoint(gguf_path, staging)
+            (staging / SOURCE_NAME).write_text(json.dumps({"gguf": str(gguf_path.resolve()), "sha256": sha256})
+                                               + "\n")
+    except OSError:
+        # Processes started side by side (`dflash recipe`'s generates) convert at once; the first to
+        # finish renames its copy into place, and the others' renames then fail: theirs is not needed.
+        if not (out_dir / SOURCE_NAME).is_file():
+            raise
     return out_dir
 
 

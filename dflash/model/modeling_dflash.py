@@ -229,7 +229,7 @@ class DFlashDraftModel(PreTrainedModel):
 
     @torch.inference_mode()
     def spec_generate(self, target, input_ids, max_new_tokens: int, stop_token_ids=None, temperature: float = 0.0,
-                      return_stats: bool = False, generator: torch.Generator | None = None, proposal: str = "argmax"):
+                      return_stats: bool = False, generator: torch.Generator | None = None, proposal: str = "sample"):
         """Speculative decoding of `input_ids` `(1, T)` with `target` (a transformers causal LM);
         at temperature > 0 the drafts are proposed by `proposal` ("argmax", "sample", "sample:F").
 
@@ -424,7 +424,7 @@ def sampled_verdict(draft_tokens: torch.Tensor, q_KV: torch.Tensor | None, targe
 @torch.inference_mode()
 def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tensor, max_new_tokens: int,
                          stop_token_ids: list[int], temperature: float, generator=None,
-                         proposal: Proposal = Proposal()) -> SpecStats:
+                         proposal: Proposal = Proposal(sample=True)) -> SpecStats:
     """The serving loop: prefill, then per step draft one block from the anchor (the last committed
     token) by the `proposal` policy, verify it in one target forward, commit the accepted drafts
     plus the target's token.

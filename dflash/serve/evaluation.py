@@ -71,7 +71,7 @@ class EvalResult:
     block_size: int
     temperature: float
     max_new_tokens: int
-    proposal: str = "argmax"  # how blocks were drafted at temperature > 0 (modeling_dflash.Proposal)
+    proposal: str = "sample"  # how blocks were drafted at temperature > 0 (modeling_dflash.Proposal)
     num_prompts: int = 0
     generated_tokens: int = 0
     verifications: int = 0
@@ -244,7 +244,7 @@ def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, 
 
 def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
                   temperature: float, stops, generator, device: torch.device,
-                  proposal: Proposal = Proposal()) -> PromptResult:
+                  proposal: Proposal = Proposal(sample=True)) -> PromptResult:
     """Speculative decoding of one prompt (blocks drafted by `proposal` at temperature > 0), compared
     with the baseline `(tokens, seconds)`."""
     spec, spec_seconds = timed(device, lambda: speculative_generate(
