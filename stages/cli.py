@@ -318,7 +318,7 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
     generate_stage.run(config, options)
 
 
-@main.command("recipe")
+@main.command("recipe", short_help="The whole pipeline in one resumable command, then a report.")
 @config_options
 @click.option("--from", "start_from", metavar="PART",
               help="Rerun from this part's phase on (generate, extract, train, export, eval, walk, or a part name "

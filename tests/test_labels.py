@@ -257,4 +257,6 @@ def test_stage_two_fused_trains_as_unfused(labelled, tmp_path):
     assert fused.losses == pytest.approx(plain.losses, rel=1e-5)
     weights = [load_checkpoint(run.checkpoint).model_state for run in (plain, fused)]
     for name, value in weights[0].items():
-        torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-6, msg=name)
+        # atol 1e-5 (under 2% of one AdamW update at lr 6e-4): Adam divides by sqrt(v), so a near-zero
+        # gradient's float rounding (fused sums in another order) moves its element by ~1e-6 (torch 2.13).
+        torch.testing.assert_close(weights[1][name], value, rtol=1e-4, atol=1e-5, msg=name)

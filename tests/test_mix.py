@@ -233,9 +233,9 @@ wandb = "disabled"
 
     tokenizer = load_target_tokenizer(prepare_checkpoint(config.target.path, config.data.cache_dir))
     prompts = load_prompts(config, "heldout:long", 10, tokenizer)
-    assert prompts and all("of source long" in label for label, _ in prompts)
+    assert prompts and all("of source long" in label for label, *_ in prompts)
     everything = load_prompts(config, "heldout", 10, tokenizer)
-    assert {label.split(" of source ")[1].split(" ")[0] for label, _ in everything} == {"short", "long"}
+    assert {label.split(" of source ")[1].split(" ")[0] for label, *_ in everything} == {"short", "long"}
 
     old = zarr.open_group(config.store.path, mode="r+")  # the same store as one written before sources
     attrs = dict(old.attrs[ATTRS_KEY])

@@ -78,7 +78,7 @@ def test_the_held_out_set_is_refused_for_training_and_generating_but_eval_reads_
     prompts = evaluation.source_prompts("embedded:chat-heldout", "train", qwen_tokenizer, 200)
     rows = embedded.chat_heldout_rows()
     assert len(prompts) == 120
-    for (label, ids), row in zip(prompts, rows):
+    for (label, ids, _), row in zip(prompts, rows):
         assert ids.tolist() == samples.prompt_token_ids(row["messages"], qwen_tokenizer)
     two_turn = next(i for i, row in enumerate(rows) if len(row["messages"]) == 3)
     text = qwen_tokenizer.decode(prompts[two_turn][1].tolist())
