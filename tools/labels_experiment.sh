@@ -16,8 +16,7 @@
 # curve) and the final ones of `target` and `regen` are evaluated with `dflash eval` on the same
 # held-out prompts; intermediate checkpoints while training goes on (tau is exact; their speedup
 # is measured on a shared GPU), the three final drafters together in one process on an idle GPU.
-# Calls of the device tool must follow each other within its 30 s idle limit, or the machine (and
-# the run under /tmp) is gone.
+# `launch` runs it in the background (setsid); `status` and `collect` follow it.
 #
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf WORK=/tmp/labels bash tools/labels_experiment.sh launch
 #   WORK=/tmp/labels bash tools/labels_experiment.sh status
