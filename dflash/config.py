@@ -223,11 +223,6 @@ class TrainConfig:
                              choices=("auto", *ATTENTION_BACKENDS))
     compile: bool = setting(True, "torch.compile the drafter layers on CUDA, ignored on the CPU: faster steps "
                             "(BENCHMARKS.md), minutes added to the first step on a cold compile cache")
-    cuda_graphs: bool = setting(False, "on one CUDA GPU: record each micro-batch shape's forward and backward as a "
-                                "CUDA graph and replay it (dflash/train/graphs.py), for drafters whose step is "
-                                "bound by launching kernels (the SmolLM2-sized one); micro-batches are padded to "
-                                "a few shapes (tokens to the step's budget, anchors and labelled rows at most "
-                                "1/8); ignored on the CPU and across processes")
     activation_checkpointing: bool = setting(False, "recompute layer activations in backward to save memory")
     skip_corrupt_shards: bool = setting(False, "skip (and count) shards and samples that cannot be read instead "
                                         "of stopping")
@@ -450,13 +445,6 @@ def validate(config: Config) -> None:
     if config.data.max_length > config.extract.batch_tokens:
         raise ConfigError(f"extract.batch_tokens ({config.extract.batch_tokens}) must hold one "
                           f"sequence of data.max_length ({config.data.max_length})")
-    for key in ("activation_checkpointing", "gather_context_keys"):
-        if config.train.cuda_graphs and getattr(config.train, key):
-            raise ConfigError(f"train.cuda_graphs cannot be used with train.{key} "
-                              + ("(it saves the RNG state on the host inside the step)"
-                                 if key == "activation_checkpointing" else
-                                 "(the gathered keys change length with every micro-batch)")
-                              + "; turn one of them off")
     if config.data.max_length > config.train.token_budget:
         raise ConfigError(f"train.token_budget ({config.train.token_budget}) must hold one "
                           f"sequence of data.max_length ({config.data.max_length})")

@@ -19,7 +19,6 @@ from dflash.train import mix
 from dflash.train.checkpoint import read_state
 from dflash.train.compile_cache import artifacts_to_load, load_compile_artifacts
 from dflash.train.follow import StoreFollower, wait_for_store
-from dflash.train.graphs import train_graphs
 from dflash.train.loop import StopFlag, TrainResult, TrainState, loop, print_plan
 from dflash.train.metrics import MetricsLogger
 from dflash.train.resume import resolve_resume, restore, resume_config
@@ -69,10 +68,7 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         total_steps = sum(steps_per_epoch) if config.train.max_steps <= 0 else min(config.train.max_steps, sum(steps_per_epoch))
     model = build_model(config, args, dist)
     optimizer = build_optimizer(model, config)
-    graphs, graphs_note = train_graphs(config, dist)
-    if graphs_note and dist.is_main:
-        print(graphs_note)
-    ctx = build_context(config, args, reader, dist, graphs)
+    ctx = build_context(config, args, reader, dist)
     cursor, step = DataCursor(), 0
     result = TrainResult(run_dir=config.train.out_dir)
     if checkpoint_path is not None:
@@ -97,8 +93,6 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     finally:
         state.stop.restore()
         logger.close()
-    if graphs is not None and dist.is_main:
-        print(graphs.summary())
     return result
 
 

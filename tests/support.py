@@ -16,7 +16,6 @@ from dflash.model.loss import block_labels, dflash_loss, gamma_weights
 from dflash.model.masks import build_masks
 from dflash.model.tiles import PADDING_DOC
 from dflash.store.plan import ShardPlan
-from dflash.train.batch import StoreDataset
 from dflash.train.sampler import DataCursor, EpochSchedule, build_epoch_schedule
 
 
@@ -200,43 +199,3 @@ def root_attrs(codec="bf16", plans=(), **changes):
     }
     attrs.update(changes)
     return attrs
-
-
-# The tiny drafter's random store rows (tests/test_gpu.py, tests/test_graphs.py): RANDOM_LAYERS x RANDOM_HIDDEN features.
-RANDOM_LAYERS, RANDOM_HIDDEN = 3, 64
-
-
-class RandomReader:
-    """A StoreReader stand-in: random bf16 features, ids and loss masks of the tiny drafter's shape."""
-
-    def __init__(self, lengths, seed: int, supervised: float = 0.7):
-        rng = np.random.default_rng(seed)
-        self.attrs = {"codec": "bf16"}
-        self.samples = []
-        for row_id, length in enumerate(lengths):
-            features = torch.randn(length, RANDOM_LAYERS * RANDOM_HIDDEN, generator=torch.Generator().manual_seed(seed + row_id))
-            self.samples.append({
-                "hidden": features.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
-                "scale": None, "labels": None,
-                "input_ids": rng.integers(0, VOCAB, length).astype(np.int64),
-                "loss_mask": rng.random(length) < supervised,
-                "row_id": row_id,
-            })
-        self.index = {"bucket": np.zeros(len(lengths), dtype=np.int64)}
-
-    def __len__(self):
-        return len(self.samples)
-
-    def read_sample(self, i):
-        return dict(self.samples[i])
-
-
-def random_items(seed: int, group: int | None = None, lengths: list[int] | None = None,
-                 supervised: float = 0.7) -> list[dict]:
-    """Six random samples' dataset items (each keyed with `group`, a fused step's micro-batch, when given):
-    the tiny drafter's shape (`RANDOM_LAYERS` x `RANDOM_HIDDEN` bf16 features, `VOCAB` ids), random lengths unless
-    given, each token supervised with probability `supervised`."""
-    rng = np.random.default_rng(seed)
-    reader = RandomReader(rng.integers(40, 400, 6).tolist() if lengths is None else lengths, seed, supervised)
-    keys = [(0, i) if group is None else (0, i, group) for i in range(len(reader))]
-    return [StoreDataset(reader, max_anchors=32, seed=seed)[key] for key in keys]

@@ -17,11 +17,46 @@ from dflash.model.drafter import DFlashDrafter, compile_layers, drafter_args
 from dflash.model import masks as dflash_masks
 from dflash.model.loss import gamma_weights
 from dflash.model.masks import layer_windows
-from dflash.train.batch import collate_packed
+from dflash.train.batch import StoreDataset, collate_packed
 from dflash.train.step import TrainContext, evaluation_mode, forward_loss, to_device, train_step
-from support import RANDOM_HIDDEN as HIDDEN, VOCAB, random_items
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NUM_LAYERS, HIDDEN, VOCAB = 3, 64, 512
+
+
+class RandomReader:
+    """A StoreReader stand-in: random bf16 features, ids and loss masks of the tiny drafter's shape."""
+
+    def __init__(self, lengths, seed: int):
+        rng = np.random.default_rng(seed)
+        self.attrs = {"codec": "bf16"}
+        self.samples = []
+        for row_id, length in enumerate(lengths):
+            features = torch.randn(length, NUM_LAYERS * HIDDEN, generator=torch.Generator().manual_seed(seed + row_id))
+            self.samples.append({
+                "hidden": features.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16),
+                "scale": None, "labels": None,
+                "input_ids": rng.integers(0, VOCAB, length).astype(np.int64),
+                "loss_mask": rng.random(length) < 0.7,
+                "row_id": row_id,
+            })
+        self.index = {"bucket": np.zeros(len(lengths), dtype=np.int64)}
+
+    def __len__(self):
+        return len(self.samples)
+
+    def read_sample(self, i):
+        return dict(self.samples[i])
+
+
+def random_items(seed: int, group: int | None = None) -> list[dict]:
+    """Six random samples' dataset items (each keyed with `group`, a fused step's micro-batch, when given)."""
+    rng = np.random.default_rng(seed)
+    reader = RandomReader(rng.integers(40, 400, 6).tolist(), seed)
+    keys = [(0, i) if group is None else (0, i, group) for i in range(len(reader))]
+    return [StoreDataset(reader, max_anchors=32, seed=seed)[key] for key in keys]
+
 
 def micro_batch(seed: int, device, masks: str = "tiles", items: list[dict] | None = None) -> dict:
     """A packed micro-batch (of `items`, else `random_items(seed)`); `masks`: "tiles", the block-mask tiles

@@ -83,8 +83,6 @@ def bench_config(args):
         train["fuse_accum"] = True
     if getattr(args, "gather_keys", False):
         train["gather_context_keys"] = True
-    if getattr(args, "cuda_graphs", False):
-        train["cuda_graphs"] = True
     data = {"max_length": min(4096, train.get("token_budget", Config().train.token_budget))}
     return replace(Config(), drafter={"size": size}, train=train, data=data)
 
@@ -121,7 +119,6 @@ def build_trainer(config, dist, target: str = ""):
     """Model, optimizer, wrapped model (DDP under torchrun) and TrainContext as stage two builds them."""
     from dflash.model.loss import default_gamma, gamma_weights
     from dflash.model.masks import default_backend
-    from dflash.train.graphs import train_graphs
     from dflash.train.step import TrainContext, apply_parallelism, build_model, build_optimizer
 
     device = dist.device
@@ -137,8 +134,7 @@ def build_trainer(config, dist, target: str = ""):
                   * 0.02)
     ctx = TrainContext(args=args, codec="fp8", embed_VH=embed_VH, lm_head_VH=lm_head_VH,
                        weights_B=gamma_weights(args.block_size, default_gamma(args.block_size), device=device),
-                       backend=default_backend(device), loss_chunk=config.train.loss_chunk, device=device,
-                       graphs=train_graphs(config, dist)[0])
+                       backend=default_backend(device), loss_chunk=config.train.loss_chunk, device=device)
     return model, optimizer, wrapped, ctx
 
 
@@ -195,7 +191,7 @@ def collate_options(ctx, config, mask_rule: bool = False) -> dict:
     `mask_rule` (`--mask-rule`): no tile layouts, so the block masks come from create_block_mask."""
     from dflash.train.batch import collate_options as trainer_options
 
-    options = trainer_options(ctx.backend, ctx.args, config.train.gather_context_keys, ctx.graph_tokens)
+    options = trainer_options(ctx.backend, ctx.args, config.train.gather_context_keys)
     return dict(options, mask_windows=None, gather_keys=False) if mask_rule else options
 
 
@@ -381,19 +377,16 @@ def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -
     times_ms = time_steps(wrapped, ctx, optimizer, steps, config, num_steps)
     numbers = summarize_mode(name, ctx, steps, times_ms, num_steps, warmup_s, compiled)
     numbers["host_ms_per_step_median"] = float(np.median(HOST_MS)) if HOST_MS else None
-    if ctx.graphs is not None:
-        numbers["cuda_graphs"] = {"shapes": len(ctx.graphs.graphs), **ctx.graphs.counts}
     return numbers
 
 
 def warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s: list) -> None:
-    # Every distinct shape compiles and autotunes once; with CUDA graphs a second pass captures each shape.
-    for step in steps * (2 if ctx.graphs is not None else 1):
+    for step in steps:  # warm-up: every distinct shape compiles and autotunes once
         start = time.perf_counter()
         run_step(wrapped, ctx, optimizer, step, config)
         synchronize(ctx.device)
         warmup_s.append(time.perf_counter() - start)
-        print(f"{name}: warm-up step {len(warmup_s)} took {warmup_s[-1]:.1f} s", flush=True)
+        print(f"{name}: warm-up step {len(warmup_s)} of {len(steps)} took {warmup_s[-1]:.1f} s", flush=True)
 
 
 def summarize_mode(name, ctx, steps, times_ms, num_steps: int, warmup_s: list, compiled: dict) -> dict:
@@ -670,10 +663,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gather-keys", action="store_true",
                         help="train.gather_context_keys: each query tile its own copy of the context keys it reads, "
                              "so no key tile is read by two query tiles in flex's backward")
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="train.cuda_graphs: each micro-batch shape's forward and backward captured as a CUDA graph "
-                             "and replayed (micro-batches padded to a few shapes; the warm-up runs every distinct step "
-                             "twice: eager, then captured)")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")

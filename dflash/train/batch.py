@@ -27,7 +27,7 @@ from dflash.model.anchors import anchor_rng, sample_anchors
 from dflash.model.loss import label_rows
 from dflash.model.masks import layer_windows
 from dflash.model.tiles import PADDING_DOC, gather_context_keys, keys_key, tile_layout, tiles_key
-from dflash.padding import graph_size, micro_batch_multiple, round_up
+from dflash.padding import micro_batch_multiple, round_up
 from dflash.store.schema import CorruptShardError, bits_to_probs
 from dflash.train.served import window_anchors
 
@@ -163,21 +163,19 @@ def fused_groups(items: list[dict], anchor_doc: np.ndarray) -> tuple[np.ndarray,
     return anchor_group.astype(np.int64), [int(buckets[g]) for g in range(len(present))]
 
 
-def collate_options(backend: str, args, gather_keys: bool = False, graph_tokens: int = 0) -> dict:
+def collate_options(backend: str, args, gather_keys: bool = False) -> dict:
     """What the trainer's collate takes for a drafter (`DrafterArgs`) and attention backend: the
     padding, the block size and, with flex attention, each layer type's window (the collate lays out the
-    block masks' tiles), whether it gathers context keys (`train.gather_context_keys`) and, for CUDA-graphed
-    steps (`train.cuda_graphs`), the token axis every micro-batch is padded to (`graph_tokens`)."""
+    block masks' tiles) and whether it gathers context keys (`train.gather_context_keys`)."""
     flex = backend == "flex"
-    options = {"pad_multiple": micro_batch_multiple(backend), "block_size": args.block_size,
-               "mask_windows": layer_windows(args.layer_types, args.sliding_window) if flex else None,
-               "gather_keys": flex and gather_keys}
-    return dict(options, graph_tokens=graph_tokens) if graph_tokens else options
+    return {"pad_multiple": micro_batch_multiple(backend), "block_size": args.block_size,
+            "mask_windows": layer_windows(args.layer_types, args.sliding_window) if flex else None,
+            "gather_keys": flex and gather_keys}
 
 
 def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None = None,
                    mask_windows: dict[str, int | None] | None = None,
-                   gather_keys: bool = False, graph_tokens: int = 0) -> dict[str, torch.Tensor]:
+                   gather_keys: bool = False) -> dict[str, torch.Tensor]:
     """Pack `StoreDataset` items into one micro-batch of CPU tensors (see the module docstring).
 
     Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
@@ -193,10 +191,7 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     tiles instead of evaluating the rule over every (query, key) pair (with `gather_keys`, over each
     query tile's own copies of its context keys, `keys_key(layer_type)`: `tiles.gather_context_keys`);
     for the samples of a fused step (items with a `group`), `anchor_group (A,)` and the host list
-    `group_buckets` (`fused_groups`). With `graph_tokens` (a CUDA-graphed step, dflash/train/graphs.py)
-    the token axis is padded to `graph_tokens` (the step's budget; a longer pack to `graph_size`) and the
-    anchors and `label_rows` up `dflash.padding.graph_size`'s ladder, so micro-batches share a few shapes;
-    padded label rows are row 0 (slot 0 of the first anchor: never a label, weight 0). And, when some samples
+    `group_buckets` (`fused_groups`); and, when some samples
     could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
     whose every sample was skipped is `{"skipped": [...], "empty": True}`.
     """
@@ -210,9 +205,6 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     num_real_anchors = sum(len(item["anchors"]) for item in items)
     num_tokens = max(pad_multiple, round_up(int(lengths.sum()), pad_multiple))  # never an empty axis
     num_anchors = max(pad_multiple, round_up(num_real_anchors, pad_multiple))
-    if graph_tokens:
-        num_tokens = graph_tokens if num_tokens <= graph_tokens else graph_size(num_tokens, pad_multiple)
-        num_anchors = graph_size(num_anchors, pad_multiple)
     tokens = _pack_tokens(items, num_tokens)
     anchors = _pack_anchors(items, num_tokens, num_anchors)
     buckets = {item["bucket"] for item in items}
@@ -232,10 +224,6 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     if block_size is not None:
         batch["label_rows"] = label_rows(batch["loss_mask"], batch["doc_ids"], batch["anchor_index"],
                                          batch["anchor_valid"], block_size)
-        if graph_tokens:
-            rows = batch["label_rows"]
-            batch["label_rows"] = torch.zeros(graph_size(len(rows), pad_multiple), dtype=rows.dtype)
-            batch["label_rows"][:len(rows)] = rows
         for layer_type, window in (mask_windows or {}).items():
             layout = tile_layout(arrays["doc_ids"], arrays["position_ids"], arrays["anchor_doc"],
                                  arrays["anchor_pos"], block_size, window)
@@ -265,7 +253,6 @@ def build_loader(
     block_size: int | None = None,
     mask_windows: dict[str, int | None] | None = None,
     gather_keys: bool = False,
-    graph_tokens: int = 0,
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = 2,
@@ -277,7 +264,7 @@ def build_loader(
         dataset,
         batch_sampler=sampler,
         collate_fn=partial(collate_packed, pad_multiple=pad_multiple, block_size=block_size,
-                           mask_windows=mask_windows, gather_keys=gather_keys, graph_tokens=graph_tokens),
+                           mask_windows=mask_windows, gather_keys=gather_keys),
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if workers_used else None,
@@ -288,7 +275,7 @@ def build_loader(
 def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *, pad_multiple: int,
                  block_size: int | None, num_workers: int, pin_memory: bool,
                  mask_windows: dict[str, int | None] | None = None,
-                 gather_keys: bool = False, graph_tokens: int = 0, fuse: bool = False) -> torch.utils.data.DataLoader:
+                 gather_keys: bool = False, fuse: bool = False) -> torch.utils.data.DataLoader:
     """Micro-batches of `rank` from `start_step` of the schedule on; skipped steps are never read. With
     `fuse`, one per step: the rank's accum_steps micro-batches packed together, each sample keyed with
     its micro-batch (`fused_groups`)."""
@@ -301,5 +288,5 @@ def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *,
         batches = [[(schedule.epoch, int(i)) for i in samples]
                    for _, _, samples in schedule.rank_batches(rank, start_step)]
     return build_loader(dataset, batches, pad_multiple=pad_multiple, block_size=block_size, mask_windows=mask_windows,
-                        gather_keys=gather_keys, graph_tokens=graph_tokens, num_workers=num_workers,
+                        gather_keys=gather_keys, num_workers=num_workers,
                         pin_memory=pin_memory)

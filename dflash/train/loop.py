@@ -136,7 +136,7 @@ def loop(state: TrainState) -> None:
     reader = state.reader
     dataset = StoreDataset(reader, config.train.max_anchors, config.train.seed, config.train.skip_corrupt_shards)
     # With flex attention the loader's workers lay out each micro-batch's block-mask tiles (dflash.model.tiles).
-    loader_options = collate_options(ctx.backend, ctx.args, config.train.gather_context_keys, ctx.graph_tokens)
+    loader_options = collate_options(ctx.backend, ctx.args, config.train.gather_context_keys)
     collate = functools.partial(collate_packed, **loader_options)
     eval_micro_batches = {}  # by held-out set size: a following run's set only grows
     served_micro_batches = {}  # the same, for train.eval_served_tokens

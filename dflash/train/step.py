@@ -24,7 +24,6 @@ from dflash.model.loss import block_labels, block_soft_targets, default_gamma, d
 from dflash.model.masks import build_masks, default_backend
 from dflash.store import codecs
 from dflash.train import served
-from dflash.train.graphs import StepGraphs, forward_backward
 from dflash.train.metrics import StepStats
 
 
@@ -42,12 +41,6 @@ class TrainContext:
     device: torch.device
     distill_weight: float = 0.0  # train.distill_weight: the soft-target term beside the cross entropy
     distill: str = "kl"
-    graphs: StepGraphs | None = None  # train.cuda_graphs: forward and backward replayed as CUDA graphs
-
-    @property
-    def graph_tokens(self) -> int:
-        """The token axis the collate pads micro-batches to for graphs (0: no graphs)."""
-        return self.graphs.tokens if self.graphs is not None else 0
 
     @property
     def autocast(self):
@@ -82,8 +75,7 @@ def learning_rate(config: Config, step: int, total_steps: int) -> float:
     return config.train.lr * (floor + (1 - floor) * shape)
 
 
-def build_context(config: Config, args: DrafterArgs, reader, dist: DistState,
-                  graphs: StepGraphs | None = None) -> TrainContext:
+def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) -> TrainContext:
     embed, lm_head = reader.read_frozen_weights()
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
     backend = default_backend(dist.device) if config.train.attention == "auto" else config.train.attention
@@ -92,7 +84,7 @@ def build_context(config: Config, args: DrafterArgs, reader, dist: DistState,
                         lm_head_VH=lm_head.to(dist.device, dtype),
                         weights_B=gamma_weights(args.block_size, gamma, device=dist.device),
                         backend=backend, loss_chunk=config.train.loss_chunk, device=dist.device,
-                        distill_weight=config.train.distill_weight, distill=config.train.distill, graphs=graphs)
+                        distill_weight=config.train.distill_weight, distill=config.train.distill)
 
 
 def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> torch.nn.Module:
@@ -174,10 +166,8 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
         last = index == len(micro_batches) - 1
         sync_context = wrapped.no_sync() if hasattr(wrapped, "no_sync") and not last else nullcontext()
         with sync_context:
-            if ctx.graphs is not None:
-                out, valid_AB = ctx.graphs.run(wrapped, ctx, batch, len(micro_batches))
-            else:
-                out, valid_AB = forward_backward(wrapped, ctx, batch, len(micro_batches))
+            out, valid_AB = forward_loss(wrapped, ctx, batch)
+            (out.objective / len(micro_batches)).backward()
         stats.add(out, valid_AB, batch)
     grad_norm = torch.nn.utils.clip_grad_norm_(wrapped.parameters(), clip)
     finite = torch.isfinite(grad_norm) & ~stats.loss_flags().any()
@@ -185,7 +175,7 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
     # interface gradient scalers use): a NaN never reaches the weights, and nothing syncs here.
     optimizer.found_inf = (~finite).float()
     optimizer.step()
-    optimizer.zero_grad(set_to_none=ctx.graphs is None)  # graphs accumulate into the same gradient tensors
+    optimizer.zero_grad(set_to_none=True)
     stats.grad_norm = grad_norm.detach()
     stats.record_step(torch.cat([stats.loss_flags(), (~finite).reshape(1)]).float(), step)
     return stats
