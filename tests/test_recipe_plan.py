@@ -147,3 +147,15 @@ def test_parts_side_by_side_each_recorded_and_a_failure_named(tmp_path, capsys):
     assert records.is_complete(run.layout, good) and records.read_record(run.layout, "walk-bad") is None
     printed = capsys.readouterr().out
     assert "recipe: walk-bad, walk: side by side" in printed and "recipe: walk: done in" in printed
+
+
+def test_the_report_times_the_run_end_to_end_where_parts_overlap():
+    """Three parts, two of them side by side: end to end is first start to last end, less than their sum."""
+    done = [{"seconds": 100.0, "finished": "2026-12-04T10:01:40+0000"},  # 10:00:00 - 10:01:40
+            {"seconds": 90.0, "finished": "2026-12-04T10:01:30+0000"},  # side by side with the first
+            {"seconds": 50.0, "finished": "2026-12-04T10:02:30+0000"}]  # 10:01:40 - 10:02:30
+    assert report.wall_seconds(done) == 150.0
+    assert report.wall_seconds([]) is None
+    line = report.took({"seconds": 240.0, "wall_seconds": 150.0})
+    assert line.startswith("150 s end to end") and "240.0 s summed over the parts" in line
+    assert report.took({"seconds": 240.0, "wall_seconds": None}) == "240.0 s summed over the parts."

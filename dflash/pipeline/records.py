@@ -14,10 +14,13 @@ from dflash.pipeline.layout import RunLayout
 from dflash.pipeline.parts import PHASES, Part
 
 
+FINISHED_FORMAT = "%Y-%m-%dT%H:%M:%S%z"  # a record's "finished": local time with its UTC offset
+
+
 def write_record(layout: RunLayout, part: Part, seconds: float, ran: list[str], facts: dict) -> dict:
     """The record of `part`, which just succeeded after `seconds` running `ran`."""
     record = {"part": part.name, "phase": part.phase, "command": part.command, "ran": ran, "seconds": seconds,
-              "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "outputs": [str(path) for path in part.outputs],
+              "finished": time.strftime(FINISHED_FORMAT), "outputs": [str(path) for path in part.outputs],
               "facts": facts}
     write_text_atomic(layout.record(part.name), json.dumps(record, indent=1) + "\n")
     return record

@@ -3,6 +3,7 @@ the eval and walk JSONs (their numbers copied, never recomputed), report.md and 
 from report.json alone (`dflash recipe --report RUN_DIR` renders again)."""
 
 import json
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from dflash.outputs import write_text_atomic
@@ -24,10 +25,24 @@ def gather(layout: RunLayout) -> dict:
     steps = {str(Path(record["outputs"][0]).parent): record["facts"]["step"] for record in done
              if record["phase"] == "export"}
     return {"run_dir": str(layout.root), "seconds": sum(record["seconds"] for record in done),
+            "wall_seconds": wall_seconds(done),
             "parts": [part_row(record) for record in done], "mix": mix(done, metrics),
             "train": train_summary(metrics), "evals": [eval_entry(record, steps, metrics) for record in done
                                                        if record["phase"] == "eval"],
             "walk": walk_rows(layout.walk_json)}
+
+
+def wall_seconds(done: list[dict]) -> float | None:
+    """From the first part's start to the last part's end (parts side by side overlap, so the parts' sum
+    is more); a run killed and rerun counts the time between too. None without records."""
+    spans = []
+    for record in done:
+        try:
+            end = datetime.strptime(record.get("finished", ""), records.FINISHED_FORMAT)
+        except ValueError:  # a record without its time of day: no end-to-end figure
+            return None
+        spans.append((end - timedelta(seconds=record["seconds"]), end))
+    return (max(end for _, end in spans) - min(start for start, _ in spans)).total_seconds() if spans else None
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -117,7 +132,7 @@ def number(value, digits: int = 3) -> str:
 
 
 def markdown(report: dict, plots: list[Path]) -> str:
-    lines = [f"# Recipe report: {report['run_dir']}", "", f"{report['seconds']:,.1f} s in all the parts.", "",
+    lines = [f"# Recipe report: {report['run_dir']}", "", took(report), "",
              "## Parts", "", "| part | seconds | rate |", "|---|---:|---:|"]
     lines += [f"| {row['part']} | {row['seconds']:,.1f} | "
               f"{number(row.get('rate'), 1) + ' ' + row['rate_unit'] if 'rate' in row else ''} |"
@@ -140,6 +155,15 @@ def markdown(report: dict, plots: list[Path]) -> str:
         lines.append("")
     lines += ["## Plots", ""] + [f"![{path.stem}]({path})" for path in plots]
     return "\n".join(lines) + "\n"
+
+
+def took(report: dict) -> str:
+    """The report's first line: the run end to end, and the parts' summed seconds."""
+    wall = report.get("wall_seconds")
+    if wall is None:
+        return f"{report['seconds']:,.1f} s summed over the parts."
+    return (f"{wall:,.0f} s end to end, from the first part's start to the last part's end ({report['seconds']:,.1f} s "
+            f"summed over the parts, which overlap where they run side by side).")
 
 
 def served_tables(evals: list[dict]) -> list[str]:
