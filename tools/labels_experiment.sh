@@ -20,7 +20,7 @@
 #
 #   GGUF=/path/SmolLM2-135M-Instruct.Q4_1.gguf WORK=/tmp/labels bash tools/labels_experiment.sh launch
 #   WORK=/tmp/labels bash tools/labels_experiment.sh status
-#   WORK=/tmp/labels LOGS=$OUT bash tools/labels_experiment.sh collect    # waits (at most $WAIT s)
+#   WORK=/tmp/labels LOGS=out bash tools/labels_experiment.sh collect    # waits (at most $WAIT s)
 # EXTRA="--set ..." adds overrides to every command (e.g. tiny budgets for a dry run on the CPU).
 set -uo pipefail
 command=${1:?usage: labels_experiment.sh launch|status|collect}
