@@ -3,6 +3,7 @@ Llama checkpoint (the continuous-batching engine): answers, multi-turn rows, bad
 sampled answers per prompt beside the greedy one, refusal, and killed runs that resume to the
 same files as uninterrupted ones."""
 
+import functools
 import json
 import os
 import signal
@@ -59,15 +60,21 @@ def read_parts(out) -> list[dict]:
     return [json.loads(line) for part in sorted(out.glob("part-*.jsonl")) for line in part.read_text().splitlines()]
 
 
-def plain_greedy(config, row, max_new_tokens):
-    """The answer of plain one-at-a-time greedy decoding to `row`'s prompt, and whether it was cut."""
+@functools.cache
+def loaded_target(target_path: str, cache_dir: str):
+    """The target's tokenizer, model and stop ids, loaded once per target (a tokenizer load is seconds)."""
     from dflash.data.tokenizer import load_target_tokenizer
     from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids
 
-    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
+    checkpoint = prepare_checkpoint(target_path, cache_dir)
     tokenizer = load_target_tokenizer(checkpoint)
     target = load_causal_lm(str(checkpoint), torch.float32, torch.device("cpu"))
-    stops = stop_token_ids(tokenizer, target)
+    return tokenizer, target, stop_token_ids(tokenizer, target)
+
+
+def plain_greedy(config, row, max_new_tokens):
+    """The answer of plain one-at-a-time greedy decoding to `row`'s prompt, and whether it was cut."""
+    tokenizer, target, stops = loaded_target(config.target.path, config.data.cache_dir)
     prompt = tokenizer.apply_chat_template(row["messages"][:-1], tokenize=False, add_generation_prompt=True)
     ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
     expected = greedy_generate(target, ids, max_new_tokens, stops)
@@ -105,10 +112,7 @@ def test_answers_replace_the_last_turn_and_equal_the_targets_greedy_decoding(tmp
     for row in written:
         assert (row["messages"][-1]["content"], row["cut"]) == plain_greedy(config, row, 6)
 
-    from dflash.data.tokenizer import load_target_tokenizer
-    from dflash.extract.target import prepare_checkpoint
-
-    tokenizer = load_target_tokenizer(prepare_checkpoint(config.target.path, config.data.cache_dir))
+    tokenizer = loaded_target(config.target.path, config.data.cache_dir)[0]
     # The output is a data source stage one reads: every answer is a supervised assistant turn.
     tokenized = samples.tokenize_rows(str(out), tokenizer, max_length=512)
     assert len(tokenized.samples) + sum(tokenized.bad_rows.values()) == 3
