@@ -214,9 +214,11 @@ def export(checkpoint, out_dir):
               help="0: greedy, checked token for token against plain greedy decoding; > 0: sampling with "
                    "the lossless speculative acceptance rule.")
 @click.option("--proposal", "proposals", default="sample", show_default=True,
-              help="How a block's drafts come from the drafter's per-slot distributions at temperature > 0: "
+              help="How a block's drafts come from the drafter's per-slot distributions: "
                    "argmax (the target keeps a draft x with p(x)), sample (per-slot draws from q), sample:F (draws "
-                   "at F x the temperature); a comma-separated list serves each on the same prompts and baseline. "
+                   "at F x the temperature), tree:N (N drafts as a tree from the slots' top tokens, verified in "
+                   "one forward, lossless at any temperature and not greedy-equivalent to the chain at 0; full-"
+                   "attention targets only); a comma-separated list serves each on the same prompts and baseline. "
                    "sample is the default: on one H200 (12-04) it served 1.62 at T=1 and 2.04 at T=0.7 on held-out "
                    "code-docs where argmax served 1.31 and 1.92 (docs/eval.md).")
 @click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0).")

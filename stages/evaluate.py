@@ -12,8 +12,9 @@ decodes the first prompt once untimed first), and, at temperature 0, whether the
 the baseline token for token, telling rounding near-ties of a bf16 target apart from real
 mismatches. At temperature > 0 the baseline samples at that temperature, and every proposal policy
 listed (`argmax`, `sample`, `sample:F`: how a block's drafts come from the drafter's per-slot
-distributions, docs/eval.md) is served on the same prompts and baseline; at temperature 0 every
-policy is greedy verification, so one is served. Prompt rows with a `kind` field get tau per kind.
+distributions; `tree:N`: N drafts as a tree verified in one forward; docs/eval.md) is served on the
+same prompts and baseline; at temperature 0 every chain policy is greedy verification, so the first
+of them is served, beside each tree size. Prompt rows with a `kind` field get tau per kind.
 The decoding, results and report are `dflash.serve.evaluation`'s.
 
 Prompts end where the answer starts: a held-out sample's tokens before its first supervised
@@ -46,7 +47,7 @@ class EvalOptions:
     exclude: str = ""  # regular expression the prompt's text must not match ("" = none)
     max_new_tokens: int = 256
     temperature: float = 0.0
-    proposals: tuple[str, ...] = ("sample",)  # proposal policies served at temperature > 0, each a result
+    proposals: tuple[str, ...] = ("sample",)  # proposal policies, each a result (at T = 0 one chain policy)
     seed: int = 0
     device: str = "auto"
     out: str = ""  # JSON path
@@ -54,17 +55,26 @@ class EvalOptions:
 
 
 def served_proposals(options: EvalOptions) -> list[Proposal]:
-    """The policies to serve, parsed (a bad one is a ConfigError naming it); at temperature 0 the
-    first alone, since every policy is then greedy verification."""
+    """The policies to serve, parsed (a bad one is a ConfigError naming it). At temperature 0 every chain
+    policy (argmax, sample, sample:F) is the same greedy verification, so the first of them stands for all;
+    each tree size serves its own tokens' tree and stays."""
     try:
         proposals = list(dict.fromkeys(parse_proposal(text) for text in options.proposals))
     except ValueError as error:
         raise ConfigError(f"--proposal: {error}") from None
     if not proposals:
-        raise ConfigError("--proposal: no policy given (argmax, sample or sample:F)")
-    if options.temperature <= 0 and len(proposals) > 1:
-        print(f"temperature 0: every proposal policy is greedy verification; serving {proposals[0].name} only")
-    return proposals if options.temperature > 0 else proposals[:1]
+        raise ConfigError("--proposal: no policy given (argmax, sample, sample:F or tree:N)")
+    if options.temperature > 0:
+        return proposals
+    first_of_key = {}
+    for proposal in proposals:
+        first_of_key.setdefault(proposal.greedy_key(), proposal)
+    served = list(first_of_key.values())
+    if len(served) < len(proposals):
+        dropped = ", ".join(proposal.name for proposal in proposals if proposal not in served)
+        print(f"temperature 0: every chain policy is greedy verification; serving {', '.join(p.name for p in served)} "
+              f"(not {dropped})")
+    return served
 
 
 def run(config: Config, options: EvalOptions) -> list[EvalResult]:

@@ -4,13 +4,14 @@ The speculative loop (`speculative_generate`, unchanged) runs a thousand times p
 target, a test double whose next-token logits depend on the last token only (a table), with a
 drafter double whose per-slot logits depend on the anchor only (another table, near the
 target's). Counting the first three generated tokens, their joint distribution equals the
-target's own (exact: p0(t1) P(t2|t1) P(t3|t2)) by a chi-square test, for `argmax`, `sample` and
-`sample:0.5` proposals; a rule that accepts every draft fails the same test. The doubles keep a
+target's own (exact: p0(t1) P(t2|t1) P(t3|t2)) by a chi-square test, for `argmax`, `sample`,
+`sample:0.5`, `tree:3` and `tree:8` proposals; a rule that accepts every draft fails the same test. The doubles keep a
 draw to a few milliseconds of loop overhead (a tiny transformer costs tens of milliseconds a forward
 on a shared CPU), and a target that reads the tokens it verifies still checks that each block
 slot is verified against the right context. `plain_generate`, the baseline, samples the same
 distribution. On a real tiny Llama and export: every policy at temperature 0 is plain greedy
-decoding, and every policy serves at temperature > 0. `dflash eval --proposal argmax,sample` (slow)
+decoding, and every policy serves at temperature > 0; a tree accepts deeper than the chain when the
+drafter's second choice is the right one, and a target whose cache cannot hold a tree is refused. `dflash eval --proposal argmax,sample` (slow)
 gives one result per policy and tau per prompt kind.
 """
 
@@ -31,7 +32,7 @@ VOCAB = 3
 BLOCK = 4  # three drafts per block
 TEMPERATURE = 1.0
 DRAWS = 1000
-POLICIES = ["argmax", "sample", "sample:0.5"]
+POLICIES = ["argmax", "sample", "sample:0.5", "tree:3", "tree:8"]
 
 
 class MarkovCache:
@@ -56,7 +57,9 @@ class MarkovTarget(torch.nn.Module):
     def get_output_embeddings(self):
         return self.head
 
-    def forward(self, input_ids, use_cache=True, output_hidden_states=False, logits_to_keep=0, past_key_values=None):
+    def forward(self, input_ids, use_cache=True, output_hidden_states=False, logits_to_keep=0, past_key_values=None,
+                attention_mask=None, position_ids=None):
+        """A tree's mask and positions change nothing: each node's logits depend on its own token alone."""
         logits = self.table[input_ids[:, -logits_to_keep:] if logits_to_keep else input_ids]
         features = torch.zeros(*input_ids.shape, 1)
         return SimpleNamespace(logits=logits, hidden_states=(features, features), past_key_values=MarkovCache())
@@ -157,10 +160,14 @@ def test_proposal_policies_parse_and_name_a_bad_value():
     assert parse_proposal("argmax") == Proposal()
     assert parse_proposal("sample") == Proposal(sample=True)
     assert parse_proposal(" sample:0.5 ") == Proposal(sample=True, sharpen=0.5)
-    assert [parse_proposal(text).name for text in ("argmax", "sample", "sample:0.5", "sample:1")] == \
-        ["argmax", "sample", "sample:0.5", "sample"]
-    for bad in ("greedy", "sample:", "sample:0", "sample:-1", "sample:x", "argmax:2", "sample:inf", ""):
-        with pytest.raises(ValueError, match=f"proposal {bad!r}: expected argmax, sample or sample:F"):
+    assert parse_proposal("tree:64") == Proposal(tree=64)
+    assert [parse_proposal(text).name for text in ("argmax", "sample", "sample:0.5", "sample:1", "tree:8")] == \
+        ["argmax", "sample", "sample:0.5", "sample", "tree:8"]
+    assert {parse_proposal(text).greedy_key() for text in ("argmax", "sample", "sample:0.5")} == {0}
+    assert parse_proposal("tree:8").greedy_key() != parse_proposal("tree:16").greedy_key() != 0
+    for bad in ("greedy", "sample:", "sample:0", "sample:-1", "sample:x", "argmax:2", "sample:inf", "", "tree",
+                "tree:0", "tree:-3", "tree:2.5", "tree:1025"):
+        with pytest.raises(ValueError, match=f"proposal {bad!r}: expected argmax, sample or sample:F.*or tree:N"):
             parse_proposal(bad)
 
 
@@ -233,3 +240,79 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
         assert [prompt["kind"] for prompt in result["per_prompt"]] == ["writing", "code"]
     with pytest.raises(ValueError, match="--proposal: proposal 'top-k'"):
         evaluate.run(config, evaluate.EvalOptions(drafters=options.drafters, proposals=("argmax", "top-k")))
+
+
+def test_best_first_tree_adds_the_likeliest_paths_first():
+    """Slot 0 sure of token 1; slot 1 torn between 2 and 3; slot 2 sure of 0: the tree holds both
+    branches' full paths before any third-choice token, parents before children."""
+    logits = torch.tensor([[0.0, 9.0, 0.0, 0.0], [0.0, 0.0, 5.0, 4.5], [9.0, 0.0, 0.0, 0.0]])
+    tree = modeling_dflash.best_first_tree(7, logits, size=5, width=4)
+    assert tree.tokens == [7, 1, 2, 0, 3, 0]
+    assert tree.parents == [-1, 0, 1, 2, 1, 4]
+    assert tree.depths == [0, 1, 2, 3, 2, 3]
+    seen = tree.ancestors()
+    assert seen[5].nonzero().flatten().tolist() == [0, 1, 4, 5]
+    path, next_token = modeling_dflash.walk_tree(tree, [1, 3, 0, 2, 0, 5])
+    assert path == [0, 1, 4, 5] and next_token == 5
+
+
+class OracleDrafter:
+    """A drafter double that knows the target's greedy continuation: counting the context features it is
+    given, it puts the right token first in every slot but slot 1, where a decoy ranks above it."""
+    block_size, target_layer_ids = 8, [0, 2]
+
+    def __init__(self, prompt_length: int, greedy: list[int], vocab: int):
+        self.prompt_length, self.greedy, self.vocab = prompt_length, greedy, vocab
+
+    def new_cache(self):
+        return {"context": 0}
+
+    def block_logits(self, new_features, anchor, cache, embed_VH, lm_head):
+        cache["context"] += new_features.shape[1]
+        at = cache["context"] - self.prompt_length  # the anchor's index in the generated tokens
+        logits = torch.zeros(self.block_size - 1, self.vocab)
+        for slot in range(self.block_size - 1):
+            truth = self.greedy[min(at + 1 + slot, len(self.greedy) - 1)]
+            logits[slot, truth] = 10.0
+            if slot == 1:
+                logits[slot, truth] = 4.5
+                logits[slot, (truth + 1) % self.vocab] = 5.0
+        return logits
+
+
+def test_a_tree_accepts_past_the_chain_where_the_second_choice_is_right(tmp_path):
+    """Temperature 0 on a tiny Llama: the chain stops at slot 1's decoy; tree:16 holds the right branch
+    too, accepts whole blocks through one forward per block with the tree's mask, and still serves
+    exactly the greedy tokens."""
+    target, _ = tiny_pair(tmp_path)
+    prompt = torch.tensor([[3, 14, 15, 9, 26]])
+    greedy = greedy_generate(target, prompt, 64)
+    drafter = OracleDrafter(prompt.shape[1], greedy, 64)
+    chain = speculative_generate(drafter, target, prompt, 32, [], 0.0, None, parse_proposal("argmax"))
+    tree = speculative_generate(drafter, target, prompt, 32, [], 0.0, None, parse_proposal("tree:16"))
+    assert chain.generated == greedy[:32] and tree.generated == greedy[:32]
+    assert set(chain.acceptance_lengths) == {2}
+    assert set(tree.acceptance_lengths) == {8}
+    assert tree.target_forwards < chain.target_forwards
+
+
+class WindowLayer:
+    """A cache layer that is not a plain dynamic one (as a sliding window's or a recurrent state's)."""
+
+
+class WindowCache(MarkovCache):
+    layers = [WindowLayer()]
+
+
+def test_a_target_whose_cache_cannot_hold_a_tree_is_refused():
+    target_VV, drafter_VKV = markov_pair(0)
+
+    class WindowTarget(MarkovTarget):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.past_key_values = WindowCache()
+            return out
+
+    with pytest.raises(ValueError, match="tree proposals need .* layer 0 keeps a WindowLayer"):
+        speculative_generate(TableDrafter(drafter_VKV), WindowTarget(target_VV), torch.tensor([[0, 1]]), 3, [], 0.0,
+                             None, parse_proposal("tree:4"))

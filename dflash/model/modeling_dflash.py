@@ -26,6 +26,7 @@ Usage, as in the reference inference code:
 """
 
 import copy
+import heapq
 import inspect
 from dataclasses import dataclass, field
 
@@ -288,10 +289,11 @@ class TargetSession:
         self.snapshot = None
         self.forwards = 0
 
-    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0):
-        """`(features (1, T, n*H), logits (1, K, V))` of new tokens continuing the cache."""
+    def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0, **tree):
+        """`(features (1, T, n*H), logits (1, K, V))` of new tokens continuing the cache; `tree` holds a
+        tree's `attention_mask` and `position_ids` (`verify_tree`)."""
         out = self.target(input_ids=input_ids, use_cache=True, output_hidden_states=True,
-                          logits_to_keep=logits_to_keep, **{self.cache_keyword: self.cache})
+                          logits_to_keep=logits_to_keep, **tree, **{self.cache_keyword: self.cache})
         self.cache = returned_cache(out)
         self.forwards += 1
         features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
@@ -315,6 +317,33 @@ class TargetSession:
         self.forward(accepted_ids, logits_to_keep=1)
 
 
+    def cached_length(self) -> int:
+        return self.cache.get_seq_length() if hasattr(self.cache, "get_seq_length") else 0
+
+    def tree_refusal(self) -> str | None:
+        """Why this target's cache cannot verify a tree (None: it can). A tree needs every layer to be plain
+        attention whose keys can be picked by index; a recurrent state (linear attention) or a sliding window
+        cannot hold the tree's branches apart."""
+        from transformers import cache_utils
+
+        for index, layer in enumerate(getattr(self.cache, "layers", [])):
+            if type(layer) is not getattr(cache_utils, "DynamicLayer", None):
+                return (f"tree proposals need a target whose every layer is full attention with a dynamic cache; "
+                        f"layer {index} keeps a {type(layer).__name__}: serve a chain policy (argmax or sample)")
+        return None
+
+    def keep(self, prefix: int, rows: list[int]) -> None:
+        """After a tree's verification: keep the cache's first `prefix` tokens and the tree `rows` (the
+        anchor and the accepted path, in order), drop the other branches."""
+        index = torch.tensor(rows, dtype=torch.long)
+        for layer in getattr(self.cache, "layers", []):
+            if getattr(layer, "keys", None) is None or layer.keys.shape[-2] == 0:
+                continue
+            picked = index.to(layer.keys.device) + prefix
+            layer.keys = torch.cat([layer.keys[..., :prefix, :], layer.keys.index_select(-2, picked)], dim=-2)
+            layer.values = torch.cat([layer.values[..., :prefix, :], layer.values.index_select(-2, picked)], dim=-2)
+
+
 def choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     """Greedy at temperature 0, else a sample from softmax(logits / temperature); `(..., V)` -> `(...)`."""
     if temperature <= 0:
@@ -335,16 +364,26 @@ class Proposal:
       kept with probability p(x), and a rejection draws from p without x.
     - `sample`: per slot an independent draw from q = softmax(logits / T), the standard rule.
     - `sample:F`: a draw from q = softmax(logits / (F T)), sharper for F < 1; the rule uses that q.
+    - `tree:N`: N drafts as a tree, best-first from the slots' distributions (`best_first_tree`),
+      verified in one target forward with an ancestor-only mask (`verify_tree`); unlike the others
+      it differs from the chain at T = 0 as well.
     Every policy is lossless: the committed tokens are distributed as the target samples them.
     """
     sample: bool = False  # False: argmax
     sharpen: float = 1.0  # the draws' temperature is sharpen x the serving temperature
+    tree: int = 0  # > 0: the drafts are a tree of this many tokens (sample and sharpen unused)
 
     @property
     def name(self) -> str:
+        if self.tree:
+            return f"tree:{self.tree}"
         if not self.sample:
             return "argmax"
         return "sample" if self.sharpen == 1.0 else f"sample:{self.sharpen:g}"
+
+    def greedy_key(self) -> int:
+        """Policies with the same key serve the same tokens at T = 0: every chain policy (0), each tree size."""
+        return self.tree
 
     def draft(self, logits_KV: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafts `(K,)` and the distribution q `(K, V)` they were drawn from (None: one-hot at the drafts)."""
@@ -354,13 +393,19 @@ class Proposal:
         return torch.multinomial(q_KV, 1, generator=generator).squeeze(-1), q_KV
 
 
+MAX_TREE = 1024  # drafted tokens of one tree at most: one verification's rows
+
+
 def parse_proposal(text: str) -> Proposal:
-    """"argmax", "sample" or "sample:F" (F > 0, the draws' temperature as a multiple of the serving one)."""
+    """"argmax", "sample", "sample:F" (F > 0, the draws' temperature as a multiple of the serving one) or
+    "tree:N" (N drafted tokens, 1 <= N <= MAX_TREE)."""
     kind, colon, factor = text.strip().partition(":")
     if kind == "argmax" and not colon:
         return Proposal()
     if kind == "sample" and not colon:
         return Proposal(sample=True)
+    if kind == "tree" and factor.strip().isdigit() and 1 <= int(factor) <= MAX_TREE:
+        return Proposal(tree=int(factor))
     if kind == "sample":
         try:
             sharpen = float(factor)
@@ -369,7 +414,7 @@ def parse_proposal(text: str) -> Proposal:
         if sharpen > 0 and sharpen != float("inf"):
             return Proposal(sample=True, sharpen=sharpen)
     raise ValueError(f"proposal {text!r}: expected argmax, sample or sample:F with a number F > 0 "
-                     f"(e.g. sample:0.5 draws at half the serving temperature)")
+                     f"(e.g. sample:0.5 draws at half the serving temperature), or tree:N with 1 <= N <= {MAX_TREE}")
 
 
 def accept(draft_tokens: torch.Tensor, q_KV: torch.Tensor | None, target_logits: torch.Tensor, temperature: float,
@@ -421,6 +466,85 @@ def sampled_verdict(draft_tokens: torch.Tensor, q_KV: torch.Tensor | None, targe
     return accepted, next_tokens.gather(0, accepted.view(1))[0]
 
 
+@dataclass
+class DraftTree:
+    """Drafted tokens as a tree under the anchor (node 0); every other node is one slot's candidate
+    continuing its parent, at depth = its slot. Nodes are in the order they were added, parents first."""
+    tokens: list[int]  # node i's token; node 0 is the anchor
+    parents: list[int]  # node i's parent (-1 for the anchor)
+    depths: list[int]  # node i's slot (0 for the anchor)
+
+    def children(self) -> dict[tuple[int, int], int]:
+        """`(parent, token) -> node` for every node but the anchor."""
+        return {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens)) if node}
+
+    def ancestors(self) -> torch.Tensor:
+        """`(n, n)` bool: row i marks node i and its ancestors (what node i's query may see)."""
+        size = len(self.tokens)
+        seen = torch.zeros(size, size, dtype=torch.bool)
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                seen[node] = seen[parent]
+            seen[node, node] = True
+        return seen
+
+
+TREE_WIDTH = 8  # candidates per slot the best-first search may branch to
+
+
+def best_first_tree(anchor: int, logits_KV: torch.Tensor, size: int, width: int = TREE_WIDTH) -> DraftTree:
+    """The `size` most likely paths' nodes under the anchor, best first, from the drafter's per-slot
+    distributions taken as independent: a node's score is the sum of its path's log-probabilities (slot k's
+    softmax), and a node enters before any node scored lower. Children of every node at depth k are
+    slot k+1's top `width` tokens (the slots are marginals: the drafter does not condition on the branch).
+    One transfer of the top tokens to the host."""
+    num_slots = logits_KV.shape[0]
+    width = min(width, logits_KV.shape[-1], size)
+    top_logp, top_ids = torch.log_softmax(logits_KV.float(), dim=-1).topk(width, dim=-1)
+    top_logp, top_ids = top_logp.tolist(), top_ids.tolist()  # sync: one per block
+    tree = DraftTree([anchor], [-1], [0])
+    scores = [0.0]
+    # (minus score, slot index, rank, parent): slot index k drafts depth k + 1
+    frontier = [(-top_logp[0][0], 0, 0, 0)]
+    while frontier and len(tree.tokens) <= size:
+        negative, slot, rank, parent = heapq.heappop(frontier)
+        node = len(tree.tokens)
+        tree.tokens.append(top_ids[slot][rank])
+        tree.parents.append(parent)
+        tree.depths.append(slot + 1)
+        scores.append(-negative)
+        if rank + 1 < width:  # the next sibling scores lower than this node
+            heapq.heappush(frontier, (-(scores[parent] + top_logp[slot][rank + 1]), slot, rank + 1, parent))
+        if slot + 1 < num_slots:  # so does the best child
+            heapq.heappush(frontier, (-(scores[node] + top_logp[slot + 1][0]), slot + 1, 0, node))
+    return tree
+
+
+def verify_tree(session: TargetSession, tree: DraftTree, device, dtype):
+    """One target forward over the tree's tokens (anchor first) after the cached prefix: node i at position
+    `prefix + depth`, seeing the prefix, its ancestors and itself. `(prefix, features, logits)`."""
+    prefix = session.cached_length()
+    size = len(tree.tokens)
+    blocked = torch.finfo(dtype).min
+    mask = torch.zeros(1, 1, size, prefix + size, dtype=dtype, device=device)
+    mask[0, 0, :, prefix:] = torch.where(tree.ancestors().to(device), 0.0, blocked).to(dtype)
+    positions = (torch.tensor(tree.depths, dtype=torch.long) + prefix)[None].to(device)
+    ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
+    features, logits = session.forward(ids, attention_mask=mask, position_ids=positions)
+    return prefix, features, logits
+
+
+def walk_tree(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:
+    """`(path, next token)`: from the anchor, follow the child whose token is the target's token at the
+    current node (its argmax, or its draw at T > 0) while there is one; the path's nodes start with the
+    anchor. Lossless at any temperature: every committed token is the target's own choice at its node."""
+    children = tree.children()
+    path = [0]
+    while (path[-1], target_tokens[path[-1]]) in children:
+        path.append(children[(path[-1], target_tokens[path[-1]])])
+    return path, target_tokens[path[-1]]
+
+
 @torch.inference_mode()
 def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tensor, max_new_tokens: int,
                          stop_token_ids: list[int], temperature: float, generator=None,
@@ -444,9 +568,22 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
     stopped = generated[0] in stops
     # As the reference loop counts: verify while the anchor (the last token, not yet verified
     # context) sits inside the budget, so the last verification may run past max_new_tokens.
+    if proposal.tree and (refusal := session.tree_refusal()):
+        raise ValueError(refusal)
     while len(generated) <= max_new_tokens and not stopped:
         anchor = torch.tensor([generated[-1]], dtype=torch.long, device=device)
         draft_logits = draft.block_logits(new_features, anchor, cache, embed_VH, lm_head)
+        if proposal.tree:
+            tree = best_first_tree(generated[-1], draft_logits, proposal.tree)
+            prefix, verify_features, target_logits = verify_tree(session, tree, device, embed_VH.dtype)
+            path, next_token = walk_tree(tree, choose(target_logits[0], temperature, generator).tolist())
+            session.keep(prefix, path)
+            new_features = verify_features[:, path]
+            committed = [tree.tokens[node] for node in path[1:]] + [next_token]
+            generated += committed
+            stopped = not stops.isdisjoint(committed)
+            stats.acceptance_lengths.append(len(path))
+            continue
         draft_tokens, q_KV = proposal.draft(draft_logits, temperature, generator)
         session.before_verify()
         verify_ids = torch.cat([anchor, draft_tokens])[None]

@@ -209,12 +209,20 @@ def last_results(evals: list[dict]):
 
 
 def draw_curve(axes, evals: list[dict]) -> bool:
-    curves = [entry for entry in evals if len(entry["results"]) > 1]
-    for entry in curves:
-        points = sorted((row["tokens_seen"] or 0, row["tau"]) for row in entry["results"])
-        axes.plot(*zip(*points), marker="o", label=f"{entry['eval_set']} (T={entry['temperature']:g})")
+    """One line per eval and proposal policy served at more than one checkpoint."""
+    drawn = False
+    for entry in evals:
+        by_policy: dict[str, list] = {}
+        for row in entry["results"]:
+            by_policy.setdefault(row.get("proposal") or "", []).append((row["tokens_seen"] or 0, row["tau"]))
+        for policy, points in by_policy.items():
+            if len(points) > 1:
+                suffix = f", {policy}" if len(by_policy) > 1 else ""
+                axes.plot(*zip(*sorted(points)), marker="o",
+                          label=f"{entry['eval_set']} (T={entry['temperature']:g}{suffix})")
+                drawn = True
     axes.set(xlabel="tokens seen", ylabel="served tau", title="served curve")
-    return bool(curves)
+    return drawn
 
 
 def draw_histograms(axes, evals: list[dict]) -> bool:
