@@ -195,6 +195,15 @@ def _ce_distill_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight
     return ce_R, distill_R, argmax_R, grad_RV.to(grad_dtype)
 
 
+@functools.cache
+def _compiled_ce_distill_and_grad(distill_weight: float, kind: str, grad_dtype: torch.dtype):
+    # As `_compiled_ce_and_grad`: the eager form's dozen float32 passes over each logits chunk fused by the
+    # compiler (CUDA only), the rows (arguments 0-4) dynamic from the first call; one compile per setting.
+    compiled = torch.compile(functools.partial(_ce_distill_and_grad, distill_weight=distill_weight, kind=kind,
+                                               grad_dtype=grad_dtype))
+    return rows_dynamic(compiled, ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0)))
+
+
 class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
     """`sum_q row_weight[q] * ce(hidden[q] @ lm_head.T, label[q])`, `chunk_size` rows at a time; with
     soft targets (`soft_ids_Qk`, `soft_probs_Qk`) plus `distill_weight * row_weight[q] * d(p, q)`.
@@ -217,6 +226,11 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
         grad_head = torch.zeros_like(lm_head_VH, dtype=torch.float32) if want_head else None
         safe_labels_Q = labels_Q.clamp(min=0)
         ce_and_grad = _compiled_ce_and_grad() if hidden_QH.is_cuda else _ce_and_grad
+        if soft_ids_Qk is not None:
+            distill_and_grad = (_compiled_ce_distill_and_grad(float(distill_weight), distill, hidden_QH.dtype)
+                                if hidden_QH.is_cuda else
+                                functools.partial(_ce_distill_and_grad, distill_weight=distill_weight, kind=distill,
+                                                  grad_dtype=hidden_QH.dtype))
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, start + chunk_size)
             logits_RV = hidden_QH[rows] @ lm_head_VH.T
@@ -224,9 +238,8 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
                 ce_R, argmax_R, grad_RV = ce_and_grad(logits_RV, safe_labels_Q[rows], row_weight_Q[rows].float(),
                                                       hidden_QH.dtype)
             else:
-                ce_R, distill_Q[rows], argmax_R, grad_RV = _ce_distill_and_grad(
-                    logits_RV, safe_labels_Q[rows], row_weight_Q[rows].float(), soft_ids_Qk[rows], soft_probs_Qk[rows],
-                    distill_weight, distill, hidden_QH.dtype)
+                ce_R, distill_Q[rows], argmax_R, grad_RV = distill_and_grad(
+                    logits_RV, safe_labels_Q[rows], row_weight_Q[rows].float(), soft_ids_Qk[rows], soft_probs_Qk[rows])
             ce_Q[rows], argmax_Q[rows] = ce_R, argmax_R
             if want_hidden:
                 grad_hidden[rows] = grad_RV @ lm_head_VH
