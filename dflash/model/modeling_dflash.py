@@ -335,13 +335,20 @@ class TargetSession:
     def keep(self, prefix: int, rows: list[int]) -> None:
         """After a tree's verification: keep the cache's first `prefix` tokens and the tree `rows` (the
         anchor and the accepted path, in order), drop the other branches."""
-        index = torch.tensor(rows, dtype=torch.long)
+        if rows == list(range(len(rows))):  # the path is the tree's first rows (a chain's shape): a crop
+            kept = prefix + len(rows)
+            for layer in getattr(self.cache, "layers", []):
+                if getattr(layer, "keys", None) is not None and layer.keys.shape[-2] > kept:
+                    layer.keys, layer.values = layer.keys[..., :kept, :], layer.values[..., :kept, :]
+            return
+        index = None  # the kept positions, moved to the device once for every layer
         for layer in getattr(self.cache, "layers", []):
             if getattr(layer, "keys", None) is None or layer.keys.shape[-2] == 0:
                 continue
-            picked = index.to(layer.keys.device) + prefix
-            layer.keys = torch.cat([layer.keys[..., :prefix, :], layer.keys.index_select(-2, picked)], dim=-2)
-            layer.values = torch.cat([layer.values[..., :prefix, :], layer.values.index_select(-2, picked)], dim=-2)
+            if index is None:
+                index = torch.cat([torch.arange(prefix), torch.tensor(rows, dtype=torch.long) + prefix]).to(
+                    layer.keys.device, non_blocking=True)
+            layer.keys, layer.values = layer.keys.index_select(-2, index), layer.values.index_select(-2, index)
 
 
 def choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
