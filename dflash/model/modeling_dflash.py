@@ -30,6 +30,7 @@ import heapq
 import inspect
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -488,12 +489,12 @@ class DraftTree:
     def ancestors(self) -> torch.Tensor:
         """`(n, n)` bool: row i marks node i and its ancestors (what node i's query may see)."""
         size = len(self.tokens)
-        seen = torch.zeros(size, size, dtype=torch.bool)
+        seen = np.zeros((size, size), dtype=bool)  # numpy: a row copy costs a microsecond, a tensor's ten
         for node, parent in enumerate(self.parents):
             if parent >= 0:
                 seen[node] = seen[parent]
             seen[node, node] = True
-        return seen
+        return torch.from_numpy(seen)
 
 
 TREE_WIDTH = 8  # candidates per slot the best-first search may branch to
@@ -529,15 +530,17 @@ def best_first_tree(anchor: int, logits_KV: torch.Tensor, size: int, width: int 
 
 def verify_tree(session: TargetSession, tree: DraftTree, device, dtype):
     """One target forward over the tree's tokens (anchor first) after the cached prefix: node i at position
-    `prefix + depth`, seeing the prefix, its ancestors and itself. `(prefix, features, logits)`."""
+    `prefix + depth`, seeing the prefix, its ancestors and itself. `(prefix, features, logits)`.
+    The host's tree reaches the device in non-blocking copies: no wait on the queue (each blocking copy
+    drains it, and a loop that waits on the device cannot enqueue ahead of it)."""
     prefix = session.cached_length()
     size = len(tree.tokens)
-    blocked = torch.finfo(dtype).min
+    ids_and_positions = torch.tensor([tree.tokens, [prefix + depth for depth in tree.depths]], dtype=torch.long)
+    ids_and_positions = ids_and_positions.to(device, non_blocking=True)
+    seen = tree.ancestors().to(device, non_blocking=True)
     mask = torch.zeros(1, 1, size, prefix + size, dtype=dtype, device=device)
-    mask[0, 0, :, prefix:] = torch.where(tree.ancestors().to(device), 0.0, blocked).to(dtype)
-    positions = (torch.tensor(tree.depths, dtype=torch.long) + prefix)[None].to(device)
-    ids = torch.tensor([tree.tokens], dtype=torch.long, device=device)
-    features, logits = session.forward(ids, attention_mask=mask, position_ids=positions)
+    mask[0, 0, :, prefix:].masked_fill_(~seen, torch.finfo(dtype).min)
+    features, logits = session.forward(ids_and_positions[:1], attention_mask=mask, position_ids=ids_and_positions[1:])
     return prefix, features, logits
 
 
@@ -585,7 +588,7 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
             prefix, verify_features, target_logits = verify_tree(session, tree, device, embed_VH.dtype)
             path, next_token = walk_tree(tree, choose(target_logits[0], temperature, generator).tolist())
             session.keep(prefix, path)
-            new_features = verify_features[:, path]
+            new_features = verify_features.index_select(1, torch.tensor(path).to(device, non_blocking=True))
             committed = [tree.tokens[node] for node in path[1:]] + [next_token]
             generated += committed
             stopped = not stops.isdisjoint(committed)
