@@ -138,9 +138,13 @@ def main(argv=None):
 
     device = resolve_device(args.device)
     target, draft, prompts, stops = load(args, device)
-    policies = [text.strip() for text in args.proposal.split(",") if text.strip()]
-    for policy in policies:  # untimed warm-up: kernel selection and allocator growth
-        profile_policy(draft, target, prompts[:1], args, stops, device, policy)
+    policies = []
+    for policy in (text.strip() for text in args.proposal.split(",") if text.strip()):
+        try:  # untimed warm-up: kernel selection and allocator growth
+            profile_policy(draft, target, prompts[:1], args, stops, device, policy)
+            policies.append(policy)
+        except ValueError as refusal:  # e.g. a tree on a target with linear-attention layers
+            print(f"{policy}: not served: {refusal}")
     start, baseline_tokens = time.perf_counter(), 0
     generator = torch.Generator(device=device).manual_seed(args.seed)
     for ids in prompts:
