@@ -43,7 +43,12 @@ PHASES = {  # phase name -> (object, attribute) wrapped while a policy decodes
 
 
 def wrapped(function, name: str, totals: dict, device: torch.device, sync: bool):
+    """`function` timed into `totals[name]`; a phase called inside another (a rollback's replayed forward)
+    counts toward the outer one only."""
     def timed(*args, **kwargs):
+        if totals.get("inside"):
+            return function(*args, **kwargs)
+        totals["inside"] = True
         if sync and device.type == "cuda":
             torch.cuda.synchronize(device)  # sync: the profile's, never the served loop's
         start = time.perf_counter()
@@ -51,6 +56,7 @@ def wrapped(function, name: str, totals: dict, device: torch.device, sync: bool)
         if sync and device.type == "cuda":
             torch.cuda.synchronize(device)
         totals[name] += time.perf_counter() - start
+        totals["inside"] = False
         return value
     return timed
 
@@ -77,7 +83,8 @@ def profile_policy(draft, target, prompts, args, stops, device, policy: str) -> 
         for name, (owner, attribute) in PHASES.items():
             setattr(owner, attribute, saved[name])
     # the verification forward also prefills each prompt once: counted in "verify" as the loop does
-    phases = {name: round(1e3 * value / max(verifications, 1), 3) for name, value in totals.items() if value}
+    phases = {name: round(1e3 * value / max(verifications, 1), 3) for name, value in totals.items()
+              if value and name in PHASES}
     phases["other"] = round(1e3 * seconds / max(verifications, 1) - sum(phases.values()), 3) if not args.sync else None
     return {"policy": policy, "tau": tokens / max(verifications, 1), "verifications": verifications, "tokens": tokens,
             "seconds": seconds, "ms_per_verification": 1e3 * seconds / max(verifications, 1),
