@@ -287,6 +287,8 @@ class RecipeEval:
     num_prompts: int = setting(0, "prompts served (0: eval.num_prompts)")
     new_tokens: int = setting(0, "tokens per prompt at most (0: eval.max_new_tokens)")
     curve: bool = setting(True, "with recipe.curve: serve every checkpoint at temperature 0, not the last alone")
+    workers: int = setting(1, "`dflash eval --workers`: processes side by side, each serving a share of the prompts",
+                           positive=True)
 
 
 @dataclass(frozen=True)

@@ -221,13 +221,20 @@ def export(checkpoint, out_dir):
                    "attention targets only); a comma-separated list serves each on the same prompts and baseline. "
                    "sample is the default: on one H200 (12-04) it served 1.62 at T=1 and 2.04 at T=0.7 on held-out "
                    "code-docs where argmax served 1.31 and 1.92 (docs/eval.md).")
-@click.option("--seed", default=0, show_default=True, help="Sampling seed (temperature > 0).")
+@click.option("--seed", default=0, show_default=True,
+              help="Sampling seed (temperature > 0): prompt i's draws start from seed + i.")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
 @click.option("--out", type=click.Path(dir_okay=False), help="Write every number, per prompt too, as JSON.")
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="Write a PNG: histogram of tokens per verification and per-slot acceptance.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Processes side by side on the device, each serving a contiguous share of the prompts with its "
+                   "own target; their results are merged as one run's (the same numbers as --workers 1: every "
+                   "random stream restarts at each prompt from --seed plus its index). Batch-1 decoding of a small target is bound by the host, so a GPU serves "
+                   "several at once.")
+@click.option("--shard", default="", hidden=True, help="I/K: serve only the I-th of K contiguous shares (--workers).")
 def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, exclude, max_new_tokens, temperature,
-             proposals, seed, device, out, plot):
+             proposals, seed, device, out, plot, workers, shard):
     """Measure an exported drafter as it is served: speculative decoding with the target.
 
     The target is the config's target.path (checkpoint directory, .gguf file or embedded:tiny).
@@ -245,8 +252,10 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
                                          match=match, exclude=exclude, max_new_tokens=max_new_tokens,
                                          temperature=temperature, proposals=tuple(proposals.split(",")),
                                          seed=seed, device=device, out=out or "",
-                                         plot=plot or "")
-    evaluate_stage.run(config, options)
+                                         plot=plot or "", workers=workers, shard=shard)
+    config_args = (["-c", config_path] if config_path else []) + [item for override in overrides
+                                                                   for item in ("--set", override)]
+    evaluate_stage.run(config, options, config_args)
 
 
 @main.command("generate", short_help="Regenerate a dataset's answers with the target.")

@@ -23,6 +23,7 @@ last assistant turn rendered with `add_generation_prompt=True`. Nothing here was
 the held-out split is the one stage two holds out (`train.holdout_fraction`, `train.seed`).
 """
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +34,9 @@ from dflash.data.tokenizer import load_target_tokenizer
 from dflash.dist import resolve_device
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
 from dflash.model.modeling_dflash import Proposal, parse_proposal, plain_generate
-from dflash.serve.evaluation import (HELDOUT, EvalResult, check_drafter_export, decode_prompt, load_drafter,
-                                     load_prompts, mark_code, plot, print_report, summarize, timed, warm_up,
-                                     write_json)
+from dflash.serve.evaluation import (HELDOUT, EvalResult, PromptResult, check_drafter_export, decode_prompt,
+                                     load_drafter, load_prompts, mark_code, plot, print_report, summarize, timed,
+                                     warm_up, write_json)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class EvalOptions:
     device: str = "auto"
     out: str = ""  # JSON path
     plot: str = ""  # PNG path
+    workers: int = 1  # processes side by side, each serving a contiguous share of the prompts (`run_sharded`)
+    shard: str = ""  # "I/K": this process serves share I of K (a worker of `run_sharded`)
 
 
 def served_proposals(options: EvalOptions) -> list[Proposal]:
@@ -77,10 +80,23 @@ def served_proposals(options: EvalOptions) -> list[Proposal]:
     return served
 
 
-def run(config: Config, options: EvalOptions) -> list[EvalResult]:
+def shard_bounds(shard: str, count: int) -> tuple[int, int]:
+    """`(start, end)` of share I of K ("I/K", 0 <= I < K) of `count` prompts, contiguous and near-equal."""
+    index, slash, total = shard.partition("/")
+    if not (slash and index.isdigit() and total.isdigit() and int(index) < int(total)):
+        raise ConfigError(f"--shard {shard!r}: expected I/K with 0 <= I < K")
+    index, total = int(index), int(total)
+    return index * count // total, (index + 1) * count // total
+
+
+def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult]:
+    """Serve and report; with `options.workers` > 1 through that many worker processes (`config_args`:
+    the `-c` / `--set` arguments that load this config in them)."""
     for path in options.drafters:
         check_drafter_export(path)
     proposals = served_proposals(options)
+    if options.workers > 1 and not options.shard:
+        return run_sharded(options, list(config_args))
     device = resolve_device(options.device)
     dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
@@ -88,21 +104,31 @@ def run(config: Config, options: EvalOptions) -> list[EvalResult]:
     target = load_causal_lm(str(checkpoint), dtype, device)
     drafts = [load_drafter(path, target, dtype, device) for path in options.drafters]
     prompts = load_prompts(config, options.prompts, options.num_prompts, tokenizer, options.match, options.exclude)
+    start, end = shard_bounds(options.shard, len(prompts)) if options.shard else (0, len(prompts))
+    prompts = prompts[start:end]
+    if options.shard:
+        if not prompts:  # more workers than prompts
+            if options.out:
+                write_json([], options.out)
+            return []
     source = options.prompts + "".join(f" ({flag} {pattern!r})" for flag, pattern in
                                        (("--match", options.match), ("--exclude", options.exclude)) if pattern)
-    # one result, and one random stream, per drafter and policy
-    served = [(draft, proposal, torch.Generator(device=device).manual_seed(options.seed))
-              for draft in drafts for proposal in proposals]
+    # one result, and one random stream, per drafter and policy; every stream restarts at each prompt from
+    # the seed plus the prompt's index, so a prompt's draws do not depend on the prompts before it (nor on
+    # how --workers shares them out)
+    served = [(draft, proposal, torch.Generator(device=device)) for draft in drafts for proposal in proposals]
     results = [EvalResult(drafter=path, target=config.target.path, prompts_source=source, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
                           temperature=options.temperature, max_new_tokens=options.max_new_tokens,
                           proposal=proposal.name)
                for path, draft in zip(options.drafters, drafts) for proposal in proposals]
     stops = stop_token_ids(tokenizer, target)
-    baseline_generator = torch.Generator(device=device).manual_seed(options.seed)
+    baseline_generator = torch.Generator(device=device)
     warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device)
-    bar = tqdm(prompts, unit="prompt", desc="eval", dynamic_ncols=True)
-    for prompt in bar:
+    bar = tqdm(prompts, unit="prompt", desc=f"eval {options.shard}".strip(), dynamic_ncols=True)
+    for index, prompt in enumerate(bar, start):
+        for generator in [baseline_generator, *(generator for _, _, generator in served)]:
+            generator.manual_seed(options.seed + index)
         input_ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=device)[None]
         baseline = timed(device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
                                                         options.temperature, baseline_generator))
@@ -121,3 +147,59 @@ def run(config: Config, options: EvalOptions) -> list[EvalResult]:
     if options.plot:
         plot(results, options.plot)
     return results
+
+
+def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult]:
+    """`options.workers` processes of `dflash eval --shard I/K` side by side, each on a contiguous share of the
+    prompts with its own target and baseline; their JSONs merged in prompt order and summarised as one run.
+    A worker that fails stops the others, and its log's tail names it."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    total = options.workers
+    print(f"eval: {total} workers side by side, each serving a contiguous share of the prompts")
+    with tempfile.TemporaryDirectory(prefix="dflash-eval-") as folder:
+        workers = []
+        try:
+            for index in range(total):
+                out, log = Path(folder) / f"shard-{index}.json", Path(folder) / f"shard-{index}.log"
+                command = [sys.executable, "-m", "stages.cli", "eval", *config_args,
+                           *[item for path in options.drafters for item in ("--drafter", path)],
+                           "--prompts", options.prompts, "--num-prompts", str(options.num_prompts),
+                           "--match", options.match, "--exclude", options.exclude,
+                           "--max-new-tokens", str(options.max_new_tokens), "--temperature", f"{options.temperature!r}",
+                           "--proposal", ",".join(options.proposals), "--seed", str(options.seed),
+                           "--device", options.device, "--out", str(out), "--shard", f"{index}/{total}"]
+                with open(log, "w") as stream:
+                    workers.append((subprocess.Popen(command, stdout=stream), out, log))
+            for index, (worker, out, log) in enumerate(workers):
+                if worker.wait() != 0:
+                    tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
+                    raise RuntimeError(f"eval worker {index}/{total} exited with status {worker.returncode}; "
+                                       f"its output ends:\n{tail}")
+        finally:
+            for worker, _, _ in workers:
+                if worker.poll() is None:
+                    worker.terminate()
+                    worker.wait()
+        shards = [json.loads(out.read_text())["results"] for _, out, _ in workers]
+    results = merge_shards([shard for shard in shards if shard])
+    print_report(results)
+    if options.out:
+        write_json(results, options.out)
+    if options.plot:
+        plot(results, options.plot)
+    return results
+
+
+def merge_shards(shards: list[list[dict]]) -> list[EvalResult]:
+    """One result per drafter and policy from the workers' JSON results (the same list in each), the
+    prompts in shard order, every number recomputed from the prompts (`summarize`)."""
+    merged = []
+    for results in zip(*shards):
+        fields = {key: value for key, value in results[0].items() if key != "per_prompt"}
+        prompts = [PromptResult(**prompt) for result in results for prompt in result["per_prompt"]]
+        merged.append(summarize(EvalResult(**fields, per_prompt=prompts)))
+    return merged

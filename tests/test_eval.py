@@ -19,7 +19,7 @@ import torch
 from support import VOCAB, packed_training_logits, random_packed_batch, tiny_setup
 from transformers import AutoModel, LlamaConfig, LlamaForCausalLM
 
-from dflash.config import load_config
+from dflash.config import ConfigError, load_config
 from dflash.model.drafter import DFlashDrafter, drafter_args
 from dflash.model.export import AUTO_MAP, MODELING_NAME, export_drafter
 from dflash.model.modeling_dflash import (DFlashDraftModel, accept, greedy_generate, layer_croppable,
@@ -295,3 +295,13 @@ def test_a_linear_attention_layer_is_cropped_only_while_it_records_its_past():
     assert not layer_croppable(Layer(is_croppable=False))  # linear attention up to 5.24
     assert not layer_croppable(Layer(is_croppable=True, record_past=False))  # 5.25, not recording
     assert layer_croppable(Layer(is_croppable=True, record_past=True))
+
+
+def test_workers_share_the_prompts_in_contiguous_near_equal_parts():
+    from stages.evaluate import shard_bounds
+
+    assert [shard_bounds(f"{index}/3", 10) for index in range(3)] == [(0, 3), (3, 6), (6, 10)]
+    assert shard_bounds("1/2", 1) == (0, 1) and shard_bounds("0/2", 1) == (0, 0)
+    for bad in ("2/2", "1", "a/b", "-1/2"):
+        with pytest.raises(ConfigError, match=f"--shard {bad!r}: expected I/K"):
+            shard_bounds(bad, 10)

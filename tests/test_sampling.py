@@ -10,7 +10,8 @@ draw to a few milliseconds of loop overhead (a tiny transformer costs tens of mi
 on a shared CPU), and a target that reads the tokens it verifies still checks that each block
 slot is verified against the right context. `plain_generate`, the baseline, samples the same
 distribution. On a real tiny Llama and export: every policy at temperature 0 is plain greedy
-decoding, and every policy serves at temperature > 0; a tree accepts deeper than the chain when the
+decoding, and every policy serves at temperature > 0 (and `dflash eval --workers 2` merges to the same
+numbers); a tree accepts deeper than the chain when the
 drafter's second choice is the right one, and a target whose cache cannot hold a tree is refused. `dflash eval --proposal argmax,sample` (slow)
 gives one result per policy and tau per prompt kind.
 """
@@ -211,14 +212,17 @@ def test_every_policy_is_greedy_at_temperature_zero_and_serves_above_it(tmp_path
 @pytest.mark.slow
 def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_config, capsys):
     """`dflash eval --temperature 0.8 --proposal argmax,sample` on the embedded tiny target: one result per
-    policy on the same prompts, the JSON names each result's policy and gives tau per prompt kind."""
+    policy on the same prompts, the JSON names each result's policy and gives tau per prompt kind; with
+    `--workers 2` the same numbers, prompt for prompt."""
+    import dataclasses
     import json
 
     from dflash.config import load_config
     from dflash.extract.target import load_causal_lm, prepare_checkpoint
     from stages import evaluate
 
-    config = load_config(pipeline_config(tmp_path, 2, 1, ""))
+    config_path = pipeline_config(tmp_path, 2, 1, "")
+    config = load_config(config_path)
     target = load_causal_lm(str(prepare_checkpoint(config.target.path, config.data.cache_dir)), torch.float32,
                             torch.device("cpu"))
     vocab, hidden = target.get_input_embeddings().weight.shape
@@ -240,6 +244,15 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
         assert [prompt["kind"] for prompt in result["per_prompt"]] == ["writing", "code"]
     with pytest.raises(ValueError, match="--proposal: proposal 'top-k'"):
         evaluate.run(config, evaluate.EvalOptions(drafters=options.drafters, proposals=("argmax", "top-k")))
+    # --workers 2: two processes each serve a contiguous share; the merged JSON is this run's, prompt for prompt
+    # (every random stream restarts at each prompt from the seed plus the prompt's index)
+    sharded = dataclasses.replace(options, workers=2, out=str(tmp_path / "eval-2.json"))
+    evaluate.run(config, sharded, ["-c", str(config_path)])
+    for one, two in zip(results, json.loads((tmp_path / "eval-2.json").read_text())["results"], strict=True):
+        for key in ("prompt_id", "acceptance_lengths", "generated_ids", "baseline_tokens"):
+            assert [p[key] for p in two["per_prompt"]] == [p[key] for p in one["per_prompt"]], key
+        for key in ("proposal", "num_prompts", "generated_tokens", "verifications", "tau", "histogram", "tau_by_kind"):
+            assert two[key] == one[key], key
 
 
 def test_best_first_tree_adds_the_likeliest_paths_first():
@@ -316,3 +329,4 @@ def test_a_target_whose_cache_cannot_hold_a_tree_is_refused():
     with pytest.raises(ValueError, match="tree proposals need .* layer 0 keeps a WindowLayer"):
         speculative_generate(TableDrafter(drafter_VKV), WindowTarget(target_VV), torch.tensor([[0, 1]]), 3, [], 0.0,
                              None, parse_proposal("tree:4"))
+

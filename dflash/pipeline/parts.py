@@ -168,6 +168,8 @@ def eval_parts(run: RecipeRun) -> list[Part]:
                      "--out", str(run.layout.eval_json(name))]
             if item.proposals:
                 args += ["--proposal", ",".join(item.proposals)]
+            if item.workers > 1:
+                args += ["--workers", str(item.workers)]
             parts.append(Part(name, "eval", stage(run, "eval", *args), (run.layout.eval_json(name),),
                               info={"eval_set": item.name, "prompts": item.prompts, "temperature": temperature}))
     return parts
