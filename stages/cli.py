@@ -230,8 +230,8 @@ def export(checkpoint, out_dir):
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
               help="Processes side by side on the device, each serving a contiguous share of the prompts with its "
                    "own target; their results are merged as one run's (the same numbers as --workers 1: every "
-                   "random stream restarts at each prompt from --seed plus its index). Batch-1 decoding of a small target is bound by the host, so a GPU serves "
-                   "several at once.")
+                   "random stream restarts at each prompt from --seed plus its index). Batch-1 decoding of a "
+                   "small target is bound by the host, so a GPU serves several at once.")
 @click.option("--shard", default="", hidden=True, help="I/K: serve only the I-th of K contiguous shares (--workers).")
 def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, exclude, max_new_tokens, temperature,
              proposals, seed, device, out, plot, workers, shard):
