@@ -141,6 +141,11 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
     bar.close()
     for result in results:
         summarize(result)
+    return reported(results, options)
+
+
+def reported(results: list[EvalResult], options: EvalOptions) -> list[EvalResult]:
+    """Print the report; write the JSON and the plot where asked."""
     print_report(results)
     if options.out:
         write_json(results, options.out)
@@ -185,13 +190,7 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
                     worker.terminate()
                     worker.wait()
         shards = [json.loads(out.read_text())["results"] for _, out, _ in workers]
-    results = merge_shards([shard for shard in shards if shard])
-    print_report(results)
-    if options.out:
-        write_json(results, options.out)
-    if options.plot:
-        plot(results, options.plot)
-    return results
+    return reported(merge_shards([shard for shard in shards if shard]), options)
 
 
 def merge_shards(shards: list[list[dict]]) -> list[EvalResult]:
