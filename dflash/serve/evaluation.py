@@ -230,16 +230,20 @@ def timed(device: torch.device, fn):
     return value, time.perf_counter() - start
 
 
-def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, device: torch.device) -> None:
-    """On CUDA, one untimed run of the first prompt by the baseline and every drafter, so that
-    kernel selection, lazy module loading and allocator growth are timed by none of them (CPU
-    timings are not served speedups anyway, and the CPU decodes slowly: no warm-up there)."""
+def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, device: torch.device,
+            proposals=(Proposal(sample=True),)) -> None:
+    """On CUDA, one untimed run of the first prompt by the baseline and every drafter with every
+    proposal policy (a tree's verification has its own shapes and mask), so that kernel selection,
+    lazy module loading and allocator growth are timed by none of them (CPU timings are not served
+    speedups anyway, and the CPU decodes slowly: no warm-up there)."""
     if device.type != "cuda":
         return
     input_ids = torch.as_tensor(prompt_ids, device=device)[None]
     plain_generate(target, input_ids, max_new_tokens, stops)
+    shapes = {proposal.greedy_key(): proposal for proposal in proposals}  # one chain, each tree size
     for draft in drafts:
-        speculative_generate(draft, target, input_ids, max_new_tokens, stops, 0.0)
+        for proposal in shapes.values():
+            speculative_generate(draft, target, input_ids, max_new_tokens, stops, 0.0, None, proposal)
 
 
 def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
