@@ -217,10 +217,11 @@ def export(checkpoint, out_dir):
               help="How a block's drafts come from the drafter's per-slot distributions: "
                    "argmax (the target keeps a draft x with p(x)), sample (per-slot draws from q), sample:F (draws "
                    "at F x the temperature), tree:N (N drafts as a tree from the slots' top tokens, verified in "
-                   "one forward, lossless at any temperature and not greedy-equivalent to the chain at 0; full-"
-                   "attention targets only); a comma-separated list serves each on the same prompts and baseline. "
-                   "sample is the default: on one H200 (12-04) it served 1.62 at T=1 and 2.04 at T=0.7 on held-out "
-                   "code-docs where argmax served 1.31 and 1.92 (docs/eval.md).")
+                   "one forward; tree:N:F builds it from softmax(logits / F); lossless at any temperature, not "
+                   "the chain's tokens at 0; full-attention targets only); a comma-separated list serves each on "
+                   "the same prompts and baseline. sample is the default: on one H200 (12-04) it served 1.62 at T=1 "
+                   "and 2.04 at T=0.7 on held-out code-docs where argmax served 1.31 and 1.92; tree:64 served 1.4x "
+                   "the chain's tau at T=0 (12-05) at a speedup not yet measured alone (docs/eval.md).")
 @click.option("--seed", default=0, show_default=True,
               help="Sampling seed (temperature > 0): prompt i's draws start from seed + i.")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")

@@ -5,7 +5,7 @@ target, a test double whose next-token logits depend on the last token only (a t
 drafter double whose per-slot logits depend on the anchor only (another table, near the
 target's). Counting the first three generated tokens, their joint distribution equals the
 target's own (exact: p0(t1) P(t2|t1) P(t3|t2)) by a chi-square test, for `argmax`, `sample`,
-`sample:0.5`, `tree:3` and `tree:8` proposals; a rule that accepts every draft fails the same test. The doubles keep a
+`sample:0.5`, `tree:3`, `tree:8` and `tree:8:2` proposals; a rule that accepts every draft fails the same test. The doubles keep a
 draw to a few milliseconds of loop overhead (a tiny transformer costs tens of milliseconds a forward
 on a shared CPU), and a target that reads the tokens it verifies still checks that each block
 slot is verified against the right context. `plain_generate`, the baseline, samples the same
@@ -33,7 +33,7 @@ VOCAB = 3
 BLOCK = 4  # three drafts per block
 TEMPERATURE = 1.0
 DRAWS = 1000
-POLICIES = ["argmax", "sample", "sample:0.5", "tree:3", "tree:8"]
+POLICIES = ["argmax", "sample", "sample:0.5", "tree:3", "tree:8", "tree:8:2"]
 
 
 class MarkovCache:
@@ -161,13 +161,16 @@ def test_proposal_policies_parse_and_name_a_bad_value():
     assert parse_proposal("argmax") == Proposal()
     assert parse_proposal("sample") == Proposal(sample=True)
     assert parse_proposal(" sample:0.5 ") == Proposal(sample=True, sharpen=0.5)
-    assert parse_proposal("tree:64") == Proposal(tree=64)
-    assert [parse_proposal(text).name for text in ("argmax", "sample", "sample:0.5", "sample:1", "tree:8")] == \
-        ["argmax", "sample", "sample:0.5", "sample", "tree:8"]
-    assert {parse_proposal(text).greedy_key() for text in ("argmax", "sample", "sample:0.5")} == {0}
-    assert parse_proposal("tree:8").greedy_key() != parse_proposal("tree:16").greedy_key() != 0
+    assert parse_proposal("tree:64") == parse_proposal("tree:64:1") == Proposal(tree=64)
+    assert parse_proposal("tree:64:2") == Proposal(tree=64, sharpen=2.0)
+    assert [parse_proposal(text).name for text in ("argmax", "sample", "sample:0.5", "sample:1", "tree:8",
+                                                   "tree:8:2")] == \
+        ["argmax", "sample", "sample:0.5", "sample", "tree:8", "tree:8:2"]
+    chains = {parse_proposal(text).greedy_key() for text in ("argmax", "sample", "sample:0.5")}
+    trees = {parse_proposal(text).greedy_key() for text in ("tree:8", "tree:16", "tree:8:2")}
+    assert len(chains) == 1 and len(trees) == 3 and not chains & trees
     for bad in ("greedy", "sample:", "sample:0", "sample:-1", "sample:x", "argmax:2", "sample:inf", "", "tree",
-                "tree:0", "tree:-3", "tree:2.5", "tree:1025"):
+                "tree:0", "tree:-3", "tree:2.5", "tree:1025", "tree:8:0", "tree:8:x", "tree::2", "sample:nan"):
         with pytest.raises(ValueError, match=f"proposal {bad!r}: expected argmax, sample or sample:F.*or tree:N"):
             parse_proposal(bad)
 

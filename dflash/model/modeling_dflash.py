@@ -375,23 +375,25 @@ class Proposal:
     - `tree:N`: N drafts as a tree, best-first from the slots' distributions (`best_first_tree`),
       verified in one target forward with an ancestor-only mask (`verify_tree`); unlike the others
       it differs from the chain at T = 0 as well.
+    - `tree:N:F`: the tree built from softmax(logits / F): F > 1 flattens the slots' distributions, so
+      the build spends more of its N nodes on second and third choices near the anchor.
     Every policy is lossless: the committed tokens are distributed as the target samples them.
     """
     sample: bool = False  # False: argmax
-    sharpen: float = 1.0  # the draws' temperature is sharpen x the serving temperature
-    tree: int = 0  # > 0: the drafts are a tree of this many tokens (sample and sharpen unused)
+    sharpen: float = 1.0  # the draws' temperature is sharpen x the serving temperature (a tree: its build's temperature)
+    tree: int = 0  # > 0: the drafts are a tree of this many tokens (sample unused)
 
     @property
     def name(self) -> str:
         if self.tree:
-            return f"tree:{self.tree}"
+            return f"tree:{self.tree}" if self.sharpen == 1.0 else f"tree:{self.tree}:{self.sharpen:g}"
         if not self.sample:
             return "argmax"
         return "sample" if self.sharpen == 1.0 else f"sample:{self.sharpen:g}"
 
-    def greedy_key(self) -> int:
-        """Policies with the same key serve the same tokens at T = 0: every chain policy (0), each tree size."""
-        return self.tree
+    def greedy_key(self) -> tuple[int, float]:
+        """Policies with the same key serve the same tokens at T = 0: every chain policy, each tree shape."""
+        return (self.tree, self.sharpen) if self.tree else (0, 1.0)
 
     def draft(self, logits_KV: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafts `(K,)` and the distribution q `(K, V)` they were drawn from (None: one-hot at the drafts)."""
@@ -405,24 +407,29 @@ MAX_TREE = 1024  # drafted tokens of one tree at most: one verification's rows
 
 
 def parse_proposal(text: str) -> Proposal:
-    """"argmax", "sample", "sample:F" (F > 0, the draws' temperature as a multiple of the serving one) or
-    "tree:N" (N drafted tokens, 1 <= N <= MAX_TREE)."""
-    kind, colon, factor = text.strip().partition(":")
+    """"argmax", "sample", "sample:F" (F > 0, the draws' temperature as a multiple of the serving one),
+    "tree:N" (N drafted tokens, 1 <= N <= MAX_TREE) or "tree:N:F" (the tree built from softmax(logits / F))."""
+    kind, colon, rest = text.strip().partition(":")
     if kind == "argmax" and not colon:
         return Proposal()
     if kind == "sample" and not colon:
         return Proposal(sample=True)
-    if kind == "tree" and factor.strip().isdigit() and 1 <= int(factor) <= MAX_TREE:
-        return Proposal(tree=int(factor))
-    if kind == "sample":
-        try:
-            sharpen = float(factor)
-        except ValueError:
-            sharpen = float("nan")
-        if sharpen > 0 and sharpen != float("inf"):
-            return Proposal(sample=True, sharpen=sharpen)
+    size, _, factor = rest.partition(":") if kind == "tree" else ("", "", rest)
+    tree = int(size) if size.strip().isdigit() and 1 <= int(size) <= MAX_TREE else 0
+    if kind == "tree" and tree and not factor:
+        return Proposal(tree=tree)
+    if (kind == "sample" or (kind == "tree" and tree)) and positive_number(factor):
+        return Proposal(sample=not tree, sharpen=float(factor), tree=tree)
     raise ValueError(f"proposal {text!r}: expected argmax, sample or sample:F with a number F > 0 "
-                     f"(e.g. sample:0.5 draws at half the serving temperature), or tree:N with 1 <= N <= {MAX_TREE}")
+                     f"(e.g. sample:0.5 draws at half the serving temperature), or tree:N with 1 <= N <= {MAX_TREE} "
+                     f"(tree:N:F: built from softmax(logits / F))")
+
+
+def positive_number(text: str) -> bool:
+    try:
+        return 0 < float(text) < float("inf")
+    except ValueError:
+        return False
 
 
 def accept(draft_tokens: torch.Tensor, q_KV: torch.Tensor | None, target_logits: torch.Tensor, temperature: float,
@@ -584,7 +591,7 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
         anchor = torch.tensor([generated[-1]], dtype=torch.long, device=device)
         draft_logits = draft.block_logits(new_features, anchor, cache, embed_VH, lm_head)
         if proposal.tree:
-            tree = best_first_tree(generated[-1], draft_logits, proposal.tree)
+            tree = best_first_tree(generated[-1], draft_logits / proposal.sharpen, proposal.tree)
             prefix, verify_features, target_logits = verify_tree(session, tree, device, embed_VH.dtype)
             path, next_token = walk_tree(tree, choose(target_logits[0], temperature, generator).tolist())
             session.keep(prefix, path)
