@@ -23,11 +23,12 @@ if WORKERS > 1:
     torch.set_num_threads(THREADS)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
 
-# The files with the longest tests (each a minute or more on 2 cores), run first: the README's command hands
-# whole files to two workers in collection order (--dist loadfile --no-loadscope-reorder), so a long file
-# collected last would run alone at the end while the other worker idles.
-SLOW_FILES_FIRST = ("test_recipe.py", "test_extract_e2e.py", "test_train_e2e.py", "test_generate.py", "test_eval.py",
-                    "test_tools_smoke.py", "test_codec_training.py")
+# The longest files (each half a minute or more on 2 cores), longest first: the README's command hands whole
+# files to two workers in collection order (--dist loadfile --no-loadscope-reorder), so a long file collected
+# last would run alone at the end while the other worker idles.
+SLOW_FILES_FIRST = ("test_recipe.py", "test_extract_e2e.py", "test_train_e2e.py", "test_generate.py", "test_labels.py",
+                    "test_eval.py", "test_follow.py", "test_soft_targets.py", "test_mix.py", "test_tools_smoke.py",
+                    "test_decoding.py", "test_codec_training.py", "test_embedded.py")
 
 
 def pytest_collection_modifyitems(items):
