@@ -14,11 +14,21 @@ import torch
 if not torch.cuda.is_available():
     sys.modules["fla"] = None  # importing fla now raises ImportError
 
-# The files with the longest tests (each a minute or more on 2 cores), run first: the README's command hands
-# whole files to two workers in collection order (--dist loadfile --no-loadscope-reorder), so a long file
-# collected last would run alone at the end while the other worker idles.
-SLOW_FILES_FIRST = ("test_recipe.py", "test_extract_e2e.py", "test_train_e2e.py", "test_generate.py", "test_eval.py",
-                    "test_tools_smoke.py", "test_codec_training.py")
+# Under pytest-xdist the workers share the cores: each takes its share of threads (in-process tensors and, through
+# OMP_NUM_THREADS, the subprocesses it starts), instead of every one using all the cores and most of the time
+# going to threads waiting on each other (2 workers on 2 cores: 1 thread each, and the suite runs faster).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
+    torch.set_num_threads(THREADS)
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
+# The longest files (each half a minute or more on 2 cores), longest first: the README's command hands whole
+# files to two workers in collection order (--dist loadfile --no-loadscope-reorder), so a long file collected
+# last would run alone at the end while the other worker idles.
+SLOW_FILES_FIRST = ("test_recipe.py", "test_extract_e2e.py", "test_train_e2e.py", "test_generate.py", "test_labels.py",
+                    "test_eval.py", "test_follow.py", "test_soft_targets.py", "test_mix.py", "test_tools_smoke.py",
+                    "test_decoding.py", "test_codec_training.py", "test_embedded.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -104,10 +104,12 @@ def test_extract_writes_a_verified_store_and_reruns_do_nothing(workspace, capsys
     assert "nothing to do" in capsys.readouterr().out
 
 
-def test_store_made_with_another_config_is_refused(workspace):
+def test_store_made_with_another_config_is_refused(workspace, reference_store):
+    """A copy of the reference store (a store's identity is its content: test_store_identity_is_its_content)."""
+    import shutil
+
     root, config_path = workspace
-    config = load_config(config_path, [f'store.path="{root / "mismatch"}"'])
-    extract.run(config)
+    shutil.copytree(reference_store, root / "mismatch")
     changed = load_config(config_path, [f'store.path="{root / "mismatch"}"', "store.codec=bf16",
                                         "data.max_length=320"])
     with pytest.raises(StoreMismatchError) as error:

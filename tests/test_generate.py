@@ -205,8 +205,7 @@ def test_the_target_writes_the_prompts_it_then_answers(tmp_path, embedded_cache_
     that prompt; prompts it did not end are dropped and counted. A random target rarely ends a turn, so
     one token in 16 ends it here."""
     from dflash.data.embedded import ask_code_rows
-    from dflash.data.tokenizer import load_target_tokenizer
-    from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids
+    from dflash.extract.target import stop_token_ids
 
     real_stops = stop_token_ids
     monkeypatch.setattr(generate, "stop_token_ids",
@@ -221,10 +220,8 @@ def test_the_target_writes_the_prompts_it_then_answers(tmp_path, embedded_cache_
     written = read_parts(tmp_path / "out")
     assert len(written) == result.answers == result.asked
     assert [row["source_row"] for row in written] == sorted(row["source_row"] for row in written)
-    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
-    tokenizer = load_target_tokenizer(checkpoint)
-    target = load_causal_lm(str(checkpoint), torch.float32, torch.device("cpu"))
-    stops = generate.stop_token_ids(tokenizer, target)
+    tokenizer, target = loaded_target(config.target.path, config.data.cache_dir)[:2]
+    stops = generate.stop_token_ids(tokenizer, target)  # with the patched ends of turn
     for row in written:
         assert row["asked"] is True and row["sample"] == 0
         user, answer = row["messages"][0]["content"], row["messages"][-1]["content"]
@@ -274,8 +271,7 @@ def test_two_turns_the_target_asks_a_follow_up_and_answers_it(tmp_path, embedded
     group remakes the same files. One token in 16 ends a turn, as above."""
     from dflash.data.embedded import ask_general_rows
     from dflash.data.starts import FOLLOW_UP_STARTS
-    from dflash.data.tokenizer import load_target_tokenizer
-    from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids
+    from dflash.extract.target import stop_token_ids
 
     real_stops = stop_token_ids
     monkeypatch.setattr(generate, "stop_token_ids",
@@ -298,10 +294,8 @@ def test_two_turns_the_target_asks_a_follow_up_and_answers_it(tmp_path, embedded
     assert len(cut_first) == result.follow_up_dropped[generation.FIRST_ANSWER_CUT]
     assert len(written) - len(two_turn) == sum(result.follow_up_dropped.values())
 
-    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
-    tokenizer = load_target_tokenizer(checkpoint)
-    target = load_causal_lm(str(checkpoint), torch.float32, torch.device("cpu"))
-    stops = generate.stop_token_ids(tokenizer, target)
+    tokenizer, target = loaded_target(config.target.path, config.data.cache_dir)[:2]
+    stops = generate.stop_token_ids(tokenizer, target)  # with the patched ends of turn
 
     def greedy(messages):
         ids = torch.tensor([samples.prompt_token_ids(messages, tokenizer)])
