@@ -27,8 +27,8 @@ if WORKERS > 1:
 # files to two workers in collection order (--dist loadfile --no-loadscope-reorder), so a long file collected
 # last would run alone at the end while the other worker idles.
 SLOW_FILES_FIRST = ("test_recipe.py", "test_extract_e2e.py", "test_train_e2e.py", "test_generate.py", "test_labels.py",
-                    "test_eval.py", "test_follow.py", "test_soft_targets.py", "test_sampling.py", "test_mix.py", "test_tools_smoke.py",
-                    "test_decoding.py", "test_codec_training.py", "test_embedded.py")
+                    "test_eval.py", "test_follow.py", "test_soft_targets.py", "test_sampling.py", "test_mix.py",
+                    "test_tools_smoke.py", "test_decoding.py", "test_codec_training.py", "test_embedded.py")
 
 
 def pytest_collection_modifyitems(items):
