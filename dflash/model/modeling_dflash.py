@@ -380,7 +380,7 @@ class Proposal:
     Every policy is lossless: the committed tokens are distributed as the target samples them.
     """
     sample: bool = False  # False: argmax
-    sharpen: float = 1.0  # the draws' temperature is sharpen x the serving temperature (a tree: its build's temperature)
+    sharpen: float = 1.0  # the draws' temperature is sharpen x the serving one (a tree: its build's temperature)
     tree: int = 0  # > 0: the drafts are a tree of this many tokens (sample unused)
 
     @property
