@@ -5,7 +5,7 @@ target, a test double whose next-token logits depend on the last token only (a t
 drafter double whose per-slot logits depend on the anchor only (another table, near the
 target's). Counting the first three generated tokens, their joint distribution equals the
 target's own (exact: p0(t1) P(t2|t1) P(t3|t2)) by a chi-square test, for `argmax`, `sample`,
-`sample:0.5`, `tree:3`, `tree:8` and `tree:8:2` proposals; a rule that accepts every draft fails the same test. The doubles keep a
+`sample:0.5`, `tree:3`, `tree:8`, `tree:8:2`, `stree:3`, `stree:8` and `stree:8:0.5` proposals; a rule that accepts every draft fails the same test. The doubles keep a
 draw to a few milliseconds of loop overhead (a tiny transformer costs tens of milliseconds a forward
 on a shared CPU), and a target that reads the tokens it verifies still checks that each block
 slot is verified against the right context. `plain_generate`, the baseline, samples the same
@@ -33,7 +33,7 @@ VOCAB = 3
 BLOCK = 4  # three drafts per block
 TEMPERATURE = 1.0
 DRAWS = 1000
-POLICIES = ["argmax", "sample", "sample:0.5", "tree:3", "tree:8", "tree:8:2"]
+POLICIES = ["argmax", "sample", "sample:0.5", "tree:3", "tree:8", "tree:8:2", "stree:3", "stree:8", "stree:8:0.5"]
 
 
 class MarkovCache:

@@ -377,23 +377,31 @@ class Proposal:
       it differs from the chain at T = 0 as well.
     - `tree:N:F`: the tree built from softmax(logits / F): F > 1 flattens the slots' distributions, so
       the build spends more of its N nodes on second and third choices near the anchor.
+    - `stree:N` / `stree:N:F` (a sampled tree): at T > 0 the tree's shape is `tree:N`'s, but a node's
+      children are draws without replacement from q = softmax(logits / (F T)), verified by recursive
+      rejection sampling (`recursive_verdicts`): a draw the target would rarely pick can still be kept
+      with probability min(1, p/q), so a flat target keeps more than the top tokens' mass. At T = 0 it
+      serves as `tree:N` (the greedy walk).
     Every policy is lossless: the committed tokens are distributed as the target samples them.
     """
     sample: bool = False  # False: argmax
-    sharpen: float = 1.0  # the draws' temperature is sharpen x the serving one (a tree: its build's temperature)
+    sharpen: float = 1.0  # the draws' temperature is sharpen x the serving one (tree:N:F: its build's temperature)
     tree: int = 0  # > 0: the drafts are a tree of this many tokens (sample unused)
+    drawn: bool = False  # a tree whose children are drawn from q at T > 0 (stree:N)
 
     @property
     def name(self) -> str:
         if self.tree:
-            return f"tree:{self.tree}" if self.sharpen == 1.0 else f"tree:{self.tree}:{self.sharpen:g}"
+            kind = "stree" if self.drawn else "tree"
+            return f"{kind}:{self.tree}" if self.sharpen == 1.0 else f"{kind}:{self.tree}:{self.sharpen:g}"
         if not self.sample:
             return "argmax"
         return "sample" if self.sharpen == 1.0 else f"sample:{self.sharpen:g}"
 
     def greedy_key(self) -> tuple[int, float]:
-        """Policies with the same key serve the same tokens at T = 0: every chain policy, each tree shape."""
-        return (self.tree, self.sharpen) if self.tree else (0, 1.0)
+        """Policies with the same key serve the same tokens at T = 0: every chain policy, each tree shape
+        (`stree:N:F` serves `tree:N`'s tree there, built at F x 1)."""
+        return (self.tree, 1.0 if self.drawn else self.sharpen) if self.tree else (0, 1.0)
 
     def draft(self, logits_KV: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafts `(K,)` and the distribution q `(K, V)` they were drawn from (None: one-hot at the drafts)."""
@@ -408,21 +416,23 @@ MAX_TREE = 1024  # drafted tokens of one tree at most: one verification's rows
 
 def parse_proposal(text: str) -> Proposal:
     """"argmax", "sample", "sample:F" (F > 0, the draws' temperature as a multiple of the serving one),
-    "tree:N" (N drafted tokens, 1 <= N <= MAX_TREE) or "tree:N:F" (the tree built from softmax(logits / F))."""
+    "tree:N" (N drafted tokens, 1 <= N <= MAX_TREE), "tree:N:F" (the tree built from softmax(logits / F)),
+    "stree:N" or "stree:N:F" (a sampled tree: children drawn from softmax(logits / (F T)) at T > 0)."""
     kind, colon, rest = text.strip().partition(":")
     if kind == "argmax" and not colon:
         return Proposal()
     if kind == "sample" and not colon:
         return Proposal(sample=True)
-    size, _, factor = rest.partition(":") if kind == "tree" else ("", "", rest)
+    trees = ("tree", "stree")
+    size, _, factor = rest.partition(":") if kind in trees else ("", "", rest)
     tree = int(size) if size.strip().isdigit() and 1 <= int(size) <= MAX_TREE else 0
-    if kind == "tree" and tree and not factor:
-        return Proposal(tree=tree)
-    if (kind == "sample" or (kind == "tree" and tree)) and positive_number(factor):
-        return Proposal(sample=not tree, sharpen=float(factor), tree=tree)
+    if kind in trees and tree and not factor:
+        return Proposal(tree=tree, drawn=kind == "stree")
+    if (kind == "sample" or (kind in trees and tree)) and positive_number(factor):
+        return Proposal(sample=not tree, sharpen=float(factor), tree=tree, drawn=kind == "stree")
     raise ValueError(f"proposal {text!r}: expected argmax, sample or sample:F with a number F > 0 "
                      f"(e.g. sample:0.5 draws at half the serving temperature), or tree:N with 1 <= N <= {MAX_TREE} "
-                     f"(tree:N:F: built from softmax(logits / F))")
+                     f"(tree:N:F: built from softmax(logits / F); stree:N[:F]: children drawn at T > 0)")
 
 
 def positive_number(text: str) -> bool:
@@ -488,6 +498,7 @@ class DraftTree:
     tokens: list[int]  # node i's token; node 0 is the anchor
     parents: list[int]  # node i's parent (-1 for the anchor)
     depths: list[int]  # node i's slot (0 for the anchor)
+    ranks: list[int] = field(default_factory=list)  # node i's place among its siblings (0: the first child)
 
     def children(self) -> dict[tuple[int, int], int]:
         """`(parent, token) -> node` for every node but the anchor."""
@@ -513,11 +524,16 @@ def best_first_tree(anchor: int, logits_KV: torch.Tensor, size: int, width: int 
     softmax), and a node enters before any node scored lower. Children of every node at depth k are
     slot k+1's top `width` tokens (the slots are marginals: the drafter does not condition on the branch).
     One transfer of the top tokens to the host."""
-    num_slots = logits_KV.shape[0]
     width = min(width, logits_KV.shape[-1], size)
     top_logp, top_ids = torch.log_softmax(logits_KV.float(), dim=-1).topk(width, dim=-1)
-    top_logp, top_ids = top_logp.tolist(), top_ids.tolist()  # sync: one per block
-    tree = DraftTree([anchor], [-1], [0])
+    return tree_of(anchor, top_logp.tolist(), top_ids.tolist(), size)  # sync: one per block
+
+
+def tree_of(anchor: int, top_logp: list[list[float]], top_ids: list[list[int]], size: int) -> DraftTree:
+    """`best_first_tree`'s search on the host: slot k's `width` candidates, their log-probabilities
+    descending; a node of rank r at depth k + 1 holds `top_ids[k][r]`."""
+    num_slots, width = len(top_logp), len(top_logp[0])
+    tree = DraftTree([anchor], [-1], [0], [0])
     scores = [0.0]
     # (minus score, slot index, rank, parent): slot index k drafts depth k + 1
     frontier = [(-top_logp[0][0], 0, 0, 0)]
@@ -527,6 +543,7 @@ def best_first_tree(anchor: int, logits_KV: torch.Tensor, size: int, width: int 
         tree.tokens.append(top_ids[slot][rank])
         tree.parents.append(parent)
         tree.depths.append(slot + 1)
+        tree.ranks.append(rank)
         scores.append(-negative)
         if rank + 1 < width:  # the next sibling scores lower than this node
             heapq.heappush(frontier, (-(scores[parent] + top_logp[slot][rank + 1]), slot, rank + 1, parent))
@@ -549,6 +566,72 @@ def verify_tree(session: TargetSession, tree: DraftTree, device, dtype):
     mask[0, 0, :, prefix:].masked_fill_(~seen, torch.finfo(dtype).min)
     features, logits = session.forward(ids_and_positions[:1], attention_mask=mask, position_ids=ids_and_positions[1:])
     return prefix, features, logits
+
+
+def drawn_tree(anchor: int, logits_KV: torch.Tensor, size: int, temperature: float, generator,
+               width: int = TREE_WIDTH) -> tuple[DraftTree, torch.Tensor]:
+    """`stree:N` at T > 0: `(tree, q_KV)`. The shape is `best_first_tree`'s over q = softmax(logits / T)
+    (it depends on q alone, never on the draws), and a node of rank r at depth k + 1 holds slot k's r-th draw
+    without replacement from q (the Gumbel top-`width` of log q, in draw order). The nodes at one depth
+    share the slot's draws: a walk visits one node per depth, so the draws it meets are fresh at each.
+    One transfer to the host."""
+    width = min(width, logits_KV.shape[-1], size)
+    logq_KV = torch.log_softmax(logits_KV.float() / temperature, dim=-1)
+    top_logp, _ = logq_KV.topk(width, dim=-1)
+    uniform = torch.rand(logq_KV.shape, generator=generator, device=logq_KV.device).clamp_(1e-20, 1.0)
+    drawn = (logq_KV - torch.log(-torch.log(uniform))).topk(width, dim=-1).indices
+    return tree_of(anchor, top_logp.tolist(), drawn.tolist(), size), logq_KV.exp()  # sync: one per block
+
+
+def recursive_verdicts(tree: DraftTree, q_KV: torch.Tensor, target_logits: torch.Tensor, temperature: float,
+                       generator) -> tuple[list[int], list[int]]:
+    """Every node's verdict at once, by recursive rejection sampling: `(kept rank, token)` per node.
+
+    Node n's children y_0, y_1, ... (its draws from q, without replacement) are tried in order: y_i is kept
+    with probability min(1, p_i(y_i) / q_i(y_i)); after a rejection p_{i+1} = norm(max(0, p_i - q_i)) and
+    q_{i+1} is q_i without y_i, renormalised (p_0: the target's softmax at T at node n; q_0: the child slot's
+    q). The kept child is distributed as p's draw whenever one is kept, and a node that keeps none (a leaf
+    keeps none) draws its token from the last p_i: the walk commits the target's own distribution. Rank
+    -1: none kept. One transfer to the host."""
+    size = len(tree.tokens)
+    device = target_logits.device
+    width = max(tree.ranks) + 1 if size > 1 else 1
+    children = torch.zeros(size, width, dtype=torch.long)
+    counts = torch.zeros(size, dtype=torch.long)
+    for node in range(1, size):
+        children[tree.parents[node], tree.ranks[node]] = tree.tokens[node]
+        counts[tree.parents[node]] += 1
+    children, counts = children.to(device, non_blocking=True), counts.to(device, non_blocking=True)
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)  # (n, V)
+    slots = torch.tensor(tree.depths, dtype=torch.long).clamp(max=q_KV.shape[0] - 1).to(device, non_blocking=True)
+    q = q_KV[slots]  # node n's children come from slot depth(n)
+    kept = torch.full((size,), -1, dtype=torch.long, device=device)
+    tried = torch.rand(size, width, generator=generator, device=device)
+    for rank in range(width):
+        token = children[:, rank:rank + 1]
+        trying = (kept < 0) & (rank < counts)
+        p_y, q_y = p.gather(-1, token).squeeze(-1), q.gather(-1, token).squeeze(-1)
+        keep = trying & (tried[:, rank] * q_y < p_y)
+        kept = torch.where(keep, rank, kept)
+        rejected = (trying & ~keep)[:, None]
+        residual = (p - q).clamp_min(0)
+        mass = residual.sum(-1, keepdim=True)
+        p = torch.where(rejected & (mass > 0), residual / mass.clamp_min(1e-30), p)
+        q = q.scatter(-1, token, 0.0)
+        q = torch.where(rejected, q / q.sum(-1, keepdim=True).clamp_min(1e-30), q)
+    drawn = torch.multinomial(p, 1, generator=generator).squeeze(-1)
+    verdicts = torch.stack([kept, drawn]).tolist()  # sync: one per block
+    return verdicts[0], verdicts[1]
+
+
+def walk_drawn(tree: DraftTree, kept: list[int], drawn: list[int]) -> tuple[list[int], int]:
+    """`(path, next token)` of a sampled tree: from the anchor, follow each node's kept child
+    (`recursive_verdicts`); the first node that keeps none gives its drawn token."""
+    by_rank = {(parent, rank): node for node, (parent, rank) in enumerate(zip(tree.parents, tree.ranks)) if node}
+    path = [0]
+    while kept[path[-1]] >= 0:
+        path.append(by_rank[(path[-1], kept[path[-1]])])
+    return path, drawn[path[-1]]
 
 
 def walk_tree(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int]:
@@ -590,10 +673,18 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
     while len(generated) <= max_new_tokens and not stopped:
         anchor = torch.tensor([generated[-1]], dtype=torch.long, device=device)
         draft_logits = draft.block_logits(new_features, anchor, cache, embed_VH, lm_head)
-        if proposal.tree:
-            tree = best_first_tree(generated[-1], draft_logits / proposal.sharpen, proposal.tree)
+        if proposal.tree and proposal.drawn and temperature > 0:
+            tree, q_KV = drawn_tree(generated[-1], draft_logits, proposal.tree, proposal.sharpen * temperature,
+                                    generator)
+            prefix, verify_features, target_logits = verify_tree(session, tree, device, embed_VH.dtype)
+            path, next_token = walk_drawn(tree, *recursive_verdicts(tree, q_KV, target_logits[0], temperature,
+                                                                     generator))
+        elif proposal.tree:
+            build = 1.0 if proposal.drawn else proposal.sharpen
+            tree = best_first_tree(generated[-1], draft_logits / build, proposal.tree)
             prefix, verify_features, target_logits = verify_tree(session, tree, device, embed_VH.dtype)
             path, next_token = walk_tree(tree, choose(target_logits[0], temperature, generator).tolist())
+        if proposal.tree:
             session.keep(prefix, path)
             new_features = verify_features.index_select(1, torch.tensor(path).to(device, non_blocking=True))
             committed = [tree.tokens[node] for node in path[1:]] + [next_token]
