@@ -34,6 +34,8 @@ PHASES = {  # phase name -> (object, attribute) wrapped while a policy decodes
     "draft block": (modeling_dflash.DFlashDraftModel, "block_logits"),
     "chain draws": (modeling_dflash.Proposal, "draft"),
     "tree build": (modeling_dflash, "best_first_tree"),
+    "stree build": (modeling_dflash, "drawn_tree"),
+    "stree verdicts": (modeling_dflash, "recursive_verdicts"),
     "verify": (modeling_dflash.TargetSession, "forward"),
     "chain verdict": (modeling_dflash, "accept"),
     "tree walk": (modeling_dflash, "walk_tree"),
