@@ -218,7 +218,9 @@ def export(checkpoint, out_dir):
                    "argmax (the target keeps a draft x with p(x)), sample (per-slot draws from q), sample:F (draws "
                    "at F x the temperature), tree:N (N drafts as a tree from the slots' top tokens, verified in "
                    "one forward; tree:N:F builds it from softmax(logits / F); lossless at any temperature, not "
-                   "the chain's tokens at 0; full-attention targets only); a comma-separated list serves each on "
+                   "the chain's tokens at 0; full-attention targets only), stree:N or stree:N:F (at T > 0 the "
+                   "tree's children drawn from q at F x the temperature and kept by recursive rejection sampling; "
+                   "tree:N at 0); a comma-separated list serves each on "
                    "the same prompts and baseline. sample is the default: on one H200 (12-04) it served 1.62 at T=1 "
                    "and 2.04 at T=0.7 on held-out code-docs where argmax served 1.31 and 1.92; tree:64 served 1.4x "
                    "the chain's tau at T=0 (12-05) at a speedup not yet measured alone (docs/eval.md).")

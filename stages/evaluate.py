@@ -66,7 +66,7 @@ def served_proposals(options: EvalOptions) -> list[Proposal]:
     except ValueError as error:
         raise ConfigError(f"--proposal: {error}") from None
     if not proposals:
-        raise ConfigError("--proposal: no policy given (argmax, sample, sample:F or tree:N)")
+        raise ConfigError("--proposal: no policy given (argmax, sample, sample:F, tree:N or stree:N)")
     if options.temperature > 0:
         return proposals
     first_of_key = {}
@@ -75,8 +75,8 @@ def served_proposals(options: EvalOptions) -> list[Proposal]:
     served = list(first_of_key.values())
     if len(served) < len(proposals):
         dropped = ", ".join(proposal.name for proposal in proposals if proposal not in served)
-        print(f"temperature 0: every chain policy is greedy verification; serving {', '.join(p.name for p in served)} "
-              f"(not {dropped})")
+        print(f"temperature 0: every chain policy is greedy verification (and stree:N serves tree:N's tree); serving "
+              f"{', '.join(p.name for p in served)} (not {dropped})")
     return served
 
 

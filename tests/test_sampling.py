@@ -163,14 +163,20 @@ def test_proposal_policies_parse_and_name_a_bad_value():
     assert parse_proposal(" sample:0.5 ") == Proposal(sample=True, sharpen=0.5)
     assert parse_proposal("tree:64") == parse_proposal("tree:64:1") == Proposal(tree=64)
     assert parse_proposal("tree:64:2") == Proposal(tree=64, sharpen=2.0)
+    assert parse_proposal("stree:64") == parse_proposal("stree:64:1") == Proposal(tree=64, drawn=True)
+    assert parse_proposal("stree:8:0.5") == Proposal(tree=8, sharpen=0.5, drawn=True)
     assert [parse_proposal(text).name for text in ("argmax", "sample", "sample:0.5", "sample:1", "tree:8",
-                                                   "tree:8:2")] == \
-        ["argmax", "sample", "sample:0.5", "sample", "tree:8", "tree:8:2"]
+                                                   "tree:8:2", "stree:8", "stree:8:0.5")] == \
+        ["argmax", "sample", "sample:0.5", "sample", "tree:8", "tree:8:2", "stree:8", "stree:8:0.5"]
     chains = {parse_proposal(text).greedy_key() for text in ("argmax", "sample", "sample:0.5")}
     trees = {parse_proposal(text).greedy_key() for text in ("tree:8", "tree:16", "tree:8:2")}
     assert len(chains) == 1 and len(trees) == 3 and not chains & trees
+    # at T = 0 a sampled tree serves tree:N's tree (its F scales the serving temperature, 0 there)
+    assert parse_proposal("stree:8").greedy_key() == parse_proposal("stree:8:0.5").greedy_key() == \
+        parse_proposal("tree:8").greedy_key()
     for bad in ("greedy", "sample:", "sample:0", "sample:-1", "sample:x", "argmax:2", "sample:inf", "", "tree",
-                "tree:0", "tree:-3", "tree:2.5", "tree:1025", "tree:8:0", "tree:8:x", "tree::2", "sample:nan"):
+                "tree:0", "tree:-3", "tree:2.5", "tree:1025", "tree:8:0", "tree:8:x", "tree::2", "sample:nan",
+                "stree", "stree:0", "stree:8:0", "stree:1025"):
         with pytest.raises(ValueError, match=f"proposal {bad!r}: expected argmax, sample or sample:F.*or tree:N"):
             parse_proposal(bad)
 
@@ -270,6 +276,21 @@ def test_best_first_tree_adds_the_likeliest_paths_first():
     assert seen[5].nonzero().flatten().tolist() == [0, 1, 4, 5]
     path, next_token = modeling_dflash.walk_tree(tree, [1, 3, 0, 2, 0, 5])
     assert path == [0, 1, 4, 5] and next_token == 5
+
+
+def test_recursive_verdicts_follow_the_residuals():
+    """A sampled tree's rule by hand: the anchor's two children (tokens 0 then 1, drawn from q = [.5, .5, 0])
+    against p = [0, .2, .8]: token 0 is rejected (p(0) = 0), the residual is [0, 0, 1], so token 1 is rejected
+    too and token 2 is drawn, every time. Node 1's one child (token 1) against p = q = [.5, .5, 0] at its slot
+    is always kept; node 2, a leaf, draws from its own p."""
+    tree = modeling_dflash.DraftTree(tokens=[9, 0, 1, 1], parents=[-1, 0, 0, 1], depths=[0, 1, 1, 2],
+                                     ranks=[0, 0, 1, 0])
+    q_KV = torch.tensor([[0.5, 0.5, 0.0], [0.5, 0.5, 0.0]])
+    p = torch.tensor([[0.0, 0.2, 0.8], [0.5, 0.5, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    for seed in range(20):
+        kept, drawn = modeling_dflash.recursive_verdicts(tree, q_KV, p.log(), 1.0, torch.Generator().manual_seed(seed))
+        assert kept[:3] == [-1, 0, -1] and drawn[0] == 2 and drawn[2] == 2
+        assert modeling_dflash.walk_drawn(tree, kept, drawn) == ([0], 2)
 
 
 class OracleDrafter:

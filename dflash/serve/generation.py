@@ -170,6 +170,10 @@ class Generator:
             decoder = self.decoder = SlotDecoder(self.target, self.stops, slots=slots,
                                                  max_new_tokens=self.max_new_tokens, max_context=max_context,
                                                  top_k=self.top_k, top_p=self.top_p, attention=self.decode_attention)
+            # the slot count sets the engine's pace: say it (side by side, each process sizes from what is free)
+            print(f"decoding: {slots} slots of up to {max_context} tokens"
+                  + (f" ({torch.cuda.mem_get_info(self.device)[0] / 2**30:.1f} GiB of the GPU free after their cache)"
+                     if self.device.type == "cuda" else ""), flush=True)
         window = WINDOW_SLOTS * slots
         order = [index for first in range(0, len(jobs), window)
                  for index in sorted(range(first, min(first + window, len(jobs))),
