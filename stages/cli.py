@@ -287,6 +287,10 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
 @click.option("--batch-size", default=0, show_default=True,
               help="Rows decoded at once (0: as many slots as half the free GPU memory holds, at most 1024, with "
                    "the slots engine; 256 prompts per call with generate; 8 on the CPU).")
+@click.option("--cache-share", default=0.0, show_default=True,
+              help="With --batch-size 0 and the slots engine: the KV cache's share of the GPU's whole memory (0: half "
+                   "of what is free at the start). Side-by-side generates on one GPU (`dflash recipe`) pass an equal "
+                   "share each, so the last to start is not left the scraps.")
 @click.option("--rows-per-shard", default=1024, show_default=True,
               help="Prompts per output file (the unit a resume keeps); each holds all their answers.")
 @click.option("--limit", default=0, show_default=True, help="Only the first N usable rows (0: all).")
@@ -305,8 +309,8 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
               help="2: after each answer not cut, the target writes a follow-up user turn (from a start such as "
                    "\"Can you\", at --ask-temperature, which must be > 0) and answers it: two-turn rows.")
 def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, top_k, num_samples, with_greedy, seed,
-             engine, decode_attention, batch_size, rows_per_shard, limit, static_cache, device, gpus, overwrite,
-             ask_temperature, turns):
+             engine, decode_attention, batch_size, cache_share, rows_per_shard, limit, static_cache, device, gpus,
+             overwrite, ask_temperature, turns):
     """Regenerate the answers of data.source with the target, for training on what it would say.
 
     Each row is rendered up to its last assistant turn with the chat template stage one uses;
@@ -327,7 +331,8 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
     options = generate_stage.GenerateOptions(
         out=out, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         num_samples=num_samples, with_greedy=with_greedy, seed=seed, engine=engine, decode_attention=decode_attention,
-        batch_size=batch_size, rows_per_shard=rows_per_shard, limit=limit, device=device, static_cache=static_cache,
+        batch_size=batch_size, cache_share=cache_share, rows_per_shard=rows_per_shard, limit=limit, device=device,
+        static_cache=static_cache,
         overwrite=overwrite, ask_temperature=ask_temperature, turns=turns)
     generate_stage.run(config, options)
 

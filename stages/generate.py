@@ -64,6 +64,7 @@ class GenerateOptions:
     with_greedy: bool = False  # also the greedy answer (sample 0) when sampling
     seed: int = 0
     batch_size: int = 0  # 0: the engine's slots fill half the free GPU memory; 256 prompts per batch otherwise; CPU 8
+    cache_share: float = 0.0  # > 0 (with batch_size 0): the slots' KV cache takes this share of the GPU's whole memory
     engine: str = "auto"  # "auto": the slots engine where the target allows it, "slots", "generate"
     decode_attention: str = "auto"  # the slots engine's decode attention: "auto" (flex on CUDA), "flex", "sdpa"
     rows_per_shard: int = 1024
@@ -119,6 +120,8 @@ def check_options(options: GenerateOptions) -> None:
                           f"{options.top_p}")
     if options.batch_size < 0 or options.limit < 0 or options.top_k < 0:
         raise ConfigError("--batch-size, --limit and --top-k must be >= 0")
+    if not 0 <= options.cache_share < 1:
+        raise ConfigError(f"--cache-share must be in [0, 1) (0: half the free GPU memory), got {options.cache_share}")
     if options.num_samples < 1 or (options.temperature == 0 and (options.num_samples > 1 or options.with_greedy)):
         raise ConfigError(f"--num-samples {options.num_samples}{' --with-greedy' if options.with_greedy else ''}: "
                           f"several answers per prompt are sampled, so they need --temperature > 0 (at 0 the one "
@@ -154,7 +157,8 @@ def generate(config: Config, options: GenerateOptions, dist: DistState) -> Gener
     if todo:
         target = load_causal_lm(str(checkpoint), target_dtype(config.target.dtype, dist.device), dist.device)
         generator = Generator(target, tokenizer, stop_token_ids(tokenizer, target), dist.device,
-                              batch_size=options.batch_size, engine=options.engine, static_cache=options.static_cache,
+                              batch_size=options.batch_size, cache_share=options.cache_share, engine=options.engine,
+                              static_cache=options.static_cache,
                               max_new_tokens=options.max_new_tokens, temperature=options.temperature,
                               top_p=options.top_p, top_k=options.top_k, seed=options.seed,
                               decode_attention=options.decode_attention)

@@ -329,3 +329,25 @@ def test_two_turns_the_target_asks_a_follow_up_and_answers_it(tmp_path, embedded
     assert (resumed.shards_kept, resumed.shards_written) == (2, 2)
     assert {name: (out / name).read_text() for name in first} == first
     assert json.loads((out / generation.MANIFEST).read_text())["content"]["turns"] == 2
+
+
+def test_slots_fill_half_the_free_memory_or_their_share_of_the_whole_gpu(monkeypatch):
+    """Side-by-side generates (`--cache-share`) each size their KV cache from the GPU's whole memory, so the
+    last to start gets as many slots as the first; alone, half of what is free (faked memory report)."""
+    per_slot = 2**20
+    monkeypatch.setattr(generation.SlotDecoder, "cache_bytes_per_slot", staticmethod(lambda model, context: per_slot))
+    free = [400 * per_slot]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], 1000 * per_slot))
+
+    def slots(share: float) -> int:
+        engine = generation.Generator.__new__(generation.Generator)
+        engine.device, engine.requested_batch, engine.cache_share, engine.target = torch.device("cuda"), 0, share, None
+        return engine.slot_count(max_context=64)
+
+    assert slots(0.0) == 200  # half of the 400 free
+    assert slots(0.175) == 175  # its share of the 1000, though 400 are free
+    free[0] = 100 * per_slot
+    assert slots(0.175) == 80  # never more than 80% of what is free
+    free[0] = 1
+    with pytest.raises(ValueError, match="does not fit in 1[78]% of the GPU"):
+        slots(0.175)

@@ -46,6 +46,11 @@ def test_several_sources_are_a_data_mix_and_their_flags_pass_when_set(tmp_path):
     first, second = generate_parts(run)
     assert option(first.command, "--turns") == "2" and option(second.command, "--ask-temperature") == "1"
     assert option(second.command, "--limit") == "5" and "--num-samples" not in second.command
+    # side by side on one GPU, each generate's KV cache gets an equal share of it (not half of what is left)
+    shared = generate_parts(recipe_run(tmp_path, sources, "recipe.parallel_generates=true"))
+    assert [option(part.command, "--cache-share") for part in shared] == ["0.3500", "0.3500"]
+    alone = generate_parts(recipe_run(tmp_path, sources, "recipe.parallel_generates=false"))
+    assert not any("--cache-share" in part.command for part in alone)
     mix = next(item for item in train_parts(run)[0].command if item.startswith("data.mix="))
     loaded = load_config(TINY, [mix]).data.mix
     assert [(source.name, source.weight) for source in loaded] == [("a", 3.0), ("b", 1.0)]

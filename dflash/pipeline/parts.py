@@ -92,11 +92,17 @@ def data_sets(run: RecipeRun) -> tuple[str, ...]:
     return (f"data.source={run.layout.answers_root}", f"data.mix=[{mix}]")
 
 
+SIDE_BY_SIDE_CACHE = 0.7  # of the GPU's memory, split evenly among generates side by side for their KV caches
+
+
 def generate_parts(run: RecipeRun) -> list[Part]:
-    return [generate_part(run, source) for source in sources(run.config)]
+    found = sources(run.config)
+    share = SIDE_BY_SIDE_CACHE / len(found) if side_by_side(run.config, "generate") and len(found) > 1 else 0.0
+    return [generate_part(run, source, share) for source in found]
 
 
-def generate_part(run: RecipeRun, source: RecipeSource) -> Part:
+def generate_part(run: RecipeRun, source: RecipeSource, cache_share: float = 0.0) -> Part:
+    """`cache_share` > 0: its KV cache's share of the GPU (side by side: each source an equal one)."""
     out = run.layout.answers(source.name)
     new_tokens = source.new_tokens or run.config.generate.max_new_tokens
     args = ["--out", str(out), "--max-new-tokens", str(new_tokens),
@@ -109,6 +115,8 @@ def generate_part(run: RecipeRun, source: RecipeSource) -> Part:
         args += ["--ask-temperature", f"{source.ask_temperature:g}"]
     if source.turns != 1:
         args += ["--turns", str(source.turns)]
+    if cache_share:
+        args += ["--cache-share", f"{cache_share:.4f}"]
     command = stage(run, "generate", *args, data=(f"data.source={source.source}",))
     return Part(f"generate-{source.name}", "generate", command, (out / "generate-manifest.txt",),
                 info={"source": source.name, "prompts": source.source, "weight": source.weight})

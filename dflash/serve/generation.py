@@ -46,6 +46,7 @@ SLOTS_MAX = 1024  # the engine's default slot count on CUDA, when the KV cache f
 # a step attends as far as its longest row, so long prompts decode together, not beside short ones.
 WINDOW_SLOTS = 8
 CACHE_MEMORY_SHARE = 0.5  # of the GPU's free memory, for the engine's KV cache
+FREE_MEMORY_MAX = 0.8  # a `cache_share` cache takes at most this much of what is free (room for activations)
 
 
 class GenerateMismatchError(DflashError, ValueError):
@@ -91,10 +92,11 @@ def sample_indices(temperature: float, num_samples: int, with_greedy: bool) -> l
 
 class Generator:
     def __init__(self, target, tokenizer, stop_ids: list[int], device: torch.device, *, batch_size: int = 0,
-                 engine: str = "auto", static_cache: str = "auto", max_new_tokens: int = 1024,
+                 cache_share: float = 0.0, engine: str = "auto", static_cache: str = "auto", max_new_tokens: int = 1024,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
                  decode_attention: str = "auto"):
-        """`batch_size` 0: the engine's slots fill half the free GPU memory (at most `SLOTS_MAX`),
+        """`batch_size` 0: the engine's slots fill half the free GPU memory (at most `SLOTS_MAX`), or with
+        `cache_share` > 0 that share of the GPU's whole memory (processes side by side: each its own share),
         transformers' batches are 256 prompts; on the CPU 8. `static_cache` auto: on CUDA
         (transformers' path only). `engine` auto: the slots engine where the target allows it;
         `decode_attention` its decode step's attention (`dflash.serve.decoding.ATTENTIONS`)."""
@@ -103,7 +105,7 @@ class Generator:
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = pad if pad is not None else self.stops[0]
         cuda = device.type == "cuda"
-        self.requested_batch = batch_size
+        self.requested_batch, self.cache_share = batch_size, cache_share
         self.batch_size = batch_size or (256 if cuda else 8)
         self.static = static_cache == "on" or (static_cache == "auto" and cuda)
         self.width_multiple = PAD_WIDTH if self.static else 1
@@ -153,12 +155,15 @@ class Generator:
         if self.requested_batch or self.device.type != "cuda":
             return self.batch_size
         per_slot = SlotDecoder.cache_bytes_per_slot(self.target, max_context)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        fits = int(free * CACHE_MEMORY_SHARE // per_slot)
+        free, total = torch.cuda.mem_get_info(self.device)
+        if self.cache_share > 0:
+            room, where = min(total * self.cache_share, free * FREE_MEMORY_MAX), f"{self.cache_share:.0%} of the GPU"
+        else:
+            room, where = free * CACHE_MEMORY_SHARE, f"{CACHE_MEMORY_SHARE:.0%} of the GPU's free memory"
+        fits = int(room // per_slot)
         if fits < 1:
             raise ValueError(f"one slot's KV cache ({per_slot / 2**30:.1f} GiB at context {max_context}) does not fit "
-                             f"in {CACHE_MEMORY_SHARE:.0%} of the GPU's free memory; lower --max-new-tokens or "
-                             f"data.max_length")
+                             f"in {where}; lower --max-new-tokens or data.max_length")
         return min(SLOTS_MAX, fits)
 
     def _run_slots(self, jobs: list[Job], on_answer, on_steps, temperature: float) -> None:
