@@ -1,7 +1,8 @@
 """tools/ceiling_sampled.py against exact enumeration on a tiny Llama with a 5-token vocabulary and blocks of 3
 drafts: its Monte-Carlo marginals are the target's marginals, its chain simulation gives the exact oracle tau
 (sum over draft prefixes of prod_j min(q_j, p_j)), its argmax chain and its tree walk equal the enumeration
-(the tree's through `walk_tree`, the serving code, over every continuation the target can sample). A peaked
+(the tree's through `walk_tree`, the serving code, over every continuation the target can sample), its sampled
+tree's exact reach equals the serving code's verdicts counted. A peaked
 target (T -> 0) reaches the block size. `main` runs end to end on a tiny Llama with the Qwen tokenizer."""
 
 import itertools
@@ -126,6 +127,35 @@ def test_tree_reach_equals_walking_every_continuation(setup, size):
     torch.testing.assert_close(reach, expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("size", [3, 12])
+def test_stree_reach_equals_the_served_verdicts_counted(setup, size):
+    """For one drawn `stree` tree, `keep_probabilities`' exact reach per depth equals the depths the serving code
+    (`recursive_verdicts`, `walk_drawn`) reaches over many verdicts, by counting."""
+    target, _, cache, _ = setup
+    from dflash.model.modeling_dflash import TargetSession, drawn_tree, recursive_verdicts, verify_tree, walk_drawn
+
+    generator = torch.Generator().manual_seed(4)
+    q_KV = torch.softmax(torch.randn(DRAFTS, VOCAB, generator=generator), -1)  # any drafter's q: often rejected
+    tree, q_drawn = drawn_tree(CONTEXT[-1], q_KV.log(), size, 1.0, generator)
+    assert len(tree.tokens) == size + 1 and max(tree.ranks) > 0, "the tree should branch"
+    session = TargetSession(target, [0])
+    session.cache = ceiling.copy.deepcopy(cache)
+    session.cache.crop(-1)
+    with torch.inference_mode():
+        _, _, logits = verify_tree(session, tree, "cpu", torch.float32)
+    keep = ceiling.keep_probabilities(tree, q_drawn, ceiling.probabilities(logits[0], TEMPERATURE))
+    reach, exact = [1.0], torch.zeros(DRAFTS, dtype=torch.float64)
+    for node in range(1, len(tree.tokens)):
+        reach.append(reach[tree.parents[node]] * float(keep[tree.parents[node], tree.ranks[node]]))
+        exact[tree.depths[node] - 1] += reach[node]
+    counted, trials = torch.zeros(DRAFTS, dtype=torch.float64), 4000
+    for _ in range(trials):
+        path, _ = walk_drawn(tree, *recursive_verdicts(tree, q_drawn, logits[0], TEMPERATURE, generator))
+        counted[:len(path) - 1] += 1.0 / trials
+    torch.testing.assert_close(counted, exact, atol=0.03, rtol=0)
+    assert float(keep.sum(-1).max()) <= 1.0 + 1e-9
+
+
 def test_a_peaked_target_reaches_the_block_size():
     """At T -> 0 the oracle is the target's greedy path: every slot accepted, tau = B (15 drafts + 1)."""
     target, drafts = tiny_target(), 15
@@ -138,7 +168,8 @@ def test_a_peaked_target_reaches_the_block_size():
     oracle = ceiling.chain_acceptance(target, cache, first_V, q, 16, temperature, generator, chunk=16)
     argmax = ceiling.chain_acceptance(target, cache, first_V, ceiling.one_hot_argmax(q), 1, temperature, generator, 16)
     tree = ceiling.tree_reach(target, cache, CONTEXT[-1], q, 32, temperature)
-    for slots in (oracle.mean(0), argmax[0], tree):
+    stree = ceiling.stree_reach(target, cache, CONTEXT[-1], q, 32, temperature, generator, draws=2)
+    for slots in (oracle.mean(0), argmax[0], tree, stree):
         assert 1 + float(slots.sum()) > 15.9
 
 
@@ -159,12 +190,12 @@ def test_main_runs_end_to_end(tmp_path, qwen_tokenizer):
     summaries = ceiling.main(["--set", f"target.path={tmp_path / 'target'}", "--set", f"data.cache_dir={tmp_path}",
                               "--prompts", "embedded:chat-heldout,embedded:humaneval", "--num-prompts", "2",
                               "--offsets", "0,2", "--temperatures", "1.0", "--samples", "4", "--check-samples", "2",
-                              "--blocks", "2", "--block", "4", "--trees", "4", "--chunk", "4", "--threads", "1",
+                              "--blocks", "2", "--block", "4", "--trees", "4", "--strees", "4", "--tree-draws", "2", "--chunk", "4", "--threads", "1",
                               "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert [entry["prompts"] for entry in results] == ["embedded:chat-heldout", "embedded:humaneval"]
     for entry, summary in zip(results, summaries):
         assert entry["summary"]["prompts"] == 2 and 2 <= entry["summary"]["contexts"] <= 4
-        for name in ("sample (oracle)", "sample, M=2", "sample:0.5", "argmax", "best chain", "tree:4"):
+        for name in ("sample (oracle)", "sample, M=2", "sample:0.5", "argmax", "best chain", "tree:4", "stree:4"):
             assert 1.0 <= entry["summary"]["policies"][name]["tau"] <= 4.0
         assert summary["summary"]["policies"]["sample (oracle)"]["slots"][0] == pytest.approx(1.0)

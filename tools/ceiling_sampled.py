@@ -23,7 +23,10 @@ before its end token. Per context, with the KV cache of c copied into a static c
   per context the best of these (a drafter's q is free: each is a DFlash drafter served by the `sample` rule);
 - `--trees N`: a best-first tree of N drafts built from the oracle marginals (`best_first_tree`), verified by the
   walk (`walk_tree`: the target samples at each node, the walk follows the child holding its token): tau is the
-  sum over nodes of the probability that the walk reaches them (exact, one `verify_tree` forward).
+  sum over nodes of the probability that the walk reaches them (exact, one `verify_tree` forward);
+- `--strees N`: `stree:N`, the same shape with each slot's children drawn from q without replacement
+  (`drawn_tree`) and verified by recursive rejection sampling (`recursive_verdicts`): the reach of each node is
+  exact for the drawn tree (`keep_probabilities`), averaged over `--tree-draws` trees.
 
 Every tau is a mean over contexts with a standard error clustered by prompt (a prompt's contexts share its
 continuation). The marginal oracle is the natural best drafter, not a proven one: q = the marginal maximises no
@@ -51,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import print_table, progress, run_metadata, write_results  # noqa: E402
 
-from dflash.model.modeling_dflash import (TargetSession, best_first_tree, cache_keyword, plain_generate,  # noqa: E402
-                                          verify_tree)
+from dflash.model.modeling_dflash import (TargetSession, best_first_tree, cache_keyword, drawn_tree,  # noqa: E402
+                                          plain_generate, verify_tree)
 
 
 @dataclass
@@ -186,6 +189,58 @@ def tree_reach(target, cache, anchor: int, q_KV: torch.Tensor, size: int, temper
     return depth_reach
 
 
+def keep_probabilities(tree, q_KV: torch.Tensor, p_NV: torch.Tensor) -> torch.Tensor:
+    """`(n, width)`: the probability that node n keeps its child of rank r under `recursive_verdicts`' rule,
+    exactly for the drawn children the tree holds: child r is tried after children 0..r-1 were rejected, and is
+    kept with probability min(1, p_r(y_r) / q_r(y_r)), where a rejection of y_r turns p_r into
+    norm(max(0, p_r - q_r)) and q_r into q_r without y_r, renormalised (deterministic updates: they depend on
+    which child was rejected, never on the draw that rejected it)."""
+    size = len(tree.tokens)
+    width = max(tree.ranks) + 1 if size > 1 else 1
+    children = torch.zeros(size, width, dtype=torch.long)
+    counts = torch.zeros(size, dtype=torch.long)
+    for node in range(1, size):
+        children[tree.parents[node], tree.ranks[node]] = tree.tokens[node]
+        counts[tree.parents[node]] += 1
+    p = p_NV.double()
+    q = q_KV.double()[torch.tensor(tree.depths).clamp(max=q_KV.shape[0] - 1)]
+    alive = torch.ones(size, dtype=torch.float64)  # all earlier children rejected
+    keep = torch.zeros(size, width, dtype=torch.float64)
+    for rank in range(width):
+        token = children[:, rank:rank + 1]
+        trying = rank < counts
+        ratio = (p.gather(-1, token) / q.gather(-1, token).clamp_min(1e-300)).squeeze(-1).clamp(max=1.0)
+        keep[:, rank] = torch.where(trying, alive * ratio, 0.0)
+        alive = torch.where(trying, alive * (1 - ratio), alive)
+        residual = (p - q).clamp_min(0)
+        mass = residual.sum(-1, keepdim=True)
+        p = torch.where(trying[:, None] & (mass > 0), residual / mass.clamp_min(1e-300), p)
+        q = q.scatter(-1, token, 0.0)
+        q = torch.where(trying[:, None], q / q.sum(-1, keepdim=True).clamp_min(1e-300), q)
+    return keep
+
+
+@torch.inference_mode()
+def stree_reach(target, cache, anchor: int, q_KV: torch.Tensor, size: int, temperature: float, generator,
+                draws: int) -> torch.Tensor:
+    """`(K,)`: as `tree_reach` for `stree:N` (`drawn_tree` over q, `recursive_verdicts`): the probability that the
+    walk accepts k drafts, exact per drawn tree (`keep_probabilities`), averaged over `draws` trees drawn afresh."""
+    depth_reach = torch.zeros(q_KV.shape[0], dtype=torch.float64)
+    logq_KV = q_KV.clamp_min(1e-38).log()
+    for _ in range(draws):
+        session = TargetSession(target, [0])
+        session.cache = copy.deepcopy(cache)
+        session.cache.crop(-1)
+        tree, q_drawn = drawn_tree(anchor, logq_KV, size, 1.0, generator)
+        _, _, logits = verify_tree(session, tree, target.device, target.get_input_embeddings().weight.dtype)
+        keep = keep_probabilities(tree, q_drawn, probabilities(logits[0], temperature))
+        reach = [1.0]
+        for node in range(1, len(tree.tokens)):
+            reach.append(reach[tree.parents[node]] * float(keep[tree.parents[node], tree.ranks[node]]))
+            depth_reach[tree.depths[node] - 1] += reach[node]
+    return depth_reach / draws
+
+
 # ----------------------------------------------------------------------------- contexts and the oracle per context
 
 
@@ -222,6 +277,9 @@ def measure_context(target, label: str, offset: int, context_ids: list[int], arg
         result.sharpened[f"sample:{factor:g}"] = chain(sharpened(q, factor)).mean(0).tolist()
     for size in args.trees:
         result.trees[f"tree:{size}"] = tree_reach(target, cache, context_ids[-1], q, size, temperature).tolist()
+    for size in args.strees:
+        result.trees[f"stree:{size}"] = stree_reach(target, cache, context_ids[-1], q, size, temperature, generator,
+                                                    args.tree_draws).tolist()
     return result
 
 
@@ -347,6 +405,9 @@ def parse_args(argv):
     parser.add_argument("--blocks", type=int, default=32, help="S: simulated blocks per context and policy")
     parser.add_argument("--sharpen", type=numbers(float), default="0.5", help="sample:F policies of the oracle")
     parser.add_argument("--trees", type=numbers(int), default="64", help="tree sizes built from the oracle (none: '')")
+    parser.add_argument("--strees", type=numbers(int), default="64",
+                        help="sampled trees (`stree:N`: children drawn from the oracle q) of these sizes (none: '')")
+    parser.add_argument("--tree-draws", type=int, default=8, help="sampled trees drawn per context and size")
     parser.add_argument("--block", type=int, default=16, help="block size B (B-1 drafted slots)")
     parser.add_argument("--chunk", type=int, default=64, help="rows per target forward")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
