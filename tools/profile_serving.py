@@ -5,7 +5,9 @@ loop `dflash eval` serves, with its phases wrapped: the drafter's block, draftin
 tree's best-first build), the target's verification forward, the verdict (a chain's acceptance rule or the
 tree's walk) and the cache's rollback. With `--sync` every phase drains the device queue before and after,
 so the phases add up to the step's critical path; without it they are host (enqueue) times, the loop's
-pace when the host is the bottleneck. Also the plain decoding baseline's time per token, and tau.
+pace when the host is the bottleneck. Also the plain decoding baseline's time per token, and tau. With
+`--count-ops` each phase's ATen operators per verification are counted too (views left out: about one kernel
+launch each on a GPU), a measure of the host's work that any machine gives, the CPU included.
 
     python3 tools/profile_serving.py -c configs/smollm2-recipe.toml --set target.path=smol.gguf \\
         --drafter runs/recipe/exports/export --prompts embedded:chat-heldout --num-prompts 8 \\
@@ -22,6 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,20 +47,39 @@ PHASES = {  # phase name -> (object, attribute) wrapped while a policy decodes
 }
 
 
-def wrapped(function, name: str, totals: dict, device: torch.device, sync: bool):
-    """`function` timed into `totals[name]`; a phase called inside another (a rollback's replayed forward)
-    counts toward the outer one only."""
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen operators that run while it is active, views and metadata left out (no kernel)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func not in NO_KERNEL:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.lift_fresh.default, torch.ops.aten.sym_size.int,
+             torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default, torch.ops.aten.is_same_size.default}
+
+
+def wrapped(function, name: str, totals: dict, device: torch.device, sync: bool, ops: dict, counter):
+    """`function` timed into `totals[name]` (and its operators counted into `ops[name]` when `counter` runs); a
+    phase called inside another (a rollback's replayed forward) counts toward the outer one only."""
     def timed(*args, **kwargs):
         if totals.get("inside"):
             return function(*args, **kwargs)
         totals["inside"] = True
         if sync and device.type == "cuda":
             torch.cuda.synchronize(device)  # sync: the profile's, never the served loop's
-        start = time.perf_counter()
+        start, first = time.perf_counter(), counter.count if counter else 0
         value = function(*args, **kwargs)
         if sync and device.type == "cuda":
             torch.cuda.synchronize(device)
         totals[name] += time.perf_counter() - start
+        if counter:
+            ops[name] += counter.count - first
         totals["inside"] = False
         return value
     return timed
@@ -65,13 +87,16 @@ def wrapped(function, name: str, totals: dict, device: torch.device, sync: bool)
 
 def profile_policy(draft, target, prompts, args, stops, device, policy: str) -> dict:
     """Decode every prompt with `policy`, the phases timed; ms per verification per phase."""
-    totals, saved = defaultdict(float), {}
+    totals, saved, ops = defaultdict(float), {}, defaultdict(int)
+    counter = OpCounter() if args.count_ops else None
     for name, (owner, attribute) in PHASES.items():
         saved[name] = getattr(owner, attribute)
-        setattr(owner, attribute, wrapped(saved[name], name, totals, device, args.sync))
+        setattr(owner, attribute, wrapped(saved[name], name, totals, device, args.sync, ops, counter))
     verifications = tokens = 0
     generator = torch.Generator(device=device).manual_seed(args.seed)
     try:
+        if counter:
+            counter.__enter__()
         start = time.perf_counter()
         for ids in prompts:
             out = modeling_dflash.speculative_generate(draft, target, ids, args.max_new_tokens, stops, args.temperature,
@@ -82,15 +107,23 @@ def profile_policy(draft, target, prompts, args, stops, device, policy: str) -> 
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
     finally:
+        if counter:
+            counter.__exit__(None, None, None)
         for name, (owner, attribute) in PHASES.items():
             setattr(owner, attribute, saved[name])
     # the verification forward also prefills each prompt once: counted in "verify" as the loop does
     phases = {name: round(1e3 * value / max(verifications, 1), 3) for name, value in totals.items()
               if value and name in PHASES}
     phases["other"] = round(1e3 * seconds / max(verifications, 1) - sum(phases.values()), 3) if not args.sync else None
-    return {"policy": policy, "tau": tokens / max(verifications, 1), "verifications": verifications, "tokens": tokens,
-            "seconds": seconds, "ms_per_verification": 1e3 * seconds / max(verifications, 1),
-            "tokens_per_s": tokens / seconds, "phases_ms_per_verification": phases}
+    result = {"policy": policy, "tau": tokens / max(verifications, 1), "verifications": verifications,
+              "tokens": tokens, "seconds": seconds, "ms_per_verification": 1e3 * seconds / max(verifications, 1),
+              "tokens_per_s": tokens / seconds, "phases_ms_per_verification": phases}
+    if counter:  # the prompts' prefills are in "verify", as their time is
+        result["ops_per_verification"] = {name: round(value / max(verifications, 1), 1) for name, value in ops.items()
+                                          if value}
+        result["ops_per_verification"]["other"] = round((counter.count - sum(ops.values())) / max(verifications, 1), 1)
+        result["ops_per_verification"]["total"] = round(counter.count / max(verifications, 1), 1)
+    return result
 
 
 def load(args, device):
@@ -138,6 +171,9 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sync", action="store_true", help="drain the queue around every phase (critical path)")
+    parser.add_argument("--count-ops", action="store_true",
+                        help="also count each phase's ATen operators per verification (slows the loop: its times "
+                             "are then not the served pace)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="")
     argv = sys.argv[1:] if argv is None else argv
@@ -156,9 +192,15 @@ def main(argv=None):
             print(f"{policy}: not served: {refusal}")
     start, baseline_tokens = time.perf_counter(), 0
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    counter = OpCounter() if args.count_ops else None
+    if counter:
+        counter.__enter__()
     for ids in prompts:
         baseline_tokens += len(plain_generate(target, ids, args.max_new_tokens, stops, args.temperature, generator))
+    if counter:
+        counter.__exit__(None, None, None)
     baseline_ms = 1e3 * (time.perf_counter() - start) / max(baseline_tokens, 1)
+    baseline_ops = counter.count / max(baseline_tokens, 1) if counter else None
     results = [profile_policy(draft, target, prompts, args, stops, device, policy) for policy in policies]
     names = [name for name in PHASES if any(name in r["phases_ms_per_verification"] for r in results)] + \
         ([] if args.sync else ["other"])
@@ -171,9 +213,19 @@ def main(argv=None):
         print(f"| {r['policy']} | {r['tau']:.3f} | {r['ms_per_verification']:.2f} | {r['tokens_per_s']:.1f} | "
               f"{r['tokens_per_s'] * baseline_ms / 1e3:.2f}x | "
               + " | ".join(f"{phases.get(name) or 0:.2f}" for name in names) + " |")
+    if counter:
+        names = [name for name in [*PHASES, "other"] if any(name in r["ops_per_verification"] for r in results)]
+        print(f"\n## ATen operators per verification (views left out); plain decoding {baseline_ops:.1f} per token")
+        print("| policy | total | per token | " + " | ".join(names) + " |")
+        print("| --- | ---: | ---: | " + " | ".join("---:" for _ in names) + " |")
+        for r in results:
+            counted = r["ops_per_verification"]
+            print(f"| {r['policy']} | {counted['total']:.0f} | {counted['total'] / r['tau']:.0f} | "
+                  + " | ".join(f"{counted.get(name, 0):.0f}" for name in names) + " |")
     if args.out:
         write_results(args.out, {"meta": run_metadata(["tools/profile_serving.py", *argv]),
-                                 "baseline_ms_per_token": baseline_ms, "results": results})
+                                 "baseline_ms_per_token": baseline_ms, "baseline_ops_per_token": baseline_ops,
+                                 "results": results})
 
 
 if __name__ == "__main__":
