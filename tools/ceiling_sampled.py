@@ -202,10 +202,13 @@ def keep_probabilities(tree, q_KV: torch.Tensor, p_NV: torch.Tensor) -> torch.Te
     for node in range(1, size):
         children[tree.parents[node], tree.ranks[node]] = tree.tokens[node]
         counts[tree.parents[node]] += 1
-    p = p_NV.double()
-    q = q_KV.double()[torch.tensor(tree.depths).clamp(max=q_KV.shape[0] - 1)]
-    alive = torch.ones(size, dtype=torch.float64)  # all earlier children rejected
-    keep = torch.zeros(size, width, dtype=torch.float64)
+    inner = counts.nonzero().squeeze(-1)  # the nodes with children (a leaf keeps none)
+    keep_all = torch.zeros(size, width, dtype=torch.float64)
+    children, counts = children[inner], counts[inner]
+    p = p_NV[inner].double()
+    q = q_KV.double()[torch.tensor(tree.depths)[inner].clamp(max=q_KV.shape[0] - 1)]
+    alive = torch.ones(len(inner), dtype=torch.float64)  # all earlier children rejected
+    keep = torch.zeros(len(inner), width, dtype=torch.float64)
     for rank in range(width):
         token = children[:, rank:rank + 1]
         trying = rank < counts
@@ -217,7 +220,8 @@ def keep_probabilities(tree, q_KV: torch.Tensor, p_NV: torch.Tensor) -> torch.Te
         p = torch.where(trying[:, None] & (mass > 0), residual / mass.clamp_min(1e-300), p)
         q = q.scatter(-1, token, 0.0)
         q = torch.where(trying[:, None], q / q.sum(-1, keepdim=True).clamp_min(1e-300), q)
-    return keep
+    keep_all[inner] = keep
+    return keep_all
 
 
 @torch.inference_mode()
