@@ -195,13 +195,8 @@ def keep_probabilities(tree, q_KV: torch.Tensor, p_NV: torch.Tensor) -> torch.Te
     kept with probability min(1, p_r(y_r) / q_r(y_r)), where a rejection of y_r turns p_r into
     norm(max(0, p_r - q_r)) and q_r into q_r without y_r, renormalised (deterministic updates: they depend on
     which child was rejected, never on the draw that rejected it)."""
-    size = len(tree.tokens)
-    width = max(tree.ranks) + 1 if size > 1 else 1
-    children = torch.zeros(size, width, dtype=torch.long)
-    counts = torch.zeros(size, dtype=torch.long)
-    for node in range(1, size):
-        children[tree.parents[node], tree.ranks[node]] = tree.tokens[node]
-        counts[tree.parents[node]] += 1
+    children, counts = tree.child_tokens()
+    size, width = children.shape
     inner = counts.nonzero().squeeze(-1)  # the nodes with children (a leaf keeps none)
     keep_all = torch.zeros(size, width, dtype=torch.float64)
     children, counts = children[inner], counts[inner]

@@ -504,6 +504,17 @@ class DraftTree:
         """`(parent, token) -> node` for every node but the anchor."""
         return {(parent, token): node for node, (parent, token) in enumerate(zip(self.parents, self.tokens)) if node}
 
+    def child_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(tokens (n, width), counts (n,))` on the host: row n holds node n's children's tokens by rank
+        (0 past its `counts[n]` children); width is the most children a node has (1 for a lone anchor)."""
+        size = len(self.tokens)
+        children = torch.zeros(size, max(self.ranks) + 1 if size > 1 else 1, dtype=torch.long)
+        counts = torch.zeros(size, dtype=torch.long)
+        for node in range(1, size):
+            children[self.parents[node], self.ranks[node]] = self.tokens[node]
+            counts[self.parents[node]] += 1
+        return children, counts
+
     def ancestors(self) -> torch.Tensor:
         """`(n, n)` bool: row i marks node i and its ancestors (what node i's query may see)."""
         size = len(self.tokens)
@@ -595,12 +606,8 @@ def recursive_verdicts(tree: DraftTree, q_KV: torch.Tensor, target_logits: torch
     -1: none kept. One transfer to the host."""
     size = len(tree.tokens)
     device = target_logits.device
-    width = max(tree.ranks) + 1 if size > 1 else 1
-    children = torch.zeros(size, width, dtype=torch.long)
-    counts = torch.zeros(size, dtype=torch.long)
-    for node in range(1, size):
-        children[tree.parents[node], tree.ranks[node]] = tree.tokens[node]
-        counts[tree.parents[node]] += 1
+    children, counts = tree.child_tokens()
+    width = children.shape[1]
     children, counts = children.to(device, non_blocking=True), counts.to(device, non_blocking=True)
     p = torch.softmax(target_logits.float() / temperature, dim=-1)  # (n, V)
     slots = torch.tensor(tree.depths, dtype=torch.long).clamp(max=q_KV.shape[0] - 1).to(device, non_blocking=True)
