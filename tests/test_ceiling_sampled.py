@@ -190,7 +190,8 @@ def test_main_runs_end_to_end(tmp_path, qwen_tokenizer):
     summaries = ceiling.main(["--set", f"target.path={tmp_path / 'target'}", "--set", f"data.cache_dir={tmp_path}",
                               "--prompts", "embedded:chat-heldout,embedded:humaneval", "--num-prompts", "2",
                               "--offsets", "0,2", "--temperatures", "1.0", "--samples", "4", "--check-samples", "2",
-                              "--blocks", "2", "--block", "4", "--trees", "4", "--strees", "4", "--tree-draws", "2", "--chunk", "4", "--threads", "1",
+                              "--blocks", "2", "--block", "4", "--trees", "4", "--strees", "4", "--tree-draws", "2",
+                              "--chunk", "4", "--threads", "1",
                               "--out", str(out)])
     results = json.loads(out.read_text())["results"]
     assert [entry["prompts"] for entry in results] == ["embedded:chat-heldout", "embedded:humaneval"]
