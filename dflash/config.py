@@ -301,8 +301,11 @@ class RecipeConfig:
         (), "the eval sets, a list of tables [[recipe.evals]] (empty: the held-out prompts at temperature 0)")
     curve: bool = setting(True, "export and serve every saved checkpoint (the served curve), not the last alone")
     parallel_generates: bool = setting(True, "the sources' generates side by side on the one GPU (else in turn)")
-    parallel_evals: bool = setting(True, "the evals side by side on the one GPU (else in turn: speedups measured "
-                                   "alone)")
+    parallel_evals: bool = setting(True, "the evals side by side on the one GPU (else in turn); side by side, each "
+                                   "times timed_prompts of its prompts alone (`dflash eval --device-lock`)")
+    timed_prompts: int = setting(4, "evals side by side (or with workers > 1): the prompts per eval, spread over "
+                                 "its set, whose times make its speedup, each decoded alone while the others wait "
+                                 "(0: every prompt, timed beside the others)", minimum=0)
     walk: bool = setting(True, "walk the temperature-0 held-out evals' prompts teacher-forced through their "
                          "checkpoints (needs store.labels = \"target\")")
 

@@ -235,9 +235,16 @@ def export(checkpoint, out_dir):
                    "own target; their results are merged as one run's (the same numbers as --workers 1: every "
                    "random stream restarts at each prompt from --seed plus its index). Batch-1 decoding of a "
                    "small target is bound by the host, so a GPU serves several at once.")
+@click.option("--timed-prompts", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Only N prompts' times, spread evenly over the set, make tokens/s and the speedup (0: every "
+                   "prompt's); tau counts every prompt. With --device-lock those N decode alone on the device.")
+@click.option("--device-lock", default="", type=click.Path(dir_okay=False),
+              help="A lock file that evals side by side on one GPU share (`dflash recipe` passes one, and --workers "
+                   "hands it on): each timed prompt waits until the others finish the prompt in hand and decodes "
+                   "alone, the rest decode side by side. Speedups timed beside other processes are not served ones.")
 @click.option("--shard", default="", hidden=True, help="I/K: serve only the I-th of K contiguous shares (--workers).")
 def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, exclude, max_new_tokens, temperature,
-             proposals, seed, device, out, plot, workers, shard):
+             proposals, seed, device, out, plot, workers, timed_prompts, device_lock, shard):
     """Measure an exported drafter as it is served: speculative decoding with the target.
 
     The target is the config's target.path (checkpoint directory, .gguf file or embedded:tiny).
@@ -255,7 +262,8 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
                                          match=match, exclude=exclude, max_new_tokens=max_new_tokens,
                                          temperature=temperature, proposals=tuple(proposals.split(",")),
                                          seed=seed, device=device, out=out or "",
-                                         plot=plot or "", workers=workers, shard=shard)
+                                         plot=plot or "", workers=workers, shard=shard,
+                                         timed_prompts=timed_prompts, device_lock=device_lock or "")
     config_args = (["-c", config_path] if config_path else []) + [item for override in overrides
                                                                    for item in ("--set", override)]
     evaluate_stage.run(config, options, config_args)

@@ -37,6 +37,7 @@ from dflash.model.modeling_dflash import Proposal, parse_proposal, plain_generat
 from dflash.serve.evaluation import (HELDOUT, EvalResult, PromptResult, check_drafter_export, decode_prompt,
                                      load_drafter, load_prompts, mark_code, plot, print_report, summarize, timed,
                                      warm_up, write_json)
+from dflash.serve.turns import DeviceTurns
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class EvalOptions:
     plot: str = ""  # PNG path
     workers: int = 1  # processes side by side, each serving a contiguous share of the prompts (`run_sharded`)
     shard: str = ""  # "I/K": this process serves share I of K (a worker of `run_sharded`)
+    timed_prompts: int = 0  # > 0: only N prompts' times (spread over the set) make the speed figures (0: all)
+    device_lock: str = ""  # a lock file shared by evals side by side: timed prompts decode alone (`DeviceTurns`)
 
 
 def served_proposals(options: EvalOptions) -> list[Proposal]:
@@ -78,6 +81,14 @@ def served_proposals(options: EvalOptions) -> list[Proposal]:
         print(f"temperature 0: every chain policy is greedy verification (and stree:N serves tree:N's tree); serving "
               f"{', '.join(p.name for p in served)} (not {dropped})")
     return served
+
+
+def spread(chosen: int, count: int) -> set[int]:
+    """The indices of `chosen` prompts spread evenly over `count` (0 or `count` and more: every one): a set's
+    rows come grouped by kind or module, so its first few would time one kind alone."""
+    if not chosen or chosen >= count:
+        return set(range(count))
+    return {round(k * (count - 1) / max(chosen - 1, 1)) for k in range(chosen)} if chosen > 1 else {0}
 
 
 def shard_bounds(shard: str, count: int) -> tuple[int, int]:
@@ -105,6 +116,7 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
     drafts = [load_drafter(path, target, dtype, device) for path in options.drafters]
     prompts = load_prompts(config, options.prompts, options.num_prompts, tokenizer, options.match, options.exclude)
     start, end = shard_bounds(options.shard, len(prompts)) if options.shard else (0, len(prompts))
+    timed_indices = spread(options.timed_prompts, len(prompts))
     prompts = prompts[start:end]
     if options.shard:
         if not prompts:  # more workers than prompts
@@ -125,17 +137,21 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
     stops = stop_token_ids(tokenizer, target)
     baseline_generator = torch.Generator(device=device)
     warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals)
+    turns = DeviceTurns(options.device_lock)
     bar = tqdm(prompts, unit="prompt", desc=f"eval {options.shard}".strip(), dynamic_ncols=True)
     for index, prompt in enumerate(bar, start):
         for generator in [baseline_generator, *(generator for _, _, generator in served)]:
             generator.manual_seed(options.seed + index)
         input_ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=device)[None]
-        baseline = timed(device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
-                                                        options.temperature, baseline_generator))
-        for (draft, proposal, generator), result in zip(served, results):
-            decoded = decode_prompt(draft, target, prompt.label, input_ids, baseline, options.max_new_tokens,
-                                    options.temperature, stops, generator, device, proposal)
-            decoded.kind = prompt.kind
+        timed_prompt = index in timed_indices
+        with turns.alone() if timed_prompt else turns.beside():
+            baseline = timed(device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
+                                                            options.temperature, baseline_generator))
+            decoded_all = [decode_prompt(draft, target, prompt.label, input_ids, baseline, options.max_new_tokens,
+                                         options.temperature, stops, generator, device, proposal)
+                           for draft, proposal, generator in served]
+        for decoded, result in zip(decoded_all, results):
+            decoded.kind, decoded.timed = prompt.kind, timed_prompt
             result.per_prompt.append(mark_code(decoded, tokenizer))
         bar.set_postfix(tau="/".join(f"{summarize(result).tau:.2f}" for result in results))
     bar.close()
@@ -176,7 +192,8 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
                            "--match", options.match, "--exclude", options.exclude,
                            "--max-new-tokens", str(options.max_new_tokens), "--temperature", f"{options.temperature!r}",
                            "--proposal", ",".join(options.proposals), "--seed", str(options.seed),
-                           "--device", options.device, "--out", str(out), "--shard", f"{index}/{total}"]
+                           "--device", options.device, "--out", str(out), "--shard", f"{index}/{total}",
+                           "--timed-prompts", str(options.timed_prompts), "--device-lock", options.device_lock]
                 with open(log, "w") as stream:
                     workers.append((subprocess.Popen(command, stdout=stream), out, log))
             for index, (worker, out, log) in enumerate(workers):

@@ -164,3 +164,19 @@ def test_the_report_times_the_run_end_to_end_where_parts_overlap():
     line = report.took({"seconds": 240.0, "wall_seconds": 150.0})
     assert line.startswith("150 s end to end") and "240.0 s summed over the parts" in line
     assert report.took({"seconds": 240.0, "wall_seconds": None}) == "240.0 s summed over the parts."
+
+
+def test_evals_side_by_side_time_their_first_prompts_alone_through_one_lock(tmp_path):
+    evals = ('recipe.evals=[{name = "a", prompts = "embedded:humaneval", temperatures = [0.0, 1.0]}, '
+             '{name = "b", prompts = "embedded:chat-heldout", workers = 2}]')
+    (checkpoint := tmp_path / "run" / "drafter" / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (checkpoint / "state.pt").write_bytes(b"")
+    lock = str(tmp_path / "run" / "evals" / "device.lock")
+    parts = eval_parts(recipe_run(tmp_path, evals, "recipe.parallel_evals=true", "recipe.timed_prompts=3"))
+    assert len(parts) == 3
+    for part in parts:
+        assert option(part.command, "--timed-prompts") == "3" and option(part.command, "--device-lock") == lock
+    in_turn = eval_parts(recipe_run(tmp_path, evals, "recipe.parallel_evals=false"))
+    assert ["--device-lock" in part.command for part in in_turn] == [False, False, True]  # workers share the GPU
+    assert not any("--timed-prompts" in part.command
+                   for part in eval_parts(recipe_run(tmp_path, evals, "recipe.timed_prompts=0")))

@@ -16,6 +16,7 @@ from dflash.train.checkpoint import STEP_PREFIX, complete_checkpoints, latest_ch
 
 PHASES = ("generate", "extract", "train", "export", "eval", "walk")
 HELDOUT = "heldout"  # `dflash eval --prompts heldout[:SOURCE]`: the store's held-out prompts, walkable
+DEVICE_LOCK = "device.lock"  # under evals/: evals side by side take turns through it to time prompts alone
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,9 @@ def eval_parts(run: RecipeRun) -> list[Part]:
     """One `dflash eval` per eval set and temperature; at temperature 0 (with the curve) every export at once."""
     parts = []
     settings = run.config.eval
-    for item in evals(run.config):
+    found = evals(run.config)
+    many = side_by_side(run.config, "eval") and sum(len(item.temperatures) for item in found) > 1
+    for item in found:
         for temperature in item.temperatures:
             name = eval_name(item, temperature)
             served = exports(run) if item.curve and temperature == 0 else [run.layout.export()]
@@ -178,6 +181,9 @@ def eval_parts(run: RecipeRun) -> list[Part]:
                 args += ["--proposal", ",".join(item.proposals)]
             if item.workers > 1:
                 args += ["--workers", str(item.workers)]
+            if (many or item.workers > 1) and run.config.recipe.timed_prompts:
+                args += ["--timed-prompts", str(run.config.recipe.timed_prompts),
+                         "--device-lock", str(run.layout.evals / DEVICE_LOCK)]
             parts.append(Part(name, "eval", stage(run, "eval", *args), (run.layout.eval_json(name),),
                               info={"eval_set": item.name, "prompts": item.prompts, "temperature": temperature}))
     return parts

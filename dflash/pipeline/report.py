@@ -13,7 +13,7 @@ from dflash.pipeline.layout import RunLayout
 RESULT_KEYS = ("drafter", "proposal", "temperature", "num_prompts", "max_new_tokens", "generated_tokens",
                "verifications", "tau", "speedup", "spec_tokens_per_s", "baseline_tokens_per_s", "tau_in_code",
                "verifications_in_code", "tau_outside_code", "verifications_outside_code", "tau_by_kind",
-               "histogram", "slot_acceptance", "mismatched_prompts")
+               "histogram", "slot_acceptance", "mismatched_prompts", "timed_prompts")
 RATES = {"generate": ("answers", "answers/s"), "extract": ("tokens", "tokens/s"), "train": ("tokens_seen", "tokens/s"),
          "eval": ("generated_tokens", "tokens/s")}
 
@@ -175,11 +175,18 @@ def served_tables(evals: list[dict]) -> list[str]:
             kinds = ", ".join(f"{kind} {tau:.3f}" for kind, tau in (row.get("tau_by_kind") or {}).items())
             lines.append(f"| {entry['eval_set']} | {entry['prompts']} | {entry['temperature']:g} | "
                          f"{row.get('proposal', '') or ''} | {Path(row['drafter']).name} | {row['step']} | "
-                         f"{number(row['tokens_seen'], 0)} | {number(row['tau'])} | {number(row['speedup'], 2)} | "
+                         f"{number(row['tokens_seen'], 0)} | {number(row['tau'])} | {speedup_cell(row)} | "
                          f"{number(row.get('tau_in_code') if row.get('verifications_in_code') else None)} | "
                          f"{number(row.get('tau_outside_code') if row.get('verifications_outside_code') else None)} | "
                          f"{kinds} |")
     return lines + [""]
+
+
+def speedup_cell(row: dict) -> str:
+    """The speedup, and over how many prompts decoded alone when not every prompt's time counts."""
+    timed = row.get("timed_prompts")
+    alone = f" ({timed} alone)" if timed and row.get("num_prompts") and timed < row["num_prompts"] else ""
+    return number(row["speedup"], 2) + alone
 
 
 def draw_plots(report: dict, folder: Path) -> list[Path]:

@@ -59,6 +59,7 @@ class PromptResult:
     text: str = ""  # ... decoded
     in_code: list[bool] = field(default_factory=list)  # per verification: its first token lies in a ``` block
     kind: str = ""  # the prompt row's `kind`, if it has one
+    timed: bool = True  # its times count toward the speed figures (`--timed-prompts N`: N spread over the set)
 
 
 @dataclass
@@ -81,6 +82,7 @@ class EvalResult:
     spec_tokens_per_s: float = 0.0
     baseline_tokens_per_s: float = 0.0
     speedup: float = 0.0
+    timed_prompts: int = 0  # the prompts whose times make the three figures above
     mismatched_prompts: int = 0  # near-ties included
     near_tie_prompts: int = 0
     tau_in_code: float = 0.0  # verifications whose first token lies inside a ``` code block of the output
@@ -309,10 +311,13 @@ def summarize(result: EvalResult) -> EvalResult:
     result.histogram = counts[1:block + 1].tolist()
     result.slot_acceptance = [float(np.mean(np.asarray(lengths) > slot)) if lengths else 0.0
                               for slot in range(1, block)]
-    spec_seconds = sum(prompt.spec_seconds for prompt in result.per_prompt)
-    baseline_seconds = sum(prompt.baseline_seconds for prompt in result.per_prompt)
-    baseline_tokens = sum(prompt.baseline_tokens for prompt in result.per_prompt)
-    result.spec_tokens_per_s = result.generated_tokens / spec_seconds if spec_seconds else 0.0
+    timed_prompts = [prompt for prompt in result.per_prompt if prompt.timed]
+    result.timed_prompts = len(timed_prompts)
+    spec_seconds = sum(prompt.spec_seconds for prompt in timed_prompts)
+    spec_tokens = sum(prompt.generated_tokens for prompt in timed_prompts)
+    baseline_seconds = sum(prompt.baseline_seconds for prompt in timed_prompts)
+    baseline_tokens = sum(prompt.baseline_tokens for prompt in timed_prompts)
+    result.spec_tokens_per_s = spec_tokens / spec_seconds if spec_seconds else 0.0
     result.baseline_tokens_per_s = baseline_tokens / baseline_seconds if baseline_seconds else 0.0
     result.speedup = result.spec_tokens_per_s / result.baseline_tokens_per_s if result.baseline_tokens_per_s else 0.0
     result.mismatched_prompts = sum(prompt.first_mismatch is not None for prompt in result.per_prompt)
@@ -369,6 +374,9 @@ def print_report(results: list[EvalResult]) -> None:
                 if prompt.first_mismatch is not None:
                     print(f"    {prompt.prompt_id}: first differing generated token {prompt.first_mismatch}"
                           + mismatch_detail(prompt))
+    if first.timed_prompts < first.num_prompts:
+        print(f"(tokens/s and speedup over {first.timed_prompts} prompts spread over the set, each decoded alone on "
+              f"the device with --device-lock; tau over all {first.num_prompts})")
     if first.device == "cpu":
         print("(speedup on the CPU is not the served speedup: measure it on the GPU the target serves on)")
 

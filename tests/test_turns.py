@@ -1,0 +1,86 @@
+"""Evals side by side take turns on the device (`dflash.serve.turns.DeviceTurns`): processes beside each other
+share it, one alone waits for them and keeps later ones out, and a waiting one is not starved by newcomers.
+Threads stand for processes (each `open` is its own lock holder). A summary's speed comes from its timed prompts."""
+
+import threading
+import time
+
+from dflash.serve.evaluation import EvalResult, PromptResult, summarize
+from dflash.serve.turns import DeviceTurns
+
+
+def test_beside_share_alone_excludes_and_a_waiting_alone_goes_before_newcomers(tmp_path):
+    turns = DeviceTurns(tmp_path / "evals" / "device.lock")
+    events, lock = [], threading.Lock()
+
+    def note(text):
+        with lock:
+            events.append(text)
+
+    first_in, release_first, second_in = threading.Event(), threading.Event(), threading.Event()
+
+    def first():
+        with turns.beside():
+            note("first in")
+            first_in.set()
+            release_first.wait(5)
+            note("first out")
+
+    def second():  # beside the first: both inside at once
+        first_in.wait(5)
+        with turns.beside():
+            note("second in")
+            second_in.set()
+        note("second out")
+
+    def timed():  # waits for the first to leave
+        second_in.wait(5)
+        with turns.alone():
+            note("alone in")
+            time.sleep(0.2)
+            note("alone out")
+
+    def newcomer():  # arrives while the timed one waits: goes after it
+        second_in.wait(5)
+        time.sleep(0.2)
+        with turns.beside():
+            note("newcomer in")
+
+    threads = [threading.Thread(target=function) for function in (first, second, timed, newcomer)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.6)
+    release_first.set()
+    for thread in threads:
+        thread.join(10)
+    assert events.index("second in") < events.index("first out")  # beside each other
+    assert events.index("first out") < events.index("alone in")  # alone only once they are out
+    assert events.index("alone out") == events.index("alone in") + 1  # nobody in while alone
+    assert events.index("alone out") < events.index("newcomer in")  # the newcomer waited at the turnstile
+
+
+def test_no_path_takes_no_lock(tmp_path):
+    turns = DeviceTurns("")
+    with turns.alone(), turns.alone(), turns.beside():
+        pass
+    assert not list(tmp_path.iterdir())
+
+
+def test_speed_comes_from_the_timed_prompts_and_tau_from_all():
+    def prompt(timed, lengths, spec_seconds):
+        return PromptResult(prompt_id="p", prompt_tokens=3, generated_tokens=sum(lengths),
+                            acceptance_lengths=lengths, target_forwards=len(lengths), spec_seconds=spec_seconds,
+                            baseline_tokens=sum(lengths), baseline_seconds=2.0, timed=timed)
+
+    result = summarize(EvalResult(drafter="d", target="t", prompts_source="s", device="cuda", dtype="bfloat16",
+                                  block_size=16, temperature=0.0, max_new_tokens=8,
+                                  per_prompt=[prompt(True, [4, 4], 1.0), prompt(False, [1, 1], 9.0)]))
+    assert result.tau == 2.5 and result.num_prompts == 2 and result.timed_prompts == 1
+    assert result.spec_tokens_per_s == 8.0 and result.baseline_tokens_per_s == 4.0 and result.speedup == 2.0
+
+
+def test_timed_prompts_spread_over_the_set():
+    from stages.evaluate import spread
+
+    assert spread(0, 5) == spread(9, 5) == {0, 1, 2, 3, 4}
+    assert spread(1, 120) == {0} and spread(4, 120) == {0, 40, 79, 119} and len(spread(30, 31)) == 30
