@@ -136,8 +136,9 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
                for path, draft in zip(options.drafters, drafts) for proposal in proposals]
     stops = stop_token_ids(tokenizer, target)
     baseline_generator = torch.Generator(device=device)
-    warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals)
     turns = DeviceTurns(options.device_lock)
+    with turns.beside():  # never beside a prompt timed alone
+        warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals)
     bar = tqdm(prompts, unit="prompt", desc=f"eval {options.shard}".strip(), dynamic_ncols=True)
     for index, prompt in enumerate(bar, start):
         for generator in [baseline_generator, *(generator for _, _, generator in served)]:
