@@ -88,7 +88,7 @@ def spread(chosen: int, count: int) -> set[int]:
     rows come grouped by kind or module, so its first few would time one kind alone."""
     if not chosen or chosen >= count:
         return set(range(count))
-    return {round(k * (count - 1) / max(chosen - 1, 1)) for k in range(chosen)} if chosen > 1 else {0}
+    return {round(k * (count - 1) / max(chosen - 1, 1)) for k in range(chosen)}
 
 
 def shard_bounds(shard: str, count: int) -> tuple[int, int]:
@@ -194,7 +194,8 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
                            "--max-new-tokens", str(options.max_new_tokens), "--temperature", f"{options.temperature!r}",
                            "--proposal", ",".join(options.proposals), "--seed", str(options.seed),
                            "--device", options.device, "--out", str(out), "--shard", f"{index}/{total}",
-                           "--timed-prompts", str(options.timed_prompts), "--device-lock", options.device_lock]
+                           "--timed-prompts", str(options.timed_prompts),
+                           *(["--device-lock", options.device_lock] if options.device_lock else [])]
                 with open(log, "w") as stream:
                     workers.append((subprocess.Popen(command, stdout=stream), out, log))
             for index, (worker, out, log) in enumerate(workers):

@@ -54,8 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from benchlib import print_table, progress, run_metadata, write_results  # noqa: E402
 
-from dflash.model.modeling_dflash import (TargetSession, best_first_tree, cache_keyword, drawn_tree,  # noqa: E402
-                                          plain_generate, verify_tree)
+from dflash.model.modeling_dflash import (TargetSession, after_rejection, best_first_tree,  # noqa: E402
+                                          cache_keyword, drawn_tree, plain_generate, verify_tree)
 
 
 @dataclass
@@ -174,17 +174,29 @@ def tree_reach(target, cache, anchor: int, q_KV: torch.Tensor, size: int, temper
     in the cache before its verification). The probability of reaching a node is the product of the target's
     probabilities of the tokens on its path, each at its parent: the walk follows a child exactly when the
     target samples that child's token there."""
+    tree = best_first_tree(anchor, q_KV.clamp_min(1e-38).log(), size)
+    p_NV = probabilities(tree_logits(target, cache, tree), temperature)
+    return reach_by_depth(tree, [float(p_NV[parent, token]) for parent, token in zip(tree.parents, tree.tokens)],
+                          q_KV.shape[0])
+
+
+def tree_logits(target, cache, tree) -> torch.Tensor:
+    """`(n, V)`: the target's logits at the tree's nodes, verified on a copy of `cache` without its last token
+    (the anchor, the tree's root)."""
     session = TargetSession(target, [0])
     session.cache = copy.deepcopy(cache)
     session.cache.crop(-1)
-    tree = best_first_tree(anchor, q_KV.clamp_min(1e-38).log(), size)
     _, _, logits = verify_tree(session, tree, target.device, target.get_input_embeddings().weight.dtype)
-    p_NV = probabilities(logits[0], temperature)
+    return logits[0]
+
+
+def reach_by_depth(tree, passes: list[float], num_drafts: int) -> torch.Tensor:
+    """`(K,)`: the summed probability of reaching the tree's nodes at each depth 1..K, where the walk reaches node i
+    from its parent with probability `passes[i]` (node 0's is unused)."""
     reach = [1.0]
-    depth_reach = torch.zeros(q_KV.shape[0], dtype=torch.float64)
+    depth_reach = torch.zeros(num_drafts, dtype=torch.float64)
     for node in range(1, len(tree.tokens)):
-        parent = tree.parents[node]
-        reach.append(reach[parent] * float(p_NV[parent, tree.tokens[node]]))
+        reach.append(reach[tree.parents[node]] * passes[node])
         depth_reach[tree.depths[node] - 1] += reach[node]
     return depth_reach
 
@@ -210,11 +222,7 @@ def keep_probabilities(tree, q_KV: torch.Tensor, p_NV: torch.Tensor) -> torch.Te
         ratio = (p.gather(-1, token) / q.gather(-1, token).clamp_min(1e-300)).squeeze(-1).clamp(max=1.0)
         keep[:, rank] = torch.where(trying, alive * ratio, 0.0)
         alive = torch.where(trying, alive * (1 - ratio), alive)
-        residual = (p - q).clamp_min(0)
-        mass = residual.sum(-1, keepdim=True)
-        p = torch.where(trying[:, None] & (mass > 0), residual / mass.clamp_min(1e-300), p)
-        q = q.scatter(-1, token, 0.0)
-        q = torch.where(trying[:, None], q / q.sum(-1, keepdim=True).clamp_min(1e-300), q)
+        p, q = after_rejection(p, q, token, trying[:, None])  # the served rule's update
     keep_all[inner] = keep
     return keep_all
 
@@ -227,16 +235,10 @@ def stree_reach(target, cache, anchor: int, q_KV: torch.Tensor, size: int, tempe
     depth_reach = torch.zeros(q_KV.shape[0], dtype=torch.float64)
     logq_KV = q_KV.clamp_min(1e-38).log()
     for _ in range(draws):
-        session = TargetSession(target, [0])
-        session.cache = copy.deepcopy(cache)
-        session.cache.crop(-1)
         tree, q_drawn = drawn_tree(anchor, logq_KV, size, 1.0, generator)
-        _, _, logits = verify_tree(session, tree, target.device, target.get_input_embeddings().weight.dtype)
-        keep = keep_probabilities(tree, q_drawn, probabilities(logits[0], temperature))
-        reach = [1.0]
-        for node in range(1, len(tree.tokens)):
-            reach.append(reach[tree.parents[node]] * float(keep[tree.parents[node], tree.ranks[node]]))
-            depth_reach[tree.depths[node] - 1] += reach[node]
+        keep = keep_probabilities(tree, q_drawn, probabilities(tree_logits(target, cache, tree), temperature))
+        passes = [float(keep[parent, rank]) for parent, rank in zip(tree.parents, tree.ranks)]
+        depth_reach += reach_by_depth(tree, passes, q_KV.shape[0])
     return depth_reach / draws
 
 

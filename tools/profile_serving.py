@@ -21,6 +21,7 @@ import argparse
 import sys
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -95,20 +96,18 @@ def profile_policy(draft, target, prompts, args, stops, device, policy: str) -> 
     verifications = tokens = 0
     generator = torch.Generator(device=device).manual_seed(args.seed)
     try:
-        if counter:
-            counter.__enter__()
-        start = time.perf_counter()
-        for ids in prompts:
-            out = modeling_dflash.speculative_generate(draft, target, ids, args.max_new_tokens, stops, args.temperature,
-                                                       generator, modeling_dflash.parse_proposal(policy))
-            verifications += len(out.acceptance_lengths)
-            tokens += len(out.generated)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
+        with counter or nullcontext():
+            start = time.perf_counter()
+            for ids in prompts:
+                out = modeling_dflash.speculative_generate(draft, target, ids, args.max_new_tokens, stops,
+                                                           args.temperature, generator,
+                                                           modeling_dflash.parse_proposal(policy))
+                verifications += len(out.acceptance_lengths)
+                tokens += len(out.generated)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
     finally:
-        if counter:
-            counter.__exit__(None, None, None)
         for name, (owner, attribute) in PHASES.items():
             setattr(owner, attribute, saved[name])
     # the verification forward also prefills each prompt once: counted in "verify" as the loop does
@@ -193,12 +192,9 @@ def main(argv=None):
     start, baseline_tokens = time.perf_counter(), 0
     generator = torch.Generator(device=device).manual_seed(args.seed)
     counter = OpCounter() if args.count_ops else None
-    if counter:
-        counter.__enter__()
-    for ids in prompts:
-        baseline_tokens += len(plain_generate(target, ids, args.max_new_tokens, stops, args.temperature, generator))
-    if counter:
-        counter.__exit__(None, None, None)
+    with counter or nullcontext():
+        for ids in prompts:
+            baseline_tokens += len(plain_generate(target, ids, args.max_new_tokens, stops, args.temperature, generator))
     baseline_ms = 1e3 * (time.perf_counter() - start) / max(baseline_tokens, 1)
     baseline_ops = counter.count / max(baseline_tokens, 1) if counter else None
     results = [profile_policy(draft, target, prompts, args, stops, device, policy) for policy in policies]

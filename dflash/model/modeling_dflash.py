@@ -620,15 +620,20 @@ def recursive_verdicts(tree: DraftTree, q_KV: torch.Tensor, target_logits: torch
         p_y, q_y = p.gather(-1, token).squeeze(-1), q.gather(-1, token).squeeze(-1)
         keep = trying & (tried[:, rank] * q_y < p_y)
         kept = torch.where(keep, rank, kept)
-        rejected = (trying & ~keep)[:, None]
-        residual = (p - q).clamp_min(0)
-        mass = residual.sum(-1, keepdim=True)
-        p = torch.where(rejected & (mass > 0), residual / mass.clamp_min(1e-30), p)
-        q = q.scatter(-1, token, 0.0)
-        q = torch.where(rejected, q / q.sum(-1, keepdim=True).clamp_min(1e-30), q)
+        p, q = after_rejection(p, q, token, (trying & ~keep)[:, None])
     drawn = torch.multinomial(p, 1, generator=generator).squeeze(-1)
     verdicts = torch.stack([kept, drawn]).tolist()  # sync: one per block
     return verdicts[0], verdicts[1]
+
+
+def after_rejection(p: torch.Tensor, q: torch.Tensor, token: torch.Tensor, rejected: torch.Tensor):
+    """`(p, q)` for the next child of each row whose child `token` (n, 1) was `rejected` (n, 1): p becomes
+    norm(max(0, p - q)) and q loses the token, renormalised; other rows keep theirs."""
+    residual = (p - q).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    p = torch.where(rejected & (mass > 0), residual / mass.clamp_min(1e-30), p)
+    q = q.scatter(-1, token, 0.0)
+    return p, torch.where(rejected, q / q.sum(-1, keepdim=True).clamp_min(1e-30), q)
 
 
 def walk_drawn(tree: DraftTree, kept: list[int], drawn: list[int]) -> tuple[list[int], int]:
