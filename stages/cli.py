@@ -242,9 +242,13 @@ def export(checkpoint, out_dir):
               help="A lock file that evals side by side on one GPU share (`dflash recipe` passes one, and --workers "
                    "hands it on): each timed prompt waits until the others finish the prompt in hand and decodes "
                    "alone, the rest decode side by side. Speedups timed beside other processes are not served ones.")
+@click.option("--drafter-graphs/--no-drafter-graphs", default=True, show_default=True,
+              help="On a GPU, capture the drafter's block once as a CUDA graph and replay it per verification (its "
+                   "few hundred kernel launches become one; the same logits as the eager drafter, tested); off: "
+                   "the drafter runs eagerly.")
 @click.option("--shard", default="", hidden=True, help="I/K: serve only the I-th of K contiguous shares (--workers).")
 def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, exclude, max_new_tokens, temperature,
-             proposals, seed, device, out, plot, workers, timed_prompts, device_lock, shard):
+             proposals, seed, device, out, plot, workers, timed_prompts, device_lock, drafter_graphs, shard):
     """Measure an exported drafter as it is served: speculative decoding with the target.
 
     The target is the config's target.path (checkpoint directory, .gguf file or embedded:tiny).
@@ -263,7 +267,8 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
                                          temperature=temperature, proposals=tuple(proposals.split(",")),
                                          seed=seed, device=device, out=out or "",
                                          plot=plot or "", workers=workers, shard=shard,
-                                         timed_prompts=timed_prompts, device_lock=device_lock or "")
+                                         timed_prompts=timed_prompts, device_lock=device_lock or "",
+                                         drafter_graphs=drafter_graphs)
     config_args = (["-c", config_path] if config_path else []) + [item for override in overrides
                                                                    for item in ("--set", override)]
     evaluate_stage.run(config, options, config_args)

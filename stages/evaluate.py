@@ -58,6 +58,7 @@ class EvalOptions:
     shard: str = ""  # "I/K": this process serves share I of K (a worker of `run_sharded`)
     timed_prompts: int = 0  # > 0: only N prompts' times (spread over the set) make the speed figures (0: all)
     device_lock: str = ""  # a lock file shared by evals side by side: timed prompts decode alone (`DeviceTurns`)
+    drafter_graphs: bool = True  # on CUDA the drafter's block replays as a CUDA graph (modeling_dflash.BlockGraph)
 
 
 def served_proposals(options: EvalOptions) -> list[Proposal]:
@@ -132,13 +133,14 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
     results = [EvalResult(drafter=path, target=config.target.path, prompts_source=source, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
                           temperature=options.temperature, max_new_tokens=options.max_new_tokens,
-                          proposal=proposal.name)
+                          proposal=proposal.name, drafter_graphs=options.drafter_graphs and device.type == "cuda")
                for path, draft in zip(options.drafters, drafts) for proposal in proposals]
     stops = stop_token_ids(tokenizer, target)
     baseline_generator = torch.Generator(device=device)
     turns = DeviceTurns(options.device_lock)
     with turns.beside():  # never beside a prompt timed alone
-        warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals)
+        warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals,
+                options.drafter_graphs)
     bar = tqdm(prompts, unit="prompt", desc=f"eval {options.shard}".strip(), dynamic_ncols=True)
     for index, prompt in enumerate(bar, start):
         for generator in [baseline_generator, *(generator for _, _, generator in served)]:
@@ -149,7 +151,8 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
             baseline = timed(device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
                                                             options.temperature, baseline_generator))
             decoded_all = [decode_prompt(draft, target, prompt.label, input_ids, baseline, options.max_new_tokens,
-                                         options.temperature, stops, generator, device, proposal)
+                                         options.temperature, stops, generator, device, proposal,
+                                         options.drafter_graphs)
                            for draft, proposal, generator in served]
         for decoded, result in zip(decoded_all, results):
             decoded.kind, decoded.timed = prompt.kind, timed_prompt
@@ -195,7 +198,8 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
                            "--proposal", ",".join(options.proposals), "--seed", str(options.seed),
                            "--device", options.device, "--out", str(out), "--shard", f"{index}/{total}",
                            "--timed-prompts", str(options.timed_prompts),
-                           *(["--device-lock", options.device_lock] if options.device_lock else [])]
+                           *(["--device-lock", options.device_lock] if options.device_lock else []),
+                           "--drafter-graphs" if options.drafter_graphs else "--no-drafter-graphs"]
                 with open(log, "w") as stream:
                     workers.append((subprocess.Popen(command, stdout=stream), out, log))
             for index, (worker, out, log) in enumerate(workers):

@@ -23,7 +23,7 @@ from dflash.config import ConfigError, load_config
 from dflash.model.drafter import DFlashDrafter, drafter_args
 from dflash.model.export import AUTO_MAP, MODELING_NAME, export_drafter
 from dflash.model.modeling_dflash import (DFlashDraftModel, accept, greedy_generate, layer_croppable,
-                                          speculative_generate)
+                                          parse_proposal, speculative_generate)
 from dflash.serve.evaluation import EvalResult, decode_prompt, lossless_verdict, summarize
 from stages import extract, train
 
@@ -305,3 +305,82 @@ def test_workers_share_the_prompts_in_contiguous_near_equal_parts():
     for bad in ("2/2", "1", "a/b", "-1/2"):
         with pytest.raises(ConfigError, match=f"--shard {bad!r}: expected I/K"):
             shard_bounds(bad, 10)
+
+
+def block_pieces(seed: int, features: torch.Tensor, vocab: int):
+    """A sequence fed as serving does: the prompt's context at once (more than a block), then 1-16 tokens a
+    step; with the step's anchor token."""
+    rng = torch.Generator().manual_seed(seed)
+    start, pieces = 37, []
+    pieces.append((features[:, :start], torch.randint(vocab - 1, (1,), generator=rng)))
+    while start < features.shape[1]:
+        size = int(torch.randint(1, 17, (1,), generator=rng))
+        pieces.append((features[:, start:start + size], torch.randint(vocab - 1, (1,), generator=rng)))
+        start += size
+    return pieces
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_static_block_step_gives_the_growing_caches_logits(seed, tmp_path):
+    """BlockGraph's step (what a CUDA graph replays; run eagerly here) against block_logits with the growing
+    DraftCache, on a trained tiny drafter with sliding-window layers, over two sequences in the same buffers."""
+    from dflash.model.modeling_dflash import BlockGraph, block_graph
+
+    args, model, embed, lm_head = tiny_setup(seed)
+    export_drafter(model.state_dict(), args, tmp_path, dtype=torch.float32)
+    draft = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert "sliding_attention" in draft.config.layer_types and "full_attention" in draft.config.layer_types
+    head = torch.nn.Linear(args.hidden_size, VOCAB, bias=False)
+    head.weight.data.copy_(lm_head)
+    torch.manual_seed(seed)
+    graphed = block_graph(draft, embed, head, 140, graph=False)
+    for sequence in range(2):
+        features = torch.randn(1, 120 + 7 * sequence, args.context_feature_size)
+        cache = draft.new_cache()
+        graphed.reset()
+        with torch.no_grad():
+            for features_piece, anchor in block_pieces(seed + sequence, features, VOCAB):
+                expected = draft.block_logits(features_piece, anchor, cache, embed, head)
+                torch.testing.assert_close(graphed.block_logits(features_piece, anchor), expected, atol=1e-5,
+                                           rtol=1e-5)
+        assert graphed.length == cache.length == features.shape[1]
+    assert block_graph(draft, embed, head, 140, graph=False) is graphed  # one capture per capacity
+    small = BlockGraph(draft, embed, head, capacity=40, graph=False)
+    with pytest.raises(ValueError, match="holds 40 positions"):
+        small.block_logits(torch.randn(1, 50, args.context_feature_size), torch.tensor([3]))
+
+
+@pytest.mark.parametrize("policy,temperature", [("sample", 0.0), ("tree:8", 0.0), ("sample", 1.0),
+                                                ("stree:8", 1.0)])
+def test_spec_generate_serves_the_same_with_the_static_block(policy, temperature, tmp_path):
+    llama = tiny_llama()
+    draft = random_export(tmp_path, 300, 64, [1, 3, 4])
+    prompt = torch.tensor([[11, 23, 35, 47, 59, 71, 83, 95] * 3])
+    served = [speculative_generate(draft, llama, prompt, 60, [], temperature, torch.Generator().manual_seed(5),
+                                   parse_proposal(policy), graphs=graphs) for graphs in (False, True)]
+    assert served[0].generated == served[1].generated and len(served[0].generated) == 60
+    assert served[0].acceptance_lengths == served[1].acceptance_lengths
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph needs a GPU")
+def test_the_captured_block_graph_replays_the_eager_step(tmp_path):
+    from dflash.model.modeling_dflash import block_graph
+
+    args, model, embed, lm_head = tiny_setup(0)
+    export_drafter(model.state_dict(), args, tmp_path, dtype=torch.float32)
+    device = torch.device("cuda")
+    draft = DFlashDraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval().to(device)
+    embed, head = embed.to(device), torch.nn.Linear(args.hidden_size, VOCAB, bias=False).to(device)
+    head.weight.data.copy_(lm_head)
+    features = torch.randn(1, 200, args.context_feature_size, device=device)
+    with torch.inference_mode():
+        static, graphed = (block_graph(draft, embed, head, 220, graph=graph) for graph in (False, True))
+        assert graphed.graph is not None and static.graph is None
+        cache = draft.new_cache()
+        for features_piece, anchor in block_pieces(0, features, VOCAB):
+            anchor = anchor.to(device)
+            expected = static.block_logits(features_piece, anchor).clone()
+            torch.testing.assert_close(graphed.block_logits(features_piece, anchor), expected)  # the replay
+            growing = draft.block_logits(features_piece, anchor, cache, embed, head)  # the eager drafter
+            torch.testing.assert_close(expected, growing, atol=1e-4, rtol=1e-4)

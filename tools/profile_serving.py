@@ -36,6 +36,7 @@ from dflash.model import modeling_dflash  # noqa: E402
 
 PHASES = {  # phase name -> (object, attribute) wrapped while a policy decodes
     "draft block": (modeling_dflash.DFlashDraftModel, "block_logits"),
+    "draft block (graph)": (modeling_dflash.BlockGraph, "block_logits"),  # --drafter-graphs on a GPU
     "chain draws": (modeling_dflash.Proposal, "draft"),
     "tree build": (modeling_dflash, "best_first_tree"),
     "stree build": (modeling_dflash, "drawn_tree"),
@@ -101,7 +102,8 @@ def profile_policy(draft, target, prompts, args, stops, device, policy: str) -> 
             for ids in prompts:
                 out = modeling_dflash.speculative_generate(draft, target, ids, args.max_new_tokens, stops,
                                                            args.temperature, generator,
-                                                           modeling_dflash.parse_proposal(policy))
+                                                           modeling_dflash.parse_proposal(policy),
+                                                           args.drafter_graphs == "on" and device.type == "cuda")
                 verifications += len(out.acceptance_lengths)
                 tokens += len(out.generated)
             if device.type == "cuda":
@@ -173,6 +175,8 @@ def main(argv=None):
     parser.add_argument("--count-ops", action="store_true",
                         help="also count each phase's ATen operators per verification (slows the loop: its times "
                              "are then not the served pace)")
+    parser.add_argument("--drafter-graphs", choices=("on", "off"), default="on",
+                        help="on a GPU, the drafter's block replayed as a CUDA graph (as dflash eval serves it)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="")
     argv = sys.argv[1:] if argv is None else argv

@@ -26,6 +26,7 @@ Usage, as in the reference inference code:
 """
 
 import copy
+import functools
 import heapq
 import inspect
 from dataclasses import dataclass, field
@@ -46,12 +47,79 @@ class DraftCache:
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.length = 0
 
+    def positions(self, num_new: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new context rows' positions `(N,)` and the block's `(B,)`, which follows them."""
+        positions = torch.arange(self.length, self.length + num_new + block_size, device=device)
+        return positions[:num_new], positions[num_new:]
+
     def extend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys[layer] is not None:
             keys = torch.cat([self.keys[layer], keys], dim=2)
             values = torch.cat([self.values[layer], values], dim=2)
         self.keys[layer], self.values[layer] = keys, values
         return keys, values
+
+    def visible(self, layer: int, window: int | None, block_size: int, device) -> torch.Tensor | None:
+        """`(B, N + B)` boolean mask of the block's queries over layer `layer`'s N context keys (after this
+        step's `extend`) and the block's own keys; None: every key (full attention)."""
+        if window is None:
+            return None
+        num_context = self.keys[layer].shape[2]
+        slot = torch.arange(block_size, device=device)[:, None]
+        context_pos = torch.arange(num_context, device=device)[None, :]
+        sees_context = num_context + slot - context_pos < window
+        sees_block = torch.arange(block_size, device=device)[None, :] <= slot
+        return torch.cat([sees_context, sees_block], dim=1)
+
+    def commit(self, num_new: int) -> None:
+        self.length += num_new
+
+
+class StaticDraftCache:
+    """A DraftCache in fixed buffers, so that a block step has the same shapes every time and can be
+    replayed as a CUDA graph (`BlockGraph`). Per layer keys and values `(1, kv_heads, capacity, head_dim)`;
+    the step's context length before its new rows (`start`) and their number (`num_new`) are device
+    tensors, set before each step. A step always writes B context rows at `start..start+B-1` (rows past
+    `num_new` are padding: masked, and overwritten by the next step, which starts at `start + num_new`);
+    its queries see the keys below `start + num_new` (the sliding window's rule too) and the block."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, block_size: int, dtype,
+                 device):
+        shape = (1, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.start = torch.zeros(1, dtype=torch.long, device=device)
+        self.num_new = torch.zeros(1, dtype=torch.long, device=device)
+        self.offsets = torch.arange(block_size, device=device)
+        self.key_positions = torch.arange(capacity, device=device)
+        self.capacity = capacity
+        self.context_pos = self.block_pos = self.offsets
+
+    def positions(self, num_new: int, block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if num_new != len(self.offsets) or block_size != len(self.offsets):
+            raise ValueError(f"a static draft step takes {len(self.offsets)} context rows (padded) and a block of "
+                             f"{len(self.offsets)}, got {num_new} and {block_size}")
+        self.context_pos = self.start + self.offsets
+        self.block_pos = self.start + self.num_new + self.offsets
+        return self.context_pos, self.block_pos
+
+    def extend(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[layer].index_copy_(2, self.context_pos, keys)
+        self.values[layer].index_copy_(2, self.context_pos, values)
+        return self.keys[layer], self.values[layer]
+
+    def visible(self, layer: int, window: int | None, block_size: int, device) -> torch.Tensor:
+        committed = self.key_positions[None, :] < self.start + self.num_new  # (1, capacity)
+        if window is None:
+            sees_context = committed.expand(block_size, -1)
+            sees_block = torch.ones(block_size, block_size, dtype=torch.bool, device=device)
+        else:
+            sees_context = committed & (self.block_pos[:, None] - self.key_positions[None, :] < window)
+            sees_block = self.offsets[None, :] <= self.offsets[:, None]
+        return torch.cat([sees_context, sees_block], dim=1)
+
+    def commit(self, num_new: int) -> None:
+        pass  # the length lives on the device (`start`, `num_new`); BlockGraph keeps the host's copy
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,7 +181,8 @@ class DFlashAttention(nn.Module):
 
     def forward(self, x_1BH, context_1NH, rope_block, rope_context, cache: DraftCache, layer_index: int):
         """Attention of the block `x_1BH` (already input-normed) over the cached context, the new
-        context tokens `context_1NH` (appended to the cache) and the block itself."""
+        context tokens `context_1NH` (appended to the cache) and the block itself. A context key depends on
+        its own row alone, never on the block or on earlier layers' outputs."""
         q = rotate(self.q_norm(self.heads(x_1BH, self.q_proj, self.num_heads)), *rope_block)
         k_block = rotate(self.k_norm(self.heads(x_1BH, self.k_proj, self.num_kv_heads)), *rope_block)
         v_block = self.heads(x_1BH, self.v_proj, self.num_kv_heads)
@@ -124,19 +193,9 @@ class DFlashAttention(nn.Module):
         values = torch.cat([v_context, v_block], dim=2)
         groups = self.num_heads // self.num_kv_heads
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-        mask = self.visible(k_context.shape[2], x_1BH.shape[1], x_1BH.device)
+        mask = cache.visible(layer_index, self.window, x_1BH.shape[1], x_1BH.device)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(x_1BH.shape[0], x_1BH.shape[1], -1))
-
-    def visible(self, num_context: int, block_size: int, device) -> torch.Tensor | None:
-        """`(B, N + B)` boolean mask for a block at anchor `N` (its context is positions `0..N-1`)."""
-        if self.window is None:
-            return None  # full attention: every context key and the whole block
-        slot = torch.arange(block_size, device=device)[:, None]
-        context_pos = torch.arange(num_context, device=device)[None, :]
-        sees_context = num_context + slot - context_pos < self.window
-        sees_block = torch.arange(block_size, device=device)[None, :] <= slot
-        return torch.cat([sees_context, sees_block], dim=1)
 
 
 class DFlashMLP(nn.Module):
@@ -206,15 +265,15 @@ class DFlashDraftModel(PreTrainedModel):
         cache = past_key_values if past_key_values is not None else self.new_cache()
         dtype = noise_embedding.dtype
         context_1NH = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype))).to(dtype)
-        start, num_new, block_size = cache.length, target_hidden.shape[1], noise_embedding.shape[1]
-        positions = torch.arange(start, start + num_new + block_size, device=noise_embedding.device)
+        num_new, block_size = target_hidden.shape[1], noise_embedding.shape[1]
+        context_pos, block_pos = cache.positions(num_new, block_size, noise_embedding.device)
         head_dim = self.config.head_dim
-        rope_context = rope_tables(positions[:num_new], head_dim, self.rope_theta, dtype)
-        rope_block = rope_tables(positions[num_new:], head_dim, self.rope_theta, dtype)
+        rope_context = rope_tables(context_pos, head_dim, self.rope_theta, dtype)
+        rope_block = rope_tables(block_pos, head_dim, self.rope_theta, dtype)
         hidden = noise_embedding
         for layer in self.layers:
             hidden = layer(hidden, context_1NH, rope_block, rope_context, cache)
-        cache.length = start + num_new
+        cache.commit(num_new)
         return self.norm(hidden)
 
     def block_logits(self, new_features: torch.Tensor, anchor: torch.Tensor, cache: DraftCache,
@@ -242,6 +301,90 @@ class DFlashDraftModel(PreTrainedModel):
         stats = speculative_generate(self, target, input_ids, max_new_tokens, stop_token_ids or [], temperature,
                                      generator, parse_proposal(proposal))
         return stats if return_stats else stats.output_ids
+
+
+class BlockGraph:
+    """`block_logits` with a StaticDraftCache, captured once as a CUDA graph and replayed per block: the
+    drafter's few hundred kernel launches per block (393 for SmolLM2's 5 layers) become one replay, which
+    is most of a drafter's cost at batch 1 on a small target, where the host's launches set the pace.
+    Off CUDA (`graph=False`) the same static step runs eagerly: the graph's arithmetic, for tests.
+
+    `capacity` bounds the context (prompt and generated tokens) the cache holds; `reset()` starts a new
+    sequence in the same buffers, so one capture serves every prompt that fits. The returned logits live
+    in the graph's output buffer: read them before the next block."""
+
+    def __init__(self, draft: "DFlashDraftModel", embed_VH: torch.Tensor, lm_head: nn.Module, capacity: int,
+                 graph: bool):
+        weight = draft.fc.weight
+        config, block_size = draft.config, draft.block_size
+        self.draft, self.embed_VH, self.lm_head, self.block_size = draft, embed_VH, lm_head, block_size
+        self.cache = StaticDraftCache(len(draft.layers), config.num_key_value_heads, config.head_dim, capacity,
+                                      block_size, weight.dtype, weight.device)
+        self.features = torch.zeros(1, block_size, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        self.anchor = torch.zeros(1, dtype=torch.long, device=weight.device)
+        self.length = 0  # committed context tokens (the host's copy of start + num_new)
+        self.graph, self.logits = None, None
+        if graph:
+            self.capture()
+
+    def step(self) -> torch.Tensor:
+        return self.draft.block_logits(self.features, self.anchor, self.cache, self.embed_VH, self.lm_head)
+
+    def capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, lazy kernels)
+            for _ in range(2):
+                self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self.step()
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def fits(self, context: int) -> bool:
+        """Whether a sequence of `context` tokens (prompt and generated) fits the buffers."""
+        return context + self.block_size <= self.cache.capacity
+
+    def block_logits(self, new_features: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """As `DFlashDraftModel.block_logits(new_features, anchor, cache, ...)`. New context of more than B
+        tokens (the prompt's) goes in B at a time, each piece's block computed and dropped."""
+        start = 0
+        while True:
+            rows = new_features[:, start:start + self.block_size]
+            if self.length + self.block_size > self.cache.capacity:
+                raise ValueError(f"the draft cache holds {self.cache.capacity} positions: context "
+                                 f"{self.length + rows.shape[1]} and a block of {self.block_size} do not fit")
+            self.features[:, :rows.shape[1]].copy_(rows)
+            self.anchor.copy_(anchor)
+            self.cache.start.fill_(self.length)
+            self.cache.num_new.fill_(rows.shape[1])
+            if self.graph is not None:
+                self.graph.replay()
+            else:
+                self.logits = self.step()
+            self.length += rows.shape[1]
+            start += rows.shape[1]
+            if start >= new_features.shape[1]:
+                return self.logits
+
+
+GRAPH_CAPACITY_MIN = 512  # the draft cache's capacity rounds up to a power of two from here: few captures
+
+
+def block_graph(draft: "DFlashDraftModel", embed_VH: torch.Tensor, lm_head: nn.Module, context: int,
+                graph: bool) -> BlockGraph:
+    """The drafter's BlockGraph for sequences of up to `context` tokens, captured once per capacity and
+    kept on the drafter (`draft.block_graphs`), reset for a new sequence."""
+    capacity = max(GRAPH_CAPACITY_MIN, 1 << (context + 2 * draft.block_size - 1).bit_length())
+    graphs = draft.__dict__.setdefault("block_graphs", {})
+    key = (capacity, graph, embed_VH.data_ptr(), lm_head.weight.data_ptr())
+    if key not in graphs:
+        graphs[key] = BlockGraph(draft, embed_VH, lm_head, capacity, graph)
+    graphs[key].reset()
+    return graphs[key]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -660,12 +803,14 @@ def walk_tree(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int
 @torch.inference_mode()
 def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tensor, max_new_tokens: int,
                          stop_token_ids: list[int], temperature: float, generator=None,
-                         proposal: Proposal = Proposal(sample=True)) -> SpecStats:
+                         proposal: Proposal = Proposal(sample=True), graphs: bool | None = None) -> SpecStats:
     """The serving loop: prefill, then per step draft one block from the anchor (the last committed
     token) by the `proposal` policy, verify it in one target forward, commit the accepted drafts
     plus the target's token.
     Under inference mode, as the baseline `greedy_generate`: with autograd on, the drafter's
-    parameters (which require grad) made every draft step record a graph (about a third slower)."""
+    parameters (which require grad) made every draft step record a graph (about a third slower).
+    `graphs` (None: on CUDA): the drafter's block replayed as a CUDA graph (`BlockGraph`); True off CUDA
+    runs the graph's static step eagerly; False: the drafter eagerly with a growing cache."""
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"spec_generate serves one sequence: input_ids must be (1, T), got {tuple(input_ids.shape)}")
     device = input_ids.device
@@ -675,7 +820,14 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
     stats = SpecStats(output_ids=input_ids, num_prompt_tokens=input_ids.shape[1])
     new_features, logits = session.forward(input_ids, logits_to_keep=1)
     generated = [int(choose(logits[0, -1], temperature, generator))]
-    cache = draft.new_cache()
+    graphs = device.type == "cuda" if graphs is None else graphs
+    if graphs and isinstance(draft, DFlashDraftModel):
+        blocks = block_graph(draft, embed_VH, lm_head, input_ids.shape[1] + max_new_tokens + draft.block_size,
+                             device.type == "cuda")
+        draft_block = blocks.block_logits
+    else:
+        cache = draft.new_cache()
+        draft_block = functools.partial(draft.block_logits, cache=cache, embed_VH=embed_VH, lm_head=lm_head)
     stops = set(stop_token_ids)
     stopped = generated[0] in stops
     # As the reference loop counts: verify while the anchor (the last token, not yet verified
@@ -684,7 +836,7 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
         raise ValueError(refusal)
     while len(generated) <= max_new_tokens and not stopped:
         anchor = torch.tensor([generated[-1]], dtype=torch.long, device=device)
-        draft_logits = draft.block_logits(new_features, anchor, cache, embed_VH, lm_head)
+        draft_logits = draft_block(new_features, anchor)
         if proposal.tree and proposal.drawn and temperature > 0:
             tree, q_KV = drawn_tree(generated[-1], draft_logits, proposal.tree, proposal.sharpen * temperature,
                                     generator)

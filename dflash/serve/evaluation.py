@@ -73,6 +73,7 @@ class EvalResult:
     temperature: float
     max_new_tokens: int
     proposal: str = "sample"  # how blocks were drafted at temperature > 0 (modeling_dflash.Proposal)
+    drafter_graphs: bool = False  # the drafter's block replayed as a CUDA graph (modeling_dflash.BlockGraph)
     num_prompts: int = 0
     generated_tokens: int = 0
     verifications: int = 0
@@ -233,7 +234,7 @@ def timed(device: torch.device, fn):
 
 
 def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, device: torch.device,
-            proposals=(Proposal(sample=True),)) -> None:
+            proposals=(Proposal(sample=True),), graphs: bool = True) -> None:
     """On CUDA, one untimed run of the first prompt by the baseline and every drafter with every
     proposal policy (a tree's verification has its own shapes and mask), so that kernel selection,
     lazy module loading and allocator growth are timed by none of them (CPU timings are not served
@@ -245,16 +246,17 @@ def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, 
     shapes = {proposal.greedy_key(): proposal for proposal in proposals}  # one chain, each tree size
     for draft in drafts:
         for proposal in shapes.values():
-            speculative_generate(draft, target, input_ids, max_new_tokens, stops, 0.0, None, proposal)
+            speculative_generate(draft, target, input_ids, max_new_tokens, stops, 0.0, None, proposal, graphs)
 
 
 def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
                   temperature: float, stops, generator, device: torch.device,
-                  proposal: Proposal = Proposal(sample=True)) -> PromptResult:
+                  proposal: Proposal = Proposal(sample=True), graphs: bool = True) -> PromptResult:
     """Speculative decoding of one prompt (blocks drafted by `proposal` at temperature > 0), compared
-    with the baseline `(tokens, seconds)`."""
+    with the baseline `(tokens, seconds)`; `graphs`: the drafter's block as a CUDA graph, on CUDA."""
     spec, spec_seconds = timed(device, lambda: speculative_generate(
-        draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal))
+        draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal,
+        graphs and device.type == "cuda"))
     baseline_tokens, baseline_seconds = baseline
     result = PromptResult(prompt_id=prompt_id, prompt_tokens=input_ids.shape[1], generated_tokens=len(spec.generated),
                           acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
@@ -339,7 +341,8 @@ def summarize(result: EvalResult) -> EvalResult:
 def print_report(results: list[EvalResult]) -> None:
     first = results[0]
     print(f"\ndflash eval: target {first.target}, {first.device} {first.dtype}, temperature {first.temperature:g}, "
-          f"up to {first.max_new_tokens} new tokens, {first.num_prompts} prompts ({first.prompts_source})")
+          f"up to {first.max_new_tokens} new tokens, {first.num_prompts} prompts ({first.prompts_source})"
+          + (", the drafter's block as a CUDA graph" if first.drafter_graphs else ""))
     plain = "greedy" if first.temperature <= 0 else "sampled"
     print(f"| drafter | proposal | generated tokens | verifications | tau | spec tokens/s | {plain} tokens/s | speedup "
           "| lossless |")
