@@ -70,8 +70,8 @@ def wrapped(function, name: str, totals: dict, device: torch.device, sync: bool,
     """`function` timed into `totals[name]` (and its operators counted into `ops[name]` when `counter` runs); a
     phase called inside another (a rollback's replayed forward) counts toward the outer one only."""
     def timed(*args, **kwargs):
-        if totals.get("inside"):
-            return function(*args, **kwargs)
+        if totals.get("inside") or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return function(*args, **kwargs)  # nested, or a CUDA graph's capture (which a sync would break)
         totals["inside"] = True
         if sync and device.type == "cuda":
             torch.cuda.synchronize(device)  # sync: the profile's, never the served loop's
