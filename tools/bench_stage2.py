@@ -29,6 +29,7 @@ busies the main thread as long as a trainer at R tokens/s would (R from a GPU ru
 """
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -660,6 +661,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--fuse-accum", action="store_true",
                         help="train.fuse_accum: each step's accum_steps micro-batches packed as one (the same samples "
                              "and loss, one forward and backward)")
+    parser.add_argument("--flex-options", type=json.loads, default={},
+                        help="flex attention's kernel options as JSON, for every head size, in place of dflash's "
+                             "(e.g. '{\"BLOCK_M1\": 32, \"BLOCK_N1\": 64, \"BLOCK_M2\": 64, \"BLOCK_N2\": 32}' for "
+                             "the backward's tiles): a sweep of the tiles")
     parser.add_argument("--gather-keys", action="store_true",
                         help="train.gather_context_keys: each query tile its own copy of the context keys it reads, "
                              "so no key tile is read by two query tiles in flex's backward")
@@ -735,6 +740,9 @@ def run(args, argv, dist) -> int:
 
         path = own_or_first(args.compile_artifacts, dist.device.index or 0)
         print(load_compile_artifacts(path) or f"no compile artifacts at {path} yet", flush=True)
+    from dflash.model import masks
+
+    masks.FLEX_OPTIONS_OVERRIDE.update(args.flex_options)  # before anything compiles flex
     model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target)
     flex_options = flex_kernel_options(ctx.args.head_dim) if device.type == "cuda" else {}  # as masks.attend uses them
     from dflash.model.drafter import count_parameters

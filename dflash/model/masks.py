@@ -212,8 +212,14 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=True)
 
 
+FLEX_OPTIONS_OVERRIDE: dict = {}  # non-empty: the kernel options for every head size (bench_stage2 --flex-options)
+
+
 def flex_kernel_options(head_dim: int) -> dict:
-    """Flex's kernel options on CUDA: 64 x 64 tiles for small heads, inductor's defaults for the others."""
+    """Flex's kernel options on CUDA: 64 x 64 tiles for small heads, inductor's defaults for the others (or the
+    benchmark's override, a tile sweep's)."""
+    if FLEX_OPTIONS_OVERRIDE:
+        return dict(FLEX_OPTIONS_OVERRIDE)
     return dict(SMALL_HEAD_OPTIONS) if head_dim <= SMALL_HEAD_DIM else {}
 
 
