@@ -130,17 +130,17 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
     # the seed plus the prompt's index, so a prompt's draws do not depend on the prompts before it (nor on
     # how --workers shares them out)
     served = [(draft, proposal, torch.Generator(device=device)) for draft in drafts for proposal in proposals]
+    graphs = options.drafter_graphs and device.type == "cuda"  # off CUDA the drafter runs eagerly
     results = [EvalResult(drafter=path, target=config.target.path, prompts_source=source, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
                           temperature=options.temperature, max_new_tokens=options.max_new_tokens,
-                          proposal=proposal.name, drafter_graphs=options.drafter_graphs and device.type == "cuda")
+                          proposal=proposal.name, drafter_graphs=graphs)
                for path, draft in zip(options.drafters, drafts) for proposal in proposals]
     stops = stop_token_ids(tokenizer, target)
     baseline_generator = torch.Generator(device=device)
     turns = DeviceTurns(options.device_lock)
     with turns.beside():  # never beside a prompt timed alone
-        warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals,
-                options.drafter_graphs)
+        warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals, graphs)
     bar = tqdm(prompts, unit="prompt", desc=f"eval {options.shard}".strip(), dynamic_ncols=True)
     for index, prompt in enumerate(bar, start):
         for generator in [baseline_generator, *(generator for _, _, generator in served)]:
@@ -151,8 +151,7 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
             baseline = timed(device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
                                                             options.temperature, baseline_generator))
             decoded_all = [decode_prompt(draft, target, prompt.label, input_ids, baseline, options.max_new_tokens,
-                                         options.temperature, stops, generator, device, proposal,
-                                         options.drafter_graphs)
+                                         options.temperature, stops, generator, device, proposal, graphs)
                            for draft, proposal, generator in served]
         for decoded, result in zip(decoded_all, results):
             decoded.kind, decoded.timed = prompt.kind, timed_prompt

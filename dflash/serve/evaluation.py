@@ -234,7 +234,7 @@ def timed(device: torch.device, fn):
 
 
 def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, device: torch.device,
-            proposals=(Proposal(sample=True),), graphs: bool = True) -> None:
+            proposals=(Proposal(sample=True),), graphs: bool | None = None) -> None:
     """On CUDA, one untimed run of the first prompt by the baseline and every drafter with every
     proposal policy (a tree's verification has its own shapes and mask), so that kernel selection,
     lazy module loading and allocator growth are timed by none of them (CPU timings are not served
@@ -251,12 +251,11 @@ def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, 
 
 def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
                   temperature: float, stops, generator, device: torch.device,
-                  proposal: Proposal = Proposal(sample=True), graphs: bool = True) -> PromptResult:
+                  proposal: Proposal = Proposal(sample=True), graphs: bool | None = None) -> PromptResult:
     """Speculative decoding of one prompt (blocks drafted by `proposal` at temperature > 0), compared
-    with the baseline `(tokens, seconds)`; `graphs`: the drafter's block as a CUDA graph, on CUDA."""
+    with the baseline `(tokens, seconds)`; `graphs`: as `speculative_generate`'s (None: a CUDA graph on CUDA)."""
     spec, spec_seconds = timed(device, lambda: speculative_generate(
-        draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal,
-        graphs and device.type == "cuda"))
+        draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal, graphs))
     baseline_tokens, baseline_seconds = baseline
     result = PromptResult(prompt_id=prompt_id, prompt_tokens=input_ids.shape[1], generated_tokens=len(spec.generated),
                           acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
