@@ -344,15 +344,10 @@ class BlockGraph:
     def reset(self) -> None:
         self.length = 0
 
-    def fits(self, context: int) -> bool:
-        """Whether a sequence of `context` tokens (prompt and generated) fits the buffers."""
-        return context + self.block_size <= self.cache.capacity
-
     def block_logits(self, new_features: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
         """As `DFlashDraftModel.block_logits(new_features, anchor, cache, ...)`. New context of more than B
         tokens (the prompt's) goes in B at a time, each piece's block computed and dropped."""
-        start = 0
-        while True:
+        for start in range(0, new_features.shape[1], self.block_size):
             rows = new_features[:, start:start + self.block_size]
             if self.length + self.block_size > self.cache.capacity:
                 raise ValueError(f"the draft cache holds {self.cache.capacity} positions: context "
@@ -366,9 +361,7 @@ class BlockGraph:
             else:
                 self.logits = self.step()
             self.length += rows.shape[1]
-            start += rows.shape[1]
-            if start >= new_features.shape[1]:
-                return self.logits
+        return self.logits
 
 
 GRAPH_CAPACITY_MIN = 512  # the draft cache's capacity rounds up to a power of two from here: few captures
