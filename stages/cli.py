@@ -237,7 +237,8 @@ def export(checkpoint, out_dir):
                    "small target is bound by the host, so a GPU serves several at once.")
 @click.option("--timed-prompts", default=0, show_default=True, type=click.IntRange(min=0),
               help="Only N prompts' times, spread evenly over the set, make tokens/s and the speedup (0: every "
-                   "prompt's); tau counts every prompt. With --device-lock those N decode alone on the device.")
+                   "prompt's); tau counts every prompt. With --device-lock those N decode alone on the device. At "
+                   "temperature > 0 the other prompts skip the plain baseline (it is only their speed).")
 @click.option("--device-lock", default="", type=click.Path(dir_okay=False),
               help="A lock file that evals side by side on one GPU share (`dflash recipe` passes one, and --workers "
                    "hands it on): each timed prompt waits until the others finish the prompt in hand and decodes "

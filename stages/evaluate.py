@@ -148,8 +148,10 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
         input_ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=device)[None]
         timed_prompt = index in timed_indices
         with turns.alone() if timed_prompt else turns.beside():
-            baseline = timed(device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
-                                                            options.temperature, baseline_generator))
+            # at temperature > 0 the plain baseline is only a speed figure: an untimed prompt skips it
+            baseline = ([], 0.0) if options.temperature > 0 and not timed_prompt else timed(
+                device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
+                                               options.temperature, baseline_generator))
             decoded_all = [decode_prompt(draft, target, prompt.label, input_ids, baseline, options.max_new_tokens,
                                          options.temperature, stops, generator, device, proposal, graphs)
                            for draft, proposal, generator in served]

@@ -254,15 +254,17 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
     with pytest.raises(ValueError, match="--proposal: proposal 'top-k'"):
         evaluate.run(config, evaluate.EvalOptions(drafters=options.drafters, proposals=("argmax", "top-k")))
     # --workers 2: two processes each serve a contiguous share; the merged JSON is this run's, prompt for prompt
-    # (every random stream restarts at each prompt from the seed plus the prompt's index)
     # (every random stream restarts at each prompt from the seed plus the prompt's index); the workers hand the
-    # device lock on, and only the first prompt's times make the speed figures
+    # device lock on, and only the first prompt's times make the speed figures: at temperature > 0 the untimed
+    # prompt skips the plain baseline, which serves nothing else
     sharded = dataclasses.replace(options, workers=2, out=str(tmp_path / "eval-2.json"), timed_prompts=1,
                                   device_lock=str(tmp_path / "evals" / "device.lock"))
     evaluate.run(config, sharded, ["-c", str(config_path)])
     for one, two in zip(results, json.loads((tmp_path / "eval-2.json").read_text())["results"], strict=True):
-        for key in ("prompt_id", "acceptance_lengths", "generated_ids", "baseline_tokens"):
+        for key in ("prompt_id", "acceptance_lengths", "generated_ids"):
             assert [p[key] for p in two["per_prompt"]] == [p[key] for p in one["per_prompt"]], key
+        assert [p["baseline_tokens"] for p in two["per_prompt"]] == [one["per_prompt"][0]["baseline_tokens"], 0]
+        assert two["per_prompt"][1]["baseline_seconds"] == 0 and one["per_prompt"][1]["baseline_tokens"] > 0
         for key in ("proposal", "num_prompts", "generated_tokens", "verifications", "tau", "histogram", "tau_by_kind"):
             assert two[key] == one[key], key
         assert [p["timed"] for p in two["per_prompt"]] == [True, False] and two["timed_prompts"] == 1
