@@ -211,7 +211,7 @@ def export(checkpoint, out_dir):
                                             "(e.g. one source's wording among the held-out prompts of a mix).")
 @click.option("--max-new-tokens", default=256, show_default=True, help="Tokens generated per prompt at most.")
 @click.option("--temperature", default=0.0, show_default=True,
-              help="0: greedy, checked token for token against plain greedy decoding; > 0: sampling with "
+              help="0: greedy, every output token checked against the target's greedy choice; > 0: sampling with "
                    "the lossless speculative acceptance rule.")
 @click.option("--proposal", "proposals", default="sample", show_default=True,
               help="How a block's drafts come from the drafter's per-slot distributions: "
@@ -237,8 +237,8 @@ def export(checkpoint, out_dir):
                    "small target is bound by the host, so a GPU serves several at once.")
 @click.option("--timed-prompts", default=0, show_default=True, type=click.IntRange(min=0),
               help="Only N prompts' times, spread evenly over the set, make tokens/s and the speedup (0: every "
-                   "prompt's); tau counts every prompt. With --device-lock those N decode alone on the device. At "
-                   "temperature > 0 the other prompts skip the plain baseline (it is only their speed).")
+                   "prompt's); tau counts every prompt. With --device-lock those N decode alone on the device. The "
+                   "others skip the plain baseline (only the speed figure).")
 @click.option("--device-lock", default="", type=click.Path(dir_okay=False),
               help="A lock file that evals side by side on one GPU share (`dflash recipe` passes one, and --workers "
                    "hands it on): each timed prompt waits until the others finish the prompt in hand and decodes "

@@ -3,14 +3,15 @@
 `run(config, options)` loads the target (`target.path`: a checkpoint directory, a GGUF file or
 the embedded tiny target) and one or more exports, takes prompts (the held-out split of the
 config's store, or any data source), and for each prompt decodes plainly once (greedy, the
-baseline) and then speculatively with each drafter through `dflash.model.modeling_dflash` (the class
+baseline; with --timed-prompts N only those N prompts, since the baseline is only the speed figure) and
+then speculatively with each drafter through `dflash.model.modeling_dflash` (the class
 and loop an export serves). Several drafters (checkpoints of one run, or rival runs) share the
 prompts and the baseline. For each it reports the acceptance
 length tau (tokens committed per verifying target forward), its histogram over 1..B, the
 acceptance of each block slot, the wall-clock speedup over the baseline (on CUDA every loop
-decodes the first prompt once untimed first), and, at temperature 0, whether the speculative output equals
-the baseline token for token, telling rounding near-ties of a bf16 target apart from real
-mismatches. At temperature > 0 the baseline samples at that temperature, and every proposal policy
+decodes the first prompt once untimed first), and, at temperature 0, whether every output token is the
+target's greedy choice (one target forward over the prompt and the output), telling rounding near-ties of
+a bf16 target apart from real mismatches. At temperature > 0 the baseline samples at that temperature, and every proposal policy
 listed (`argmax`, `sample`, `sample:F`: how a block's drafts come from the drafter's per-slot
 distributions; `tree:N`: N drafts as a tree verified in one forward; docs/eval.md) is served on the
 same prompts and baseline; at temperature 0 every chain policy is greedy verification, so the first
@@ -148,8 +149,9 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
         input_ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=device)[None]
         timed_prompt = index in timed_indices
         with turns.alone() if timed_prompt else turns.beside():
-            # at temperature > 0 the plain baseline is only a speed figure: an untimed prompt skips it
-            baseline = ([], 0.0) if options.temperature > 0 and not timed_prompt else timed(
+            # the plain baseline is only a speed figure (at temperature 0 the output is checked against the
+            # target's greedy choices in one forward): an untimed prompt skips it
+            baseline = ([], 0.0) if not timed_prompt else timed(
                 device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
                                                options.temperature, baseline_generator))
             decoded_all = [decode_prompt(draft, target, prompt.label, input_ids, baseline, options.max_new_tokens,

@@ -5,8 +5,10 @@
 - The loop commits exactly what an oracle drafter proposes up to its first wrong token, and
   its output equals plain greedy decoding, on a Llama target (cache cropped) and a Qwen3.5
   target (linear attention: cache replayed).
-- A differing output is told apart: where the target's top two tokens tie exactly, a baseline that
-  took the other one is a near-tie (logit gap 0); a baseline token the target ranks far lower is not.
+- The greedy check (one forward over prompt and output) passes the greedy output and tells a
+  differing one apart: where the target's top two tokens tie exactly, an output that took the other
+  one is a near-tie (logit gap 0); a token the target ranks far lower is not; a stop token passed or
+  an early end is a mismatch.
 - `dflash eval` end to end on the embedded tiny target with an `auto` drafter: lossless, tau >= 1.
 """
 
@@ -24,7 +26,7 @@ from dflash.model.drafter import DFlashDrafter, drafter_args
 from dflash.model.export import AUTO_MAP, MODELING_NAME, export_drafter
 from dflash.model.modeling_dflash import (DFlashDraftModel, accept, greedy_generate, layer_croppable,
                                           parse_proposal, speculative_generate)
-from dflash.serve.evaluation import EvalResult, decode_prompt, lossless_verdict, summarize
+from dflash.serve.evaluation import EvalResult, PromptResult, decode_prompt, greedy_check, lossless_verdict, summarize
 from stages import extract, train
 
 
@@ -150,17 +152,31 @@ def test_a_mismatch_at_a_rounding_tie_is_told_apart_from_a_real_one():
         logits = target(input_ids=torch.cat([prompt, torch.tensor([truth[:10]])], 1)).logits[0, -1]
     unlikely = int(logits.argmin())
 
-    def compared(baseline_token):  # a baseline that took `baseline_token` at position 10
-        baseline = truth[:10] + [baseline_token] + truth[11:]
-        return decode_prompt(OracleDrafter(truth, prompt.shape[1], None), target, "row 1", prompt, (baseline, 1.0),
-                             30, 0.0, [], None, torch.device("cpu"))
+    def checked(token):  # an output that took `token` at position 10, its last
+        output = truth[:10] + [token]
+        first, gap, tolerance = greedy_check(target, prompt, output, [], 11)
+        return PromptResult("row 1", prompt.shape[1], len(output), [1] * len(output), len(output), 1.0,
+                            first_mismatch=first, mismatch_gap=gap, tie_tolerance=tolerance,
+                            near_tie=gap is not None and abs(gap) <= tolerance)
 
-    tie, real = compared(twin), compared(unlikely)
-    assert tie.first_mismatch == real.first_mismatch == 10
-    # Equal head rows: equal logits up to the matmul's rounding (0 on some CPUs, 9.5e-7 on others).
-    assert abs(tie.mismatch_gap) <= tie.tie_tolerance and tie.near_tie
-    assert real.mismatch_gap == pytest.approx(float(logits[unlikely] - logits[chosen]), abs=1e-5)
-    assert real.mismatch_gap < -real.tie_tolerance and not real.near_tie
+    assert greedy_check(target, prompt, truth, [], 30) == (None, None, None)
+    assert decode_prompt(OracleDrafter(truth, prompt.shape[1], None), target, "row 1", prompt, ([], 0.0), 30, 0.0,
+                         [], None, torch.device("cpu")).first_mismatch is None
+    tie, real = checked(twin), checked(unlikely)
+    # an exact tie of the head rows: the same logits up to the matmul's rounding (0 on some CPUs, 9.5e-7 on
+    # others), so the twin is either greedy as well or a near-tie
+    assert tie.first_mismatch in (None, 10) and real.first_mismatch == 10
+    if tie.first_mismatch is not None:
+        assert abs(tie.mismatch_gap) <= tie.tie_tolerance and tie.near_tie
+    assert real.mismatch_gap == pytest.approx(float(logits[chosen] - logits[unlikely]), abs=1e-5)
+    assert real.mismatch_gap > real.tie_tolerance and not real.near_tie
+    # a stop token passed, and an early end without one, are not greedy decoding either
+    stop = truth[5]
+    assert greedy_check(target, prompt, truth, [stop], 30)[:2] == (truth.index(stop), None)
+    assert greedy_check(target, prompt, truth[:20], [], 30) == (20, None, None)
+    assert greedy_check(target, prompt, truth[:20], [], 20) == (None, None, None)
+    if tie.first_mismatch is None:  # where the rounding made the twin greedy too: the near-tie by hand
+        tie.first_mismatch, tie.mismatch_gap, tie.tie_tolerance, tie.near_tie = 10, 0.0, real.tie_tolerance, True
     result = EvalResult("d", "t", "p", "cpu", "float32", 16, 0.0, 30, per_prompt=[tie])
     assert lossless_verdict(summarize(result)) == "yes up to float32 near-ties (1 prompts)"
     result.per_prompt.append(real)
@@ -279,7 +295,7 @@ compile = false
                                       "--out", str(root / "eval.json"), "--plot", str(root / "eval.png")],
                                capture_output=True, text=True)
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
-    assert "lossless: speculative output equals plain greedy output on all 2 prompts" in evaluated.stdout
+    assert "lossless: every output token is the target's greedy choice, on all 2 prompts" in evaluated.stdout
     [report] = json.loads((root / "eval.json").read_text())["results"]
     assert report["num_prompts"] == 2 and report["mismatched_prompts"] == 0 and report["tau"] >= 1.0
     assert sum(report["histogram"]) == report["verifications"] > 0

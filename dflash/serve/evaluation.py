@@ -5,12 +5,14 @@ and per drafter and policy, the report, its JSON and its plot. The engine
 of `dflash eval` (stages/evaluate.py) and of tools/compare_reference.py, with the drafters it
 loads (checked against the target) and the prompts it decodes.
 
-Lossless at temperature 0 means the speculative output equals plain greedy decoding. In bf16 a
-block verification and a one-token step can round a near-tie the other way, so a differing
-prompt is checked where it first differs: the target's logits of the two tokens, read in one
-forward over the prompt and the baseline's tokens before that point. A gap within a few
-rounding steps of the dtype at that logit size (`TIE_ULPS` x eps x |top logit|) is a near-tie
-of the arithmetic, not a drafting error, and is reported as such; a wider gap is a mismatch.
+Lossless at temperature 0 means the speculative output is greedy decoding: every token the target's
+most likely one after the prompt and the tokens before it, read from one target forward over the
+prompt and the output (`greedy_check`; a second, plain decoding would cost a forward per token, so
+only the prompts timed for the speedup decode plainly). In bf16 a block verification and a
+one-token step can round a near-tie the other way, so the first token that is not the largest
+logit is measured by its gap to it: within a few rounding steps of the dtype at that logit size
+(`TIE_ULPS` x eps x |top logit|) it is a near-tie of the arithmetic, not a drafting error, and is
+reported as such; a wider gap is a mismatch.
 """
 
 import json
@@ -51,10 +53,10 @@ class PromptResult:
     spec_seconds: float
     baseline_tokens: int = 0
     baseline_seconds: float = 0.0
-    first_mismatch: int | None = None  # index into the generated tokens; None when identical
-    mismatch_gap: float | None = None  # target logit of the baseline's token minus the speculative one's there
+    first_mismatch: int | None = None  # T=0: the first generated token that is not greedy decoding's; None: none
+    mismatch_gap: float | None = None  # the target's largest logit there minus that token's (None: a stop missed)
     tie_tolerance: float | None = None  # the largest gap that is a rounding near-tie at that point
-    near_tie: bool = False  # the outputs differ only where the target's top two tokens tie within rounding
+    near_tie: bool = False  # the output leaves greedy decoding only where the target's top two tokens tie
     generated_ids: list[int] = field(default_factory=list)  # the speculative output's tokens
     text: str = ""  # ... decoded
     in_code: list[bool] = field(default_factory=list)  # per verification: its first token lies in a ``` block
@@ -252,8 +254,10 @@ def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, 
 def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
                   temperature: float, stops, generator, device: torch.device,
                   proposal: Proposal = Proposal(sample=True), graphs: bool | None = None) -> PromptResult:
-    """Speculative decoding of one prompt (blocks drafted by `proposal` at temperature > 0), compared
-    with the baseline `(tokens, seconds)`; `graphs`: as `speculative_generate`'s (None: a CUDA graph on CUDA)."""
+    """Speculative decoding of one prompt (blocks drafted by `proposal` at temperature > 0); `baseline`: the
+    plain decoding's `(tokens, seconds)` (the speed figure; `([], 0.0)` for a prompt not timed). At temperature
+    0 the output is checked against the target's greedy choice at every position (`greedy_check`); `graphs`: as
+    `speculative_generate`'s (None: a CUDA graph on CUDA)."""
     spec, spec_seconds = timed(device, lambda: speculative_generate(
         draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal, graphs))
     baseline_tokens, baseline_seconds = baseline
@@ -261,25 +265,38 @@ def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseli
                           acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
                           spec_seconds=spec_seconds, baseline_tokens=len(baseline_tokens),
                           baseline_seconds=baseline_seconds, generated_ids=list(spec.generated))
-    if temperature <= 0 and spec.generated != baseline_tokens:
-        index = next((i for i, (a, b) in enumerate(zip(spec.generated, baseline_tokens)) if a != b),
-                     min(len(spec.generated), len(baseline_tokens)))
-        result.first_mismatch = index
-        if index < min(len(spec.generated), len(baseline_tokens)):
-            result.mismatch_gap, result.tie_tolerance = logit_gap(target, input_ids, baseline_tokens[:index],
-                                                                  baseline_tokens[index], spec.generated[index])
-            result.near_tie = abs(result.mismatch_gap) <= result.tie_tolerance
+    if temperature <= 0:
+        result.first_mismatch, result.mismatch_gap, result.tie_tolerance = greedy_check(
+            target, input_ids, spec.generated, stops, max_new_tokens)
+        result.near_tie = result.mismatch_gap is not None and abs(result.mismatch_gap) <= result.tie_tolerance
     return result
 
 
 @torch.inference_mode()
-def logit_gap(target, input_ids: torch.Tensor, before: list[int], expected: int, other: int) -> tuple[float, float]:
-    """`(logit[expected] - logit[other], tie tolerance)` of the target after the prompt and `before`,
-    in one forward at the target's dtype; the tolerance is `TIE_ULPS` rounding steps of the
-    dtype at the size of the largest logit."""
-    context = torch.cat([input_ids, torch.tensor([before], dtype=torch.long, device=input_ids.device)], 1)
-    logits = target(input_ids=context, logits_to_keep=1).logits[0, -1]
-    return float(logits[expected].float() - logits[other].float()), tie_tolerance(logits)
+def greedy_check(target, input_ids: torch.Tensor, generated: list[int], stops, max_new_tokens: int
+                 ) -> tuple[int | None, float | None, float | None]:
+    """Whether `generated` is what greedy decoding of the prompt gives, from one target forward over the prompt
+    and the output (not a second decoding, which costs a forward per token): `(None, None, None)` when every
+    token is the target's most likely one there, it ends at a stop token or at `max_new_tokens` and holds no
+    stop before its end; else `(index, gap, tolerance)` of the first token that is not: the target's largest
+    logit there minus that token's (None where the output ends early or runs past a stop) and the largest gap
+    that is a rounding near-tie of the target's dtype."""
+    stops = set(stops)
+    early_stop = next((i for i, token in enumerate(generated[:-1]) if token in stops), None)
+    if generated:
+        context = torch.cat([input_ids, torch.tensor([generated[:-1]], dtype=torch.long, device=input_ids.device)], 1)
+        logits = target(input_ids=context, logits_to_keep=len(generated)).logits[0]
+        chosen = torch.tensor(generated, device=logits.device)
+        wrong = (logits.argmax(-1) != chosen) & (logits.gather(1, chosen[:, None])[:, 0] < logits.max(-1).values)
+        first = int(wrong.nonzero()[0, 0]) if bool(wrong.any()) else None
+        if first is not None and (early_stop is None or first <= early_stop):
+            row = logits[first]
+            return first, float(row.max().float() - row[generated[first]].float()), tie_tolerance(row)
+    if early_stop is not None:
+        return early_stop, None, None
+    if len(generated) < max_new_tokens and (not generated or generated[-1] not in stops):
+        return len(generated), None, None
+    return None, None, None
 
 
 def tie_tolerance(logits: torch.Tensor) -> float:
@@ -366,15 +383,15 @@ def print_report(results: list[EvalResult]) -> None:
         if result.temperature > 0:
             print("  lossless check: not applicable at temperature > 0 (sampled outputs differ by design)")
         elif result.mismatched_prompts == 0:
-            print(f"  lossless: speculative output equals plain greedy output on all {result.num_prompts} prompts")
+            print(f"  lossless: every output token is the target's greedy choice, on all {result.num_prompts} prompts")
         else:
             real = result.mismatched_prompts - result.near_tie_prompts
             print(f"  {'MISMATCH' if real else 'near-ties only'}: {result.mismatched_prompts} of {result.num_prompts} "
-                  f"prompts differ from plain greedy, {result.near_tie_prompts} of them at a {result.dtype} near-tie "
+                  f"prompts leave greedy decoding, {result.near_tie_prompts} of them at a {result.dtype} near-tie "
                   f"(the target's top two tokens within {TIE_ULPS} rounding steps):")
             for prompt in result.per_prompt:
                 if prompt.first_mismatch is not None:
-                    print(f"    {prompt.prompt_id}: first differing generated token {prompt.first_mismatch}"
+                    print(f"    {prompt.prompt_id}: first non-greedy generated token {prompt.first_mismatch}"
                           + mismatch_detail(prompt))
     if first.timed_prompts < first.num_prompts:
         print(f"(tokens/s and speedup over {first.timed_prompts} prompts spread over the set, each decoded alone on "
@@ -396,7 +413,7 @@ def lossless_verdict(result: EvalResult) -> str:
 
 def mismatch_detail(prompt: PromptResult) -> str:
     if prompt.mismatch_gap is None:
-        return " (one output is a prefix of the other)"
+        return " (the output ends early, or runs on past a stop token)"
     kind = "near-tie" if prompt.near_tie else "NOT a near-tie"
     return f"; target logit gap {prompt.mismatch_gap:+.4f}, tolerance {prompt.tie_tolerance:.4f}: {kind}"
 
