@@ -89,7 +89,7 @@ def fresh_drafter(args, device) -> DFlashDrafter:
 @pytest.mark.parametrize("seed", range(3))
 def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks, kernel, monkeypatch):
     """Every way of building the flex block masks (the collate's tiles, over gathered keys,
-    create_block_mask), under inductor's default kernel tiles and the small heads' 64 x 64 ones
+    create_block_mask), under inductor's default kernel tiles and the small heads' ones
     (`masks.SMALL_HEAD_OPTIONS`), gives the dense mask's loss and gradients."""
     # The head dim below which the small heads' tiles apply: none (inductor's defaults) or every head.
     monkeypatch.setattr(dflash_masks, "SMALL_HEAD_DIM", 0 if kernel == "default" else 1 << 20)

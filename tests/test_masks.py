@@ -376,7 +376,7 @@ def test_flex_over_gathered_keys_equals_dense_sdpa():
 def test_flex_kernel_options_small_heads_and_the_benchmarks_override(monkeypatch):
     from dflash.model import masks
 
-    assert masks.flex_kernel_options(64) == {"BLOCK_M": 64, "BLOCK_N": 64}
+    assert masks.flex_kernel_options(64) == masks.SMALL_HEAD_OPTIONS and masks.SMALL_HEAD_OPTIONS["BLOCK_M"] == 64
     assert masks.flex_kernel_options(128) == {}
     monkeypatch.setattr(masks, "FLEX_OPTIONS_OVERRIDE", {"BLOCK_M1": 32, "BLOCK_N1": 64})
     assert masks.flex_kernel_options(64) == masks.flex_kernel_options(128) == {"BLOCK_M1": 32, "BLOCK_N1": 64}

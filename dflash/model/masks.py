@@ -31,9 +31,13 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
 # Heads of at most 64 dims (the SmolLM2-sized drafter's 9 x 64): 64 x 64 tiles instead of inductor's default
 # (128 x 64 on an H200). The small drafter's step on an H200 (12-03): 88.3K -> 96.4K tokens/s at 4,096 anchors
-# per micro-batch; 128-dim heads (the 27B-shaped drafter) keep inductor's defaults, where they were measured.
+# per micro-batch; the backward's tiles (12-06, the fused step of `bench_stage2.py --target smollm2-135m`):
+# 32 x 64 for dQ and 64 x 32 for dK/dV with 4 warps and 3 stages, 126.4 -> 121.9 ms a step (100.8K -> 104.6K
+# tokens/s; the same tiles with inductor's warps and stages 154.5 ms, 64 x 64 with 2 stages 124.4). 128-dim
+# heads (the 27B-shaped drafter) keep inductor's defaults, where they were measured.
 SMALL_HEAD_DIM = 64
-SMALL_HEAD_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64}
+SMALL_HEAD_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32,
+                      "num_warps": 4, "num_stages": 3}
 
 
 # The window of a full-attention layer in the shared rule: wider than any position difference.
