@@ -303,6 +303,47 @@ def test_recursive_verdicts_follow_the_residuals():
         assert modeling_dflash.walk_drawn(tree, kept, drawn) == ([0], 2)
 
 
+def plain_verdicts(tree, q_KV, target_logits, temperature, generator):
+    """`recursive_verdicts` as first written: every node runs every try (a try past its children changes
+    nothing), the reference of the fast path's slices."""
+    size = len(tree.tokens)
+    children, counts = tree.child_tokens()
+    width = children.shape[1]
+    p = torch.softmax(target_logits.float() / temperature, dim=-1)
+    q = q_KV[torch.tensor(tree.depths).clamp(max=q_KV.shape[0] - 1)]
+    kept = torch.full((size,), -1, dtype=torch.long)
+    tried = torch.rand(size, width, generator=generator)
+    for rank in range(width):
+        token = children[:, rank:rank + 1]
+        trying = (kept < 0) & (rank < counts)
+        p_y, q_y = p.gather(-1, token).squeeze(-1), q.gather(-1, token).squeeze(-1)
+        keep = trying & (tried[:, rank] * q_y < p_y)
+        kept = torch.where(keep, rank, kept)
+        p, q = modeling_dflash.after_rejection(p, q, token, (trying & ~keep)[:, None])
+    return kept.tolist(), torch.multinomial(p, 1, generator=generator).squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 200])
+def test_recursive_verdicts_equal_every_node_running_every_try(size):
+    """The verdicts run over the nodes with children only, each try over those with a child of its rank, equal
+    the plain rule over every node and try, draw for draw, on fresh random trees and target logits."""
+    kept_somewhere = False
+    for seed in range(4):
+        torch.manual_seed(seed)
+        vocab, slots = 50, 6
+        drafter_logits = torch.randn(slots, vocab) * 2
+        tree, q_KV = modeling_dflash.drawn_tree(3, drafter_logits, size, 0.8, torch.Generator().manual_seed(seed))
+        assert len(tree.tokens) == size + 1
+        # the target near the drafter at each node's child slot, so that children are kept as well as rejected
+        depths = torch.tensor(tree.depths).clamp(max=slots - 1)
+        target_logits = drafter_logits[depths] + torch.randn(len(tree.tokens), vocab)
+        fast = modeling_dflash.recursive_verdicts(tree, q_KV, target_logits, 0.8, torch.Generator().manual_seed(seed))
+        plain = plain_verdicts(tree, q_KV, target_logits, 0.8, torch.Generator().manual_seed(seed))
+        assert fast == plain
+        kept_somewhere |= any(rank >= 0 for rank in fast[0])
+    assert kept_somewhere
+
+
 class OracleDrafter:
     """A drafter double that knows the target's greedy continuation: counting the context features it is
     given, it puts the right token first in every slot but slot 1, where a decoy ranks above it."""

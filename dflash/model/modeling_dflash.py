@@ -739,24 +739,38 @@ def recursive_verdicts(tree: DraftTree, q_KV: torch.Tensor, target_logits: torch
     q_{i+1} is q_i without y_i, renormalised (p_0: the target's softmax at T at node n; q_0: the child slot's
     q). The kept child is distributed as p's draw whenever one is kept, and a node that keeps none (a leaf
     keeps none) draws its token from the last p_i: the walk commits the target's own distribution. Rank
-    -1: none kept. One transfer to the host."""
+    -1: none kept. One transfer to the host.
+
+    Only the nodes with children run the rule, and the i-th try only those with an i-th child (most of a
+    large tree's nodes are leaves: they draw from p_0 alone); the nodes are ordered by child count on the host,
+    so each try works on a leading slice of them."""
     size = len(tree.tokens)
     device = target_logits.device
     children, counts = tree.child_tokens()
     width = children.shape[1]
-    children, counts = children.to(device, non_blocking=True), counts.to(device, non_blocking=True)
     p = torch.softmax(target_logits.float() / temperature, dim=-1)  # (n, V)
-    slots = torch.tensor(tree.depths, dtype=torch.long).clamp(max=q_KV.shape[0] - 1).to(device, non_blocking=True)
-    q = q_KV[slots]  # node n's children come from slot depth(n)
     kept = torch.full((size,), -1, dtype=torch.long, device=device)
     tried = torch.rand(size, width, generator=generator, device=device)
-    for rank in range(width):
-        token = children[:, rank:rank + 1]
-        trying = (kept < 0) & (rank < counts)
-        p_y, q_y = p.gather(-1, token).squeeze(-1), q.gather(-1, token).squeeze(-1)
-        keep = trying & (tried[:, rank] * q_y < p_y)
-        kept = torch.where(keep, rank, kept)
-        p, q = after_rejection(p, q, token, (trying & ~keep)[:, None])
+    count_of = counts.tolist()
+    inner = sorted((node for node in range(size) if count_of[node] > 0), key=lambda node: -count_of[node])
+    if inner:
+        rows = torch.tensor(inner, dtype=torch.long)
+        slots = torch.tensor(tree.depths, dtype=torch.long)[rows].clamp(max=q_KV.shape[0] - 1)
+        rows, slots = rows.to(device, non_blocking=True), slots.to(device, non_blocking=True)
+        tokens = children[inner].to(device, non_blocking=True)
+        p_inner, q_inner, tried_inner = p[rows], q_KV[slots], tried[rows]  # node n's children come from slot depth(n)
+        kept_inner = torch.full((len(inner),), -1, dtype=torch.long, device=device)
+        for rank in range(width):
+            trying_rows = sum(count_of[node] > rank for node in inner)  # a leading slice: the count order
+            token = tokens[:trying_rows, rank:rank + 1]
+            p_now, q_now, kept_now = p_inner[:trying_rows], q_inner[:trying_rows], kept_inner[:trying_rows]
+            trying = kept_now < 0
+            p_y, q_y = p_now.gather(-1, token).squeeze(-1), q_now.gather(-1, token).squeeze(-1)
+            keep = trying & (tried_inner[:trying_rows, rank] * q_y < p_y)
+            kept_inner[:trying_rows] = torch.where(keep, rank, kept_now)
+            p_inner[:trying_rows], q_inner[:trying_rows] = after_rejection(p_now, q_now, token,
+                                                                           (trying & ~keep)[:, None])
+        kept[rows], p[rows] = kept_inner, p_inner
     drawn = torch.multinomial(p, 1, generator=generator).squeeze(-1)
     verdicts = torch.stack([kept, drawn]).tolist()  # sync: one per block
     return verdicts[0], verdicts[1]
