@@ -213,7 +213,7 @@ def export(checkpoint, out_dir):
 @click.option("--temperature", default=0.0, show_default=True,
               help="0: greedy, every output token checked against the target's greedy choice; > 0: sampling with "
                    "the lossless speculative acceptance rule.")
-@click.option("--proposal", "proposals", default="sample", show_default=True,
+@click.option("--proposal", "proposals", default="auto", show_default=True,
               help="How a block's drafts come from the drafter's per-slot distributions: "
                    "argmax (the target keeps a draft x with p(x)), sample (per-slot draws from q), sample:F (draws "
                    "at F x the temperature), tree:N (N drafts as a tree from the slots' top tokens, verified in "
@@ -221,9 +221,10 @@ def export(checkpoint, out_dir):
                    "the chain's tokens at 0; full-attention targets only), stree:N or stree:N:F (at T > 0 the "
                    "tree's children drawn from q at F x the temperature and kept by recursive rejection sampling; "
                    "tree:N at 0); a comma-separated list serves each on "
-                   "the same prompts and baseline. sample is the default: on one H200 (12-04) it served 1.62 at T=1 "
-                   "and 2.04 at T=0.7 on held-out code-docs where argmax served 1.31 and 1.92; tree:64 served 1.4x "
-                   "the chain's tau at T=0 (12-05) at a speedup not yet measured alone (docs/eval.md).")
+                   "the same prompts and baseline. auto (the default) is tree:64 where the target can verify a "
+                   "tree, else sample: on held-out code-docs (12-05) tree:64 served 1.47x the chain's tau at T=0, "
+                   "1.37x at 0.7 and 1.06x at 1, and alone a tree's step costs about a chain's (1.20 against 1.21 x "
+                   "tau at T=0 on an H200, 12-06); sample beat argmax at 0.7 and 1 (12-04; docs/eval.md).")
 @click.option("--seed", default=0, show_default=True,
               help="Sampling seed (temperature > 0): prompt i's draws start from seed + i.")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")

@@ -34,7 +34,7 @@ from dflash.config import Config, ConfigError
 from dflash.data.tokenizer import load_target_tokenizer
 from dflash.dist import resolve_device
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
-from dflash.model.modeling_dflash import Proposal, parse_proposal, plain_generate
+from dflash.model.modeling_dflash import Proposal, TargetSession, parse_proposal, plain_generate
 from dflash.serve.evaluation import (HELDOUT, EvalResult, PromptResult, check_drafter_export, decode_prompt,
                                      load_drafter, load_prompts, mark_code, plot, print_report, summarize, timed,
                                      warm_up, write_json)
@@ -50,7 +50,7 @@ class EvalOptions:
     exclude: str = ""  # regular expression the prompt's text must not match ("" = none)
     max_new_tokens: int = 256
     temperature: float = 0.0
-    proposals: tuple[str, ...] = ("sample",)  # proposal policies, each a result (at T = 0 one chain policy)
+    proposals: tuple[str, ...] = ("auto",)  # proposal policies, each a result (at T = 0 one chain policy)
     seed: int = 0
     device: str = "auto"
     out: str = ""  # JSON path
@@ -62,23 +62,39 @@ class EvalOptions:
     drafter_graphs: bool = True  # on CUDA the drafter's block replays as a CUDA graph (modeling_dflash.BlockGraph)
 
 
-def served_proposals(options: EvalOptions) -> list[Proposal]:
-    """The policies to serve, parsed (a bad one is a ConfigError naming it). At temperature 0 every chain
-    policy (argmax, sample, sample:F) is the same greedy verification, so the first of them stands for all;
-    each tree size serves its own tokens' tree and stays."""
+AUTO_PROPOSAL = "auto"
+AUTO_TREE, AUTO_CHAIN = "tree:64", "sample"
+
+
+@torch.inference_mode()
+def target_takes_trees(target, device: torch.device) -> bool:
+    """Whether the target's cache can verify a tree (every layer full attention with a dynamic cache), read
+    from the cache of a one-token forward."""
+    session = TargetSession(target, [0])
+    session.forward(torch.zeros(1, 1, dtype=torch.long, device=device), logits_to_keep=1)
+    return session.tree_refusal() is None
+
+
+def served_proposals(options: EvalOptions, takes_trees: bool = False, report: bool = True) -> list[Proposal]:
+    """The policies to serve, parsed (a bad one is a ConfigError naming it); `auto` is `tree:64` for a target
+    that can verify trees (`takes_trees`) and `sample` otherwise. At temperature 0 every chain policy (argmax,
+    sample, sample:F) is the same greedy verification, so the first of them stands for all; each tree size
+    serves its own tokens' tree and stays."""
+    auto = AUTO_TREE if takes_trees else AUTO_CHAIN
+    texts = [auto if text == AUTO_PROPOSAL else text for text in options.proposals]
     try:
-        proposals = list(dict.fromkeys(parse_proposal(text) for text in options.proposals))
+        proposals = list(dict.fromkeys(parse_proposal(text) for text in texts))
     except ValueError as error:
         raise ConfigError(f"--proposal: {error}") from None
     if not proposals:
-        raise ConfigError("--proposal: no policy given (argmax, sample, sample:F, tree:N or stree:N)")
+        raise ConfigError("--proposal: no policy given (auto, argmax, sample, sample:F, tree:N or stree:N)")
     if options.temperature > 0:
         return proposals
     first_of_key = {}
     for proposal in proposals:
         first_of_key.setdefault(proposal.greedy_key(), proposal)
     served = list(first_of_key.values())
-    if len(served) < len(proposals):
+    if len(served) < len(proposals) and report:
         dropped = ", ".join(proposal.name for proposal in proposals if proposal not in served)
         print(f"temperature 0: every chain policy is greedy verification (and stree:N serves tree:N's tree); serving "
               f"{', '.join(p.name for p in served)} (not {dropped})")
@@ -107,7 +123,7 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
     the `-c` / `--set` arguments that load this config in them)."""
     for path in options.drafters:
         check_drafter_export(path)
-    proposals = served_proposals(options)
+    served_proposals(options, report=False)  # a bad policy fails before anything loads
     if options.workers > 1 and not options.shard:
         return run_sharded(options, list(config_args))
     device = resolve_device(options.device)
@@ -116,6 +132,7 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
     tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
     target = load_causal_lm(str(checkpoint), dtype, device)
     drafts = [load_drafter(path, target, dtype, device) for path in options.drafters]
+    proposals = served_proposals(options, AUTO_PROPOSAL in options.proposals and target_takes_trees(target, device))
     prompts = load_prompts(config, options.prompts, options.num_prompts, tokenizer, options.match, options.exclude)
     start, end = shard_bounds(options.shard, len(prompts)) if options.shard else (0, len(prompts))
     timed_indices = spread(options.timed_prompts, len(prompts))

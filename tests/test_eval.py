@@ -251,6 +251,23 @@ def test_spec_generate_equals_greedy_on_llama_and_qwen35(tmp_path, tiny_target_d
         greedy_generate(qwen35, prompt, 40, [stop])
 
 
+def test_the_auto_proposal_is_a_tree_where_the_target_can_verify_one(tiny_target_dir):
+    """`--proposal auto` (the default): tree:64 on a full-attention target (Llama), sample on a target with
+    linear-attention layers (Qwen3.5), whose cache cannot hold a tree's branches apart."""
+    from dflash.extract.target import load_causal_lm
+    from stages import evaluate
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    options = evaluate.EvalOptions(drafters=("export",))
+    assert options.proposals == ("auto",)
+    assert evaluate.target_takes_trees(tiny_llama().to(device), device)
+    assert not evaluate.target_takes_trees(load_causal_lm(str(tiny_target_dir), torch.float32, device), device)
+    assert [p.name for p in evaluate.served_proposals(options, takes_trees=True)] == ["tree:64"]
+    assert [p.name for p in evaluate.served_proposals(options, takes_trees=False)] == ["sample"]
+    mixed = evaluate.EvalOptions(drafters=("export",), proposals=("auto", "argmax"), temperature=1.0)
+    assert [p.name for p in evaluate.served_proposals(mixed, takes_trees=True)] == ["tree:64", "argmax"]
+
+
 @pytest.mark.slow
 def test_eval_on_the_tiny_default_is_lossless(tmp_path, pipeline_config, capsys):
     root = tmp_path
@@ -298,6 +315,7 @@ compile = false
     assert "lossless: every output token is the target's greedy choice, on all 2 prompts" in evaluated.stdout
     [report] = json.loads((root / "eval.json").read_text())["results"]
     assert report["num_prompts"] == 2 and report["mismatched_prompts"] == 0 and report["tau"] >= 1.0
+    assert report["proposal"] == "sample"  # the default, auto, on a target with linear-attention layers
     assert sum(report["histogram"]) == report["verifications"] > 0
     assert all("(sample " in p["prompt_id"] for p in report["per_prompt"])  # the held-out split
     assert (root / "eval.png").stat().st_size > 0
