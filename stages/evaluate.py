@@ -11,8 +11,8 @@ length tau (tokens committed per verifying target forward), its histogram over 1
 acceptance of each block slot, the wall-clock speedup over the baseline (on CUDA every loop
 decodes the first prompt once untimed first), and, at temperature 0, whether every output token is the
 target's greedy choice (one target forward over the prompt and the output), telling rounding near-ties of
-a bf16 target apart from real mismatches. At temperature > 0 the baseline samples at that temperature, and every proposal policy
-listed (`argmax`, `sample`, `sample:F`: how a block's drafts come from the drafter's per-slot
+a bf16 target apart from real mismatches. At temperature > 0 the baseline samples at that temperature, and
+every proposal policy listed (`argmax`, `sample`, `sample:F`: how a block's drafts come from the drafter's per-slot
 distributions; `tree:N`: N drafts as a tree verified in one forward; docs/eval.md) is served on the
 same prompts and baseline; at temperature 0 every chain policy is greedy verification, so the first
 of them is served, beside each tree size. Prompt rows with a `kind` field get tau per kind.
@@ -171,8 +171,9 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
             baseline = ([], 0.0) if not timed_prompt else timed(
                 device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
                                                options.temperature, baseline_generator))
+            checks = {}  # the greedy check once per distinct output (the policies' outputs are mostly one)
             decoded_all = [decode_prompt(draft, target, prompt.label, input_ids, baseline, options.max_new_tokens,
-                                         options.temperature, stops, generator, device, proposal, graphs)
+                                         options.temperature, stops, generator, device, proposal, graphs, checks)
                            for draft, proposal, generator in served]
         for decoded, result in zip(decoded_all, results):
             decoded.kind, decoded.timed = prompt.kind, timed_prompt

@@ -183,6 +183,21 @@ def test_a_mismatch_at_a_rounding_tie_is_told_apart_from_a_real_one():
     assert lossless_verdict(summarize(result)) == "NO: 1 prompts differ (+1 near-ties)"
 
 
+def test_the_greedy_check_runs_once_per_distinct_output_of_a_prompt(monkeypatch):
+    from dflash.serve import evaluation
+
+    target = tiny_llama()
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 250]])
+    truth = greedy_generate(target, prompt, 12)
+    calls = []
+    monkeypatch.setattr(evaluation, "greedy_check", lambda *args: calls.append(args) or (None, None, None))
+    checks = {}
+    for wrong_slot in (None, 2):  # two policies' worth of decoding, the same greedy output
+        decode_prompt(OracleDrafter(truth, prompt.shape[1], wrong_slot), target, "row 1", prompt, ([], 0.0), 12,
+                      0.0, [], None, torch.device("cpu"), checks=checks)
+    assert len(calls) == 1 and list(checks) == [tuple(truth)]
+
+
 def test_tau_is_split_between_code_blocks_and_prose():
     """Each verification counts inside a ``` block when its first committed token does: the fence
     count of the text before it is odd; a fence split over two tokens counts once it is whole."""

@@ -220,8 +220,8 @@ FLEX_OPTIONS_OVERRIDE: dict = {}  # non-empty: the kernel options for every head
 
 
 def flex_kernel_options(head_dim: int) -> dict:
-    """Flex's kernel options on CUDA: 64 x 64 tiles for small heads, inductor's defaults for the others (or the
-    benchmark's override, a tile sweep's)."""
+    """Flex's kernel options on CUDA: `SMALL_HEAD_OPTIONS` for small heads, inductor's defaults for the others
+    (or the benchmark's override, a tile sweep's)."""
     if FLEX_OPTIONS_OVERRIDE:
         return dict(FLEX_OPTIONS_OVERRIDE)
     return dict(SMALL_HEAD_OPTIONS) if head_dim <= SMALL_HEAD_DIM else {}

@@ -753,15 +753,17 @@ def recursive_verdicts(tree: DraftTree, q_KV: torch.Tensor, target_logits: torch
     tried = torch.rand(size, width, generator=generator, device=device)
     count_of = counts.tolist()
     inner = sorted((node for node in range(size) if count_of[node] > 0), key=lambda node: -count_of[node])
+    inner_counts = [count_of[node] for node in inner]  # descending: the nodes with an i-th child lead
     if inner:
         rows = torch.tensor(inner, dtype=torch.long)
         slots = torch.tensor(tree.depths, dtype=torch.long)[rows].clamp(max=q_KV.shape[0] - 1)
         rows, slots = rows.to(device, non_blocking=True), slots.to(device, non_blocking=True)
         tokens = children[inner].to(device, non_blocking=True)
-        p_inner, q_inner, tried_inner = p[rows], q_KV[slots], tried[rows]  # node n's children come from slot depth(n)
+        # node n's children come from slot depth(n)
+        p_inner, q_inner, tried_inner = p[rows], q_KV[slots], tried[rows]
         kept_inner = torch.full((len(inner),), -1, dtype=torch.long, device=device)
         for rank in range(width):
-            trying_rows = sum(count_of[node] > rank for node in inner)  # a leading slice: the count order
+            trying_rows = sum(count > rank for count in inner_counts)
             token = tokens[:trying_rows, rank:rank + 1]
             p_now, q_now, kept_now = p_inner[:trying_rows], q_inner[:trying_rows], kept_inner[:trying_rows]
             trying = kept_now < 0

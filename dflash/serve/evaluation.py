@@ -253,11 +253,13 @@ def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, 
 
 def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
                   temperature: float, stops, generator, device: torch.device,
-                  proposal: Proposal = Proposal(sample=True), graphs: bool | None = None) -> PromptResult:
+                  proposal: Proposal = Proposal(sample=True), graphs: bool | None = None,
+                  checks: dict | None = None) -> PromptResult:
     """Speculative decoding of one prompt (blocks drafted by `proposal` at temperature > 0); `baseline`: the
     plain decoding's `(tokens, seconds)` (the speed figure; `([], 0.0)` for a prompt not timed). At temperature
-    0 the output is checked against the target's greedy choice at every position (`greedy_check`); `graphs`: as
-    `speculative_generate`'s (None: a CUDA graph on CUDA)."""
+    0 the output is checked against the target's greedy choice at every position (`greedy_check`), once per
+    distinct output where the policies of one prompt share `checks`; `graphs`: as `speculative_generate`'s
+    (None: a CUDA graph on CUDA)."""
     spec, spec_seconds = timed(device, lambda: speculative_generate(
         draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal, graphs))
     baseline_tokens, baseline_seconds = baseline
@@ -266,8 +268,11 @@ def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseli
                           spec_seconds=spec_seconds, baseline_tokens=len(baseline_tokens),
                           baseline_seconds=baseline_seconds, generated_ids=list(spec.generated))
     if temperature <= 0:
-        result.first_mismatch, result.mismatch_gap, result.tie_tolerance = greedy_check(
-            target, input_ids, spec.generated, stops, max_new_tokens)
+        checks = {} if checks is None else checks
+        output = tuple(spec.generated)
+        if output not in checks:
+            checks[output] = greedy_check(target, input_ids, spec.generated, stops, max_new_tokens)
+        result.first_mismatch, result.mismatch_gap, result.tie_tolerance = checks[output]
         result.near_tie = result.mismatch_gap is not None and abs(result.mismatch_gap) <= result.tie_tolerance
     return result
 
