@@ -65,8 +65,9 @@ def micro_batch(seed: int, device, masks: str = "tiles", items: list[dict] | Non
     items = random_items(seed) if items is None else items
     args = drafter_args("tiny")
     windows = layer_windows(args.layer_types, args.sliding_window) if masks != "rule" else None
+    tile = dflash_masks.mask_tile(args.head_dim)  # as the trainer's collate: 64 under the small heads' kernel tiles
     return to_device(collate_packed(items, pad_multiple=128, block_size=args.block_size, mask_windows=windows,
-                                    gather_keys=masks == "gathered"), device)
+                                    gather_keys=masks == "gathered", mask_tile=tile), device)
 
 
 def context(backend: str, device, seed: int = 0) -> TrainContext:
@@ -89,8 +90,8 @@ def fresh_drafter(args, device) -> DFlashDrafter:
 @pytest.mark.parametrize("seed", range(3))
 def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks, kernel, monkeypatch):
     """Every way of building the flex block masks (the collate's tiles, over gathered keys,
-    create_block_mask), under inductor's default kernel tiles and the small heads' ones
-    (`masks.SMALL_HEAD_OPTIONS`), gives the dense mask's loss and gradients."""
+    create_block_mask), under inductor's default kernel tiles and 128-key mask tiles and the small heads'
+    kernel tiles (`masks.SMALL_HEAD_OPTIONS`) and 64-key mask tiles, gives the dense mask's loss and gradients."""
     # The head dim below which the small heads' tiles apply: none (inductor's defaults) or every head.
     monkeypatch.setattr(dflash_masks, "SMALL_HEAD_DIM", 0 if kernel == "default" else 1 << 20)
     device = torch.device("cuda")

@@ -114,7 +114,7 @@ def test_bad_inputs_are_named():
         build_masks({k: v for k, v in meta.items() if k != "anchor_pos"}, LAYER_TYPES, 8, block_size=4, device="cpu")
 
 
-def tiled_packed_meta(rng: np.random.Generator, block_size: int) -> dict:
+def tiled_packed_meta(rng: np.random.Generator, block_size: int, tile: int = TILE) -> dict:
     """A packed micro-batch as the collate lays it out for flex attention: sequences of random
     lengths (some longer than a tile), sorted random anchors, T and A * B padded to the tile."""
     lengths = rng.integers(1, 300, size=int(rng.integers(1, 6)))
@@ -126,8 +126,8 @@ def tiled_packed_meta(rng: np.random.Generator, block_size: int) -> dict:
         chosen = np.sort(rng.choice(length, size=count, replace=False))
         anchor_doc += [doc] * count
         anchor_pos += chosen.tolist()
-    num_tokens = -(-len(doc_ids) // TILE) * TILE
-    anchors_per_tile = TILE // np.gcd(TILE, block_size)
+    num_tokens = -(-len(doc_ids) // tile) * tile
+    anchors_per_tile = tile // np.gcd(tile, block_size)
     num_anchors = max(anchors_per_tile, -(-len(anchor_doc) // anchors_per_tile) * anchors_per_tile)
     pad = num_tokens - len(doc_ids)
     return {"doc_ids": torch.tensor(np.r_[doc_ids, [-1] * pad]),
@@ -136,26 +136,28 @@ def tiled_packed_meta(rng: np.random.Generator, block_size: int) -> dict:
             "anchor_pos": torch.tensor(anchor_pos + [0] * (num_anchors - len(anchor_pos)), dtype=torch.long)}
 
 
-def layout_of(meta: dict, block_size: int, window):
+def layout_of(meta: dict, block_size: int, window, tile: int = TILE):
     return tile_layout(*(meta[k].numpy() for k in ("doc_ids", "position_ids", "anchor_doc", "anchor_pos")),
-                       block_size, window)
+                       block_size, window, tile)
 
 
 @pytest.mark.parametrize("seed", range(8))
-@pytest.mark.parametrize("block_size", [16, 4])
-def test_tile_layout_equals_create_block_mask(seed, block_size):
+@pytest.mark.parametrize("block_size", [16, 4, 6])
+@pytest.mark.parametrize("tile_size", [TILE, 64])
+def test_tile_layout_equals_create_block_mask(seed, block_size, tile_size):
     """The tiles laid out from each row's key ranges are exactly the ones create_block_mask finds by
-    evaluating the rule on every (query, key) pair: the same partial and full tiles, in the same order."""
+    evaluating the rule on every (query, key) pair: the same partial and full tiles, in the same order
+    (whole blocks per query tile, and blocks of 6 rows that straddle the tiles' edges)."""
     rng = np.random.default_rng(seed)
-    meta = tiled_packed_meta(rng, block_size)
+    meta = tiled_packed_meta(rng, block_size, tile_size)
     num_queries = len(meta["anchor_doc"]) * block_size
     num_keys = len(meta["doc_ids"]) + num_queries
-    for window in (int(rng.integers(block_size, 200)), None):
-        layout = layout_of(meta, block_size, window)
+    for window in (int(rng.integers(block_size, 200)), block_size, None):
+        layout = layout_of(meta, block_size, window, tile_size)
         assert layout is not None
         mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
                                  block_size, window)
-        expected = create_block_mask(mask_mod, 1, 1, num_queries, num_keys, device="cpu")
+        expected = create_block_mask(mask_mod, 1, 1, num_queries, num_keys, device="cpu", BLOCK_SIZE=tile_size)
         for kind, (num, indices) in enumerate([(expected.kv_num_blocks, expected.kv_indices),
                                                (expected.full_kv_num_blocks, expected.full_kv_indices)]):
             num, indices = num[0, 0].numpy(), indices[0, 0].numpy()
@@ -166,13 +168,15 @@ def test_tile_layout_equals_create_block_mask(seed, block_size):
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("seed", range(3))
-def test_block_mask_from_tiles_attends_like_dense_sdpa(seed):
+@pytest.mark.parametrize("tile_size", [TILE, 64])
+def test_block_mask_from_tiles_attends_like_dense_sdpa(seed, tile_size):
     """The collate's tiles, through build_masks, give the attention of the dense mask."""
     rng = np.random.default_rng(200 + seed)
     block_size, window = 16, int(rng.integers(16, 120))
-    meta = tiled_packed_meta(rng, block_size)
+    meta = tiled_packed_meta(rng, block_size, tile_size)
     windows = layer_windows(LAYER_TYPES, window)
-    tiled = dict(meta, **{tiles_key(t): torch.from_numpy(layout_of(meta, block_size, w)) for t, w in windows.items()})
+    tiled = dict(meta, **{tiles_key(t): torch.from_numpy(layout_of(meta, block_size, w, tile_size))
+                          for t, w in windows.items()})
     flex = build_masks(tiled, LAYER_TYPES, window, block_size=block_size, backend="flex", device="cpu")
     dense = build_masks(meta, LAYER_TYPES, window, block_size=block_size, backend="dense", device="cpu")
     assert_flex_attends_like_dense(meta, flex, dense, block_size, seed)
@@ -197,8 +201,10 @@ def test_tile_layout_declines_layouts_it_cannot_read():
     assert tile_layout(arrays["doc_ids"], arrays["position_ids"], arrays["anchor_doc"], beyond, 16, None) is None
 
 
-def test_collate_lays_out_the_tiles_the_rule_gives():
-    """collate_packed with mask_windows writes each layer type's tiles; they equal create_block_mask's."""
+@pytest.mark.parametrize("tile_size", [TILE, 64])
+def test_collate_lays_out_the_tiles_the_rule_gives(tile_size):
+    """collate_packed with mask_windows writes each layer type's tiles (`mask_tile` in size); through
+    block_mask_from_layout they equal create_block_mask's."""
     from dflash.train.batch import collate_packed
 
     rng = np.random.default_rng(3)
@@ -212,14 +218,14 @@ def test_collate_lays_out_the_tiles_the_rule_gives():
                       "scale": None, "loss_mask": loss_mask, "row_id": row, "anchors": anchors, "sample_index": row,
                       "epoch": 0, "bucket": 0})
     windows = layer_windows(LAYER_TYPES, 64)
-    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows)
+    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, mask_tile=tile_size)
     num_queries = len(batch["anchor_doc"]) * 16
     num_keys = len(batch["doc_ids"]) + num_queries
     for layer_type, window in windows.items():
         layout = batch[tiles_key(layer_type)]
         mask_mod = make_mask_mod(batch["doc_ids"], batch["position_ids"], batch["anchor_doc"], batch["anchor_pos"],
                                  16, window)
-        expected = create_block_mask(mask_mod, 1, 1, num_queries, num_keys, device="cpu")
+        expected = create_block_mask(mask_mod, 1, 1, num_queries, num_keys, device="cpu", BLOCK_SIZE=tile_size)
         built = block_mask_from_layout(layout, mask_mod, num_queries, num_keys)
         assert torch.equal(built.to_dense(), expected.to_dense()), layer_type
         assert torch.equal(built.full_kv_num_blocks, expected.full_kv_num_blocks)
@@ -254,24 +260,25 @@ def assert_layout_lists(layout: np.ndarray, expected) -> None:
             assert np.array_equal(layout[kind, tile, 1:1 + count], indices[tile, :count])
 
 
-def gathered(meta: dict, block_size: int, window):
+def gathered(meta: dict, block_size: int, window, tile_size: int = TILE):
     """The tile layout over each query tile's own context keys, and those keys (tiles.gather_context_keys)."""
-    return gather_context_keys(layout_of(meta, block_size, window), len(meta["doc_ids"]))
+    return gather_context_keys(layout_of(meta, block_size, window, tile_size), len(meta["doc_ids"]), tile_size)
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_gathered_tiles_equal_create_block_mask_over_the_gathered_keys(seed):
+@pytest.mark.parametrize("tile_size", [TILE, 64])
+def test_gathered_tiles_equal_create_block_mask_over_the_gathered_keys(seed, tile_size):
     """After gathering, the layout still lists exactly the tiles the rule gives over the new keys, and
     no new key tile is read by two query tiles."""
     rng = np.random.default_rng(300 + seed)
-    meta = tiled_packed_meta(rng, 16)
+    meta = tiled_packed_meta(rng, 16, tile_size)
     num_queries = len(meta["anchor_doc"]) * 16
     for window in (int(rng.integers(16, 200)), None):
-        layout, keys = gathered(meta, 16, window)
+        layout, keys = gathered(meta, 16, window, tile_size)
         mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
                                  16, window)
-        expected = create_block_mask(gathered_mask_mod(mask_mod, torch.from_numpy(keys)), 1, 1, num_queries,
-                                     keys.shape[1], device="cpu")
+        expected = create_block_mask(gathered_mask_mod(mask_mod, torch.from_numpy(keys), tile_size), 1, 1,
+                                     num_queries, keys.shape[1], device="cpu", BLOCK_SIZE=tile_size)
         assert_layout_lists(layout, expected)
         readers = (expected.q_num_blocks + expected.full_q_num_blocks)[0, 0].numpy()
         assert readers.max() == 1, "a gathered key tile is read by more than one query tile"
@@ -359,14 +366,16 @@ def collate_items(rng: np.random.Generator) -> list[dict]:
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_over_gathered_keys_equals_dense_sdpa():
+@pytest.mark.parametrize("tile_size", [TILE, 64])
+def test_flex_over_gathered_keys_equals_dense_sdpa(tile_size):
     """collate_packed(gather_keys=True) -> build_masks -> attend: flex over each query tile's own copies of
     its context keys, as dense SDPA over all keys (the CPU runs flex's forward only)."""
     from dflash.train.batch import collate_packed
 
     items = collate_items(np.random.default_rng(5))
     windows = layer_windows(LAYER_TYPES, 96)
-    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, gather_keys=True)
+    batch = collate_packed(items, pad_multiple=128, block_size=16, mask_windows=windows, gather_keys=True,
+                           mask_tile=tile_size)
     flex = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="flex", device="cpu")
     dense = build_masks(batch, LAYER_TYPES, 96, block_size=16, backend="dense", device="cpu")
     assert all(isinstance(flex[layer_type], GatheredMask) for layer_type in LAYER_TYPES)
@@ -380,3 +389,18 @@ def test_flex_kernel_options_small_heads_and_the_benchmarks_override(monkeypatch
     assert masks.flex_kernel_options(128) == {}
     monkeypatch.setattr(masks, "FLEX_OPTIONS_OVERRIDE", {"BLOCK_M1": 32, "BLOCK_N1": 64})
     assert masks.flex_kernel_options(64) == masks.flex_kernel_options(128) == {"BLOCK_M1": 32, "BLOCK_N1": 64}
+
+
+def test_mask_tile_holds_every_kernel_tile(monkeypatch):
+    """The block masks' tile is the largest kernel tile: 64 under the small heads' options, 128 under
+    inductor's defaults, and an override's largest; the trainer's collate lays out tiles of that size."""
+    from dflash.model import masks
+    from dflash.model.drafter import drafter_args
+    from dflash.train.batch import collate_options
+
+    assert masks.mask_tile(64) == 64 and masks.mask_tile(128) == TILE
+    small, large = drafter_args("tiny", head_dim=64), drafter_args("tiny", head_dim=128)
+    assert collate_options("flex", small)["mask_tile"] == 64 and collate_options("flex", large)["mask_tile"] == TILE
+    assert collate_options("dense", small)["mask_tile"] == TILE
+    monkeypatch.setattr(masks, "FLEX_OPTIONS_OVERRIDE", {"BLOCK_M": 128, "BLOCK_N": 64})
+    assert masks.mask_tile(64) == 128

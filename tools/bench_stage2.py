@@ -668,6 +668,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--gather-keys", action="store_true",
                         help="train.gather_context_keys: each query tile its own copy of the context keys it reads, "
                              "so no key tile is read by two query tiles in flex's backward")
+    parser.add_argument("--mask-tile", type=int, default=0,
+                        help="the block masks' tile (rows and keys) in place of dflash's (masks.mask_tile: 64 for heads "
+                             "of <= 64 dims, else 128); a multiple of every kernel tile, e.g. 128 to compare")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
@@ -765,7 +768,10 @@ def run(args, argv, dist) -> int:
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
-    options = collate_options(ctx, config, args.mask_rule)
+    if args.mask_tile:
+        options["mask_tile"] = args.mask_tile
+    results["mask_tile"] = options["mask_tile"]
+    say(f"block masks' tile {options['mask_tile']}")
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode == "peer":
             steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed, options))

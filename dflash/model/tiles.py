@@ -1,7 +1,9 @@
 """The tiles of a packed stage-two micro-batch's block masks, laid out on the host.
 
-Flex attention skips every 128 x 128 (query, key) tile that its `BlockMask` does not list and evaluates
-the `mask_mod` only inside partial tiles. Which tiles those are follows from each query row's visible
+Flex attention skips every (query, key) tile that its `BlockMask` does not list and evaluates the
+`mask_mod` only inside partial tiles; the tiles are 128 x 128, or 64 x 64 under the small heads' kernel
+tiles (`masks.mask_tile`), where a 64-row query tile holds 4 anchors' blocks instead of 8 and so reads
+fewer keys no row of it sees. Which tiles those are follows from each query row's visible
 keys, two index ranges (dflash/model/masks.py states the rule): its sequence's context before the
 anchor, inside the sliding window, and its own block. `tile_layout` computes them with a few numpy
 passes over the rows (the collate does, in the loader's workers); `create_block_mask` found the same
@@ -11,14 +13,14 @@ reads, so that no key tile is read by more than one query tile (flex's backward 
 key tile over the query tiles that read it: shared, a sequence's first context tiles are read by
 dozens).
 
-Shapes: T context tokens, A anchors, B block size, Q = A * B rows, QT = Q / TILE query tiles,
+Shapes: T context tokens, A anchors, B block size, Q = A * B rows, QT = Q / tile query tiles,
 KT key tiles, K' keys after gathering.
 """
 
 import numpy as np
 
 PADDING_DOC = -1  # doc id of padded context tokens and padded anchors
-TILE = 128  # rows and keys per BlockMask tile (flex attention's default block size)
+TILE = 128  # rows and keys per BlockMask tile by default (flex attention's default block size)
 
 
 def tiles_key(layer_type: str) -> str:
@@ -32,12 +34,14 @@ def keys_key(layer_type: str) -> str:
 
 
 def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, anchor_pos_A: np.ndarray,
-                block_size: int, window: int | None) -> np.ndarray | None:
-    """The `BlockMask` tiles of one layer type, from the rule above, as int32 `(2, QT, KT + 1)`:
-    `[0]` partial tiles (a visible pair and an invisible one), `[1]` full tiles (only visible pairs);
-    per query tile the count, then the key-tile indices in ascending order (the rest 0).
+                block_size: int, window: int | None, tile: int = TILE) -> np.ndarray | None:
+    """The `BlockMask` tiles (`tile` x `tile`) of one layer type, from the rule above, as int32
+    `(2, QT, 1 + W)`: `[0]` partial tiles (a visible pair and an invisible one), `[1]` full tiles (only
+    visible pairs); per query tile the count, then the key-tile indices in ascending order (the rest 0).
+    W is the longest list (at least 1), not the KT key tiles: `masks.block_mask_from_layout` pads the
+    lists to KT on the device, so the loader's workers pass a few columns instead of KT.
 
-    Needs what the collate lays out: T and A * B multiples of TILE, each sequence's real tokens
+    Needs what the collate lays out: T and A * B multiples of `tile`, each sequence's real tokens
     contiguous at positions 0, 1, ... Returns None for any other layout (`build_masks` then
     evaluates the `mask_mod` everywhere, as `create_block_mask` does).
     """
@@ -45,7 +49,7 @@ def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, 
     anchor_doc_A, anchor_pos_A = np.asarray(anchor_doc_A, dtype=np.int64), np.asarray(anchor_pos_A, dtype=np.int64)
     num_tokens, num_anchors = len(doc_T), len(anchor_doc_A)
     num_rows = num_anchors * block_size
-    if num_tokens % TILE or num_rows % TILE or not num_tokens or not num_anchors:
+    if num_tokens % tile or num_rows % tile or not num_tokens or not num_anchors:
         return None
     starts = sequence_starts(doc_T, pos_T)
     if starts is None:
@@ -59,37 +63,57 @@ def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, 
         if anchor_pos_A[real].min() < 0 or (anchor_pos_A[real] > lengths[docs]).any():
             return None  # its context would run past its sequence
     doc_start_A = np.where(real, starts[np.where(real, anchor_doc_A, 0)], 0)
-    slot_R = np.tile(np.arange(block_size), num_anchors)
-    anchor_R = np.repeat(np.arange(num_anchors), block_size)
-    pos_R = anchor_pos_A[anchor_R]
     # Row r (anchor a, slot s) sees context [start + max(0, p + s - W + 1), start + p - 1] of its
-    # sequence and block keys [T + a*B, T + a*B + (s if sliding else B - 1)].
-    first_pos = np.zeros_like(pos_R) if window is None else np.maximum(0, pos_R + slot_R - window + 1)
-    context_lo = doc_start_A[anchor_R] + first_pos
-    context_hi = doc_start_A[anchor_R] + pos_R - 1
-    context_hi = np.where(real[anchor_R], context_hi, context_lo - 1)  # padded anchors: no context
-    block_lo = num_tokens + anchor_R * block_size
-    block_hi = block_lo + (slot_R if window is not None else block_size - 1)
-    num_key_tiles = (num_tokens + num_rows) // TILE
-    row_tile = np.arange(num_rows) // TILE
-    touched = np.zeros((num_rows // TILE, num_key_tiles + 1), dtype=np.int64)
-    covered = np.zeros_like(touched)
-    for lo, hi in ((context_lo, context_hi), (block_lo, block_hi)):
-        some = lo <= hi
-        np.add.at(touched, (row_tile[some], lo[some] // TILE), 1)
-        np.add.at(touched, (row_tile[some], hi[some] // TILE + 1), -1)
-        first_full, last_full = -(-lo // TILE), (hi + 1) // TILE - 1
-        whole = some & (first_full <= last_full)
-        np.add.at(covered, (row_tile[whole], first_full[whole]), 1)
-        np.add.at(covered, (row_tile[whole], last_full[whole] + 1), -1)
-    any_visible = np.cumsum(touched, axis=1)[:, :-1] > 0
-    full = np.cumsum(covered, axis=1)[:, :-1] == TILE  # every row of the query tile sees the whole key tile
-    layout = np.zeros((2, num_rows // TILE, num_key_tiles + 1), dtype=np.int32)
-    for kind, tiles in enumerate((any_visible & ~full, full)):
-        layout[kind, :, 0] = tiles.sum(axis=1)
-        order = np.argsort(~tiles, axis=1, kind="stable")  # listed tiles first, ascending
-        layout[kind, :, 1:] = np.where(np.take_along_axis(tiles, order, axis=1), order, 0)
+    # sequence and block keys [T + a*B, T + a*B + (s if sliding else B - 1)]. The rows of a unit (an
+    # anchor's block when B divides the tile, else one row) share those ranges' ends, and the starts grow
+    # with the slot: the union of the unit's ranges runs from its lowest slot's start, their intersection
+    # from its highest slot's (sliding layers; the ranges do not depend on the slot in full layers).
+    unit = block_size if tile % block_size == 0 else 1
+    slots = np.arange(block_size).reshape(-1, unit)
+    anchor_U = np.repeat(np.arange(num_anchors), len(slots))
+    low_U, high_U = np.tile(slots[:, 0], num_anchors), np.tile(slots[:, -1], num_anchors)
+    pos_U, start_U, real_U = anchor_pos_A[anchor_U], doc_start_A[anchor_U], real[anchor_U]
+    if window is None:
+        first_low = first_high = np.zeros_like(pos_U)
+    else:
+        first_low, first_high = (np.maximum(0, pos_U + slot - window + 1) for slot in (low_U, high_U))
+    context_hi = np.where(real_U, start_U + pos_U - 1, start_U + first_low - 1)  # padded anchors: no context
+    block_lo = num_tokens + anchor_U * block_size
+    reach_low, reach_high = (low_U, high_U) if window is not None else (block_size - 1, block_size - 1)
+    ranges = [  # per unit: the union's (lo, hi) and the intersection's
+        ((start_U + first_low, context_hi), (start_U + first_high, context_hi)),
+        ((block_lo, block_lo + reach_high), (block_lo, block_lo + reach_low)),
+    ]
+    num_query_tiles, num_key_tiles = num_rows // tile, (num_tokens + num_rows) // tile
+    tile_U = (anchor_U * block_size + low_U) // tile  # each unit's query tile
+    touched, covered = [], []  # (query tile, key tile) cells: some row sees a key / a unit sees every key
+    for (union_lo, union_hi), (both_lo, both_hi) in ranges:
+        some = union_lo <= union_hi
+        touched.append(_tile_cells(tile_U[some], union_lo[some] // tile, union_hi[some] // tile, num_key_tiles))
+        some = both_lo <= both_hi
+        first_full, last_full = -(-both_lo[some] // tile), (both_hi[some] + 1) // tile - 1
+        covered.append(_tile_cells(tile_U[some], first_full, last_full, num_key_tiles))
+    touched = np.unique(np.concatenate(touched))
+    cells, count = np.unique(np.concatenate(covered), return_counts=True)
+    full = cells[count == tile // unit]  # every unit, so every row, of the query tile sees the whole key tile
+    kinds = (np.setdiff1d(touched, full, assume_unique=True), full)
+    counts = [np.bincount(cells // num_key_tiles, minlength=num_query_tiles) for cells in kinds]
+    layout = np.zeros((2, num_query_tiles, 1 + max(1, max(int(c.max()) for c in counts))), dtype=np.int32)
+    for kind, cells in enumerate(kinds):
+        rows, columns = cells // num_key_tiles, cells % num_key_tiles  # row by row, columns ascending
+        first = np.concatenate([[0], np.cumsum(counts[kind])[:-1]])
+        layout[kind, :, 0] = counts[kind]
+        layout[kind, rows, 1 + np.arange(len(cells)) - first[rows]] = columns
     return layout
+
+
+def _tile_cells(query_tile: np.ndarray, first: np.ndarray, last: np.ndarray, num_key_tiles: int) -> np.ndarray:
+    """The (query tile, key tile) cells `query_tile * num_key_tiles + k` for k in [first, last] of each
+    entry (none where last < first), as one flat int64 array."""
+    lengths = np.maximum(last - first + 1, 0)
+    owner = np.repeat(np.arange(len(lengths)), lengths)
+    offset = np.arange(len(owner)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return query_tile[owner] * num_key_tiles + first[owner] + offset
 
 
 def sequence_starts(doc_T: np.ndarray, pos_T: np.ndarray) -> np.ndarray | None:
@@ -113,32 +137,32 @@ def sequence_starts(doc_T: np.ndarray, pos_T: np.ndarray) -> np.ndarray | None:
     return starts
 
 
-def gather_context_keys(layout: np.ndarray, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def gather_context_keys(layout: np.ndarray, num_tokens: int, tile: int = TILE) -> tuple[np.ndarray, np.ndarray]:
     """Each query tile its own copy of the context tiles it reads: the layout over the new keys
     `[copies (T') ; block keys (Q)]` and `keys (2, T' + Q)` int64: `[0]` the key each new key copies,
     `[1]` the query tile that owns a copy (-1 for block keys, which are never copied). The attention is
     the same as over the original keys if a query sees only its own tile's copies (`masks.gathered_mask_mod`)."""
-    context_tiles = num_tokens // TILE
+    context_tiles = num_tokens // tile
     num_query_tiles = layout.shape[1]
-    num_rows = num_query_tiles * TILE
+    num_rows = num_query_tiles * tile
     read = []  # per query tile: the context tiles it reads, ascending
-    for tile in range(num_query_tiles):
-        listed = np.concatenate([layout[kind, tile, 1:1 + layout[kind, tile, 0]] for kind in (0, 1)])
+    for row in range(num_query_tiles):
+        listed = np.concatenate([layout[kind, row, 1:1 + layout[kind, row, 0]] for kind in (0, 1)])
         read.append(np.unique(listed[listed < context_tiles]))
     counts = np.array([len(tiles) for tiles in read], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(counts)[:-1]])
     copied = int(counts.sum())
     source_tiles = np.concatenate(read) if copied else np.zeros(0, dtype=np.int64)
-    source = np.concatenate([(source_tiles[:, None] * TILE + np.arange(TILE)).reshape(-1),
+    source = np.concatenate([(source_tiles[:, None] * tile + np.arange(tile)).reshape(-1),
                              num_tokens + np.arange(num_rows)])
-    owner = np.concatenate([np.repeat(np.arange(num_query_tiles), counts * TILE), np.full(num_rows, -1)])
+    owner = np.concatenate([np.repeat(np.arange(num_query_tiles), counts * tile), np.full(num_rows, -1)])
     shift = copied - context_tiles  # block tiles move by this many tiles
-    gathered = np.zeros((2, num_query_tiles, copied + num_rows // TILE + 1), dtype=np.int32)
+    gathered = np.zeros_like(layout)  # the same lists, renumbered
     for kind in (0, 1):
-        for tile in range(num_query_tiles):
-            listed = layout[kind, tile, 1:1 + layout[kind, tile, 0]].astype(np.int64)
+        for row in range(num_query_tiles):
+            listed = layout[kind, row, 1:1 + layout[kind, row, 0]].astype(np.int64)
             context = listed < context_tiles
-            moved = np.where(context, offsets[tile] + np.searchsorted(read[tile], listed), listed + shift)
-            gathered[kind, tile, 0] = len(moved)
-            gathered[kind, tile, 1:1 + len(moved)] = moved
+            moved = np.where(context, offsets[row] + np.searchsorted(read[row], listed), listed + shift)
+            gathered[kind, row, 0] = len(moved)
+            gathered[kind, row, 1:1 + len(moved)] = moved
     return gathered, np.stack([source, owner])

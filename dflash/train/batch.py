@@ -25,8 +25,8 @@ import torch.utils.data
 from dflash.data.chat import row_label
 from dflash.model.anchors import anchor_rng, sample_anchors
 from dflash.model.loss import label_rows
-from dflash.model.masks import layer_windows
-from dflash.model.tiles import PADDING_DOC, gather_context_keys, keys_key, tile_layout, tiles_key
+from dflash.model.masks import layer_windows, mask_tile
+from dflash.model.tiles import PADDING_DOC, TILE, gather_context_keys, keys_key, tile_layout, tiles_key
 from dflash.padding import micro_batch_multiple, round_up
 from dflash.store.schema import CorruptShardError, bits_to_probs
 from dflash.train.served import window_anchors
@@ -166,16 +166,17 @@ def fused_groups(items: list[dict], anchor_doc: np.ndarray) -> tuple[np.ndarray,
 def collate_options(backend: str, args, gather_keys: bool = False) -> dict:
     """What the trainer's collate takes for a drafter (`DrafterArgs`) and attention backend: the
     padding, the block size and, with flex attention, each layer type's window (the collate lays out the
-    block masks' tiles) and whether it gathers context keys (`train.gather_context_keys`)."""
+    block masks' tiles, `masks.mask_tile` in size) and whether it gathers context keys
+    (`train.gather_context_keys`)."""
     flex = backend == "flex"
     return {"pad_multiple": micro_batch_multiple(backend), "block_size": args.block_size,
             "mask_windows": layer_windows(args.layer_types, args.sliding_window) if flex else None,
-            "gather_keys": flex and gather_keys}
+            "gather_keys": flex and gather_keys, "mask_tile": mask_tile(args.head_dim) if flex else TILE}
 
 
 def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None = None,
                    mask_windows: dict[str, int | None] | None = None,
-                   gather_keys: bool = False) -> dict[str, torch.Tensor]:
+                   gather_keys: bool = False, mask_tile: int = TILE) -> dict[str, torch.Tensor]:
     """Pack `StoreDataset` items into one micro-batch of CPU tensors (see the module docstring).
 
     Keys: `hidden (T, n*H)` uint16|uint8, `scale (T, n)` float32 (fp8 stores only),
@@ -187,8 +188,8 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     `num_real_tokens`, `num_real_anchors`; with `block_size`, `label_rows (L,)`: the block rows
     that carry a label (`dflash.model.loss.label_rows`, so the LM head skips the others); with
     `block_size` and `mask_windows` (`dflash.model.masks.layer_windows`, flex attention), each layer
-    type's `tile_layout` under `tiles_key(layer_type)`, so the trainer builds its block masks from the
-    tiles instead of evaluating the rule over every (query, key) pair (with `gather_keys`, over each
+    type's `tile_layout` (`mask_tile` x `mask_tile` tiles) under `tiles_key(layer_type)`, so the trainer
+    builds its block masks from the tiles instead of evaluating the rule over every (query, key) pair (with `gather_keys`, over each
     query tile's own copies of its context keys, `keys_key(layer_type)`: `tiles.gather_context_keys`);
     for the samples of a fused step (items with a `group`), `anchor_group (A,)` and the host list
     `group_buckets` (`fused_groups`); and, when some samples
@@ -226,9 +227,9 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
                                          batch["anchor_valid"], block_size)
         for layer_type, window in (mask_windows or {}).items():
             layout = tile_layout(arrays["doc_ids"], arrays["position_ids"], arrays["anchor_doc"],
-                                 arrays["anchor_pos"], block_size, window)
+                                 arrays["anchor_pos"], block_size, window, mask_tile)
             if layout is not None and gather_keys:
-                layout, keys = gather_context_keys(layout, len(arrays["doc_ids"]))
+                layout, keys = gather_context_keys(layout, len(arrays["doc_ids"]), mask_tile)
                 batch[keys_key(layer_type)] = torch.from_numpy(keys)
             if layout is not None:
                 batch[tiles_key(layer_type)] = torch.from_numpy(layout)
