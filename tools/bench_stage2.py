@@ -768,6 +768,7 @@ def run(args, argv, dist) -> int:
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
+    options = collate_options(ctx, config, args.mask_rule)
     if args.mask_tile:
         options["mask_tile"] = args.mask_tile
     results["mask_tile"] = options["mask_tile"]

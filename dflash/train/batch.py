@@ -254,6 +254,7 @@ def build_loader(
     block_size: int | None = None,
     mask_windows: dict[str, int | None] | None = None,
     gather_keys: bool = False,
+    mask_tile: int = TILE,
     num_workers: int = 0,
     pin_memory: bool = False,
     prefetch_factor: int | None = 2,
@@ -265,7 +266,7 @@ def build_loader(
         dataset,
         batch_sampler=sampler,
         collate_fn=partial(collate_packed, pad_multiple=pad_multiple, block_size=block_size,
-                           mask_windows=mask_windows, gather_keys=gather_keys),
+                           mask_windows=mask_windows, gather_keys=gather_keys, mask_tile=mask_tile),
         num_workers=num_workers,
         pin_memory=pin_memory,
         prefetch_factor=prefetch_factor if workers_used else None,
@@ -276,7 +277,7 @@ def build_loader(
 def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *, pad_multiple: int,
                  block_size: int | None, num_workers: int, pin_memory: bool,
                  mask_windows: dict[str, int | None] | None = None,
-                 gather_keys: bool = False, fuse: bool = False) -> torch.utils.data.DataLoader:
+                 gather_keys: bool = False, mask_tile: int = TILE, fuse: bool = False) -> torch.utils.data.DataLoader:
     """Micro-batches of `rank` from `start_step` of the schedule on; skipped steps are never read. With
     `fuse`, one per step: the rank's accum_steps micro-batches packed together, each sample keyed with
     its micro-batch (`fused_groups`)."""
@@ -289,5 +290,5 @@ def epoch_loader(dataset: StoreDataset, schedule, rank: int, start_step: int, *,
         batches = [[(schedule.epoch, int(i)) for i in samples]
                    for _, _, samples in schedule.rank_batches(rank, start_step)]
     return build_loader(dataset, batches, pad_multiple=pad_multiple, block_size=block_size, mask_windows=mask_windows,
-                        gather_keys=gather_keys, num_workers=num_workers,
+                        gather_keys=gather_keys, mask_tile=mask_tile, num_workers=num_workers,
                         pin_memory=pin_memory)
