@@ -185,7 +185,7 @@ class TrainConfig:
                                "mean, averaged), one forward and backward instead of accum_steps; faster where a "
                                "micro-batch leaves the GPU underused (the small drafter), accum_steps times the "
                                "activation memory")
-    gather_context_keys: bool = setting(False, "with flex attention, give each 128-row query tile its own copy of the "
+    gather_context_keys: bool = setting(False, "with flex attention, give each query tile its own copy of the "
                                         "context keys it reads, so no key tile is read by two query tiles in "
                                         "flex's backward (the loader's workers lay them out); not yet measured "
                                         "faster on a GPU, so off")
