@@ -189,8 +189,9 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     that carry a label (`dflash.model.loss.label_rows`, so the LM head skips the others); with
     `block_size` and `mask_windows` (`dflash.model.masks.layer_windows`, flex attention), each layer
     type's `tile_layout` (`mask_tile` x `mask_tile` tiles) under `tiles_key(layer_type)`, so the trainer
-    builds its block masks from the tiles instead of evaluating the rule over every (query, key) pair (with `gather_keys`, over each
-    query tile's own copies of its context keys, `keys_key(layer_type)`: `tiles.gather_context_keys`);
+    builds its block masks from the tiles instead of evaluating the rule over every (query, key) pair
+    (with `gather_keys`, over each query tile's own copies of its context keys, `keys_key(layer_type)`:
+    `tiles.gather_context_keys`);
     for the samples of a fused step (items with a `group`), `anchor_group (A,)` and the host list
     `group_buckets` (`fused_groups`); and, when some samples
     could not be read (skipped at the user's request), `skipped`: their messages. A micro-batch
