@@ -13,8 +13,8 @@ loop-by-loop statement of the rule (tests/support.py).
 
 Which tiles of a `BlockMask` (`mask_tile`: 128 x 128, 64 x 64 for small heads) hold visible pairs is
 laid out on the host by dflash/model/tiles.py (the collate, in the loader's workers); `build_masks`
-builds the `BlockMask` from that layout, and the `mask_mod` runs only inside partial tiles. Without a layout it falls back
-to `create_block_mask`, which evaluates the rule on every (query, key) pair.
+builds the `BlockMask` from that layout, and the `mask_mod` runs only inside partial tiles. Without a
+layout it falls back to `create_block_mask`, which evaluates the rule on every (query, key) pair.
 """
 
 import functools
