@@ -669,8 +669,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="train.gather_context_keys: each query tile its own copy of the context keys it reads, "
                              "so no key tile is read by two query tiles in flex's backward")
     parser.add_argument("--mask-tile", type=int, default=0,
-                        help="the block masks' tile (rows and keys) in place of dflash's (masks.mask_tile: 64 for heads "
-                             "of <= 64 dims, else 128); a multiple of every kernel tile, e.g. 128 to compare")
+                        help="the block masks' tile (rows and keys) in place of dflash's (masks.mask_tile: 64 for "
+                             "heads of <= 64 dims, else 128); a multiple of every kernel tile, e.g. 128 to compare")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
