@@ -17,6 +17,7 @@ from dflash.model.drafter import DFlashDrafter, compile_layers, drafter_args
 from dflash.model import masks as dflash_masks
 from dflash.model.loss import gamma_weights
 from dflash.model.masks import layer_windows
+from dflash.model.tiles import TILE
 from dflash.train.batch import StoreDataset, collate_packed
 from dflash.train.step import TrainContext, evaluation_mode, forward_loss, to_device, train_step
 
@@ -58,21 +59,20 @@ def random_items(seed: int, group: int | None = None) -> list[dict]:
     return [StoreDataset(reader, max_anchors=32, seed=seed)[key] for key in keys]
 
 
-def micro_batch(seed: int, device, masks: str = "tiles", items: list[dict] | None = None) -> dict:
+def micro_batch(seed: int, device, masks: str = "tiles", items: list[dict] | None = None, tile: int = TILE) -> dict:
     """A packed micro-batch (of `items`, else `random_items(seed)`); `masks`: "tiles", the block-mask tiles
     the trainer's loader lays out; "gathered", over each query tile's own context keys; "rule", none
     (create_block_mask builds them)."""
     items = random_items(seed) if items is None else items
     args = drafter_args("tiny")
     windows = layer_windows(args.layer_types, args.sliding_window) if masks != "rule" else None
-    tile = dflash_masks.mask_tile(args.head_dim)  # as the trainer's collate: 64 under the small heads' kernel tiles
     return to_device(collate_packed(items, pad_multiple=128, block_size=args.block_size, mask_windows=windows,
                                     gather_keys=masks == "gathered", mask_tile=tile), device)
 
 
-def context(backend: str, device, seed: int = 0) -> TrainContext:
+def context(backend: str, device, seed: int = 0, **overrides) -> TrainContext:
     generator = torch.Generator().manual_seed(seed)
-    args = drafter_args("tiny", mask_token_id=VOCAB - 1, vocab_size=VOCAB)
+    args = drafter_args("tiny", mask_token_id=VOCAB - 1, vocab_size=VOCAB, **overrides)
     return TrainContext(args=args, codec="bf16",
                         embed_VH=(0.02 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device, torch.bfloat16),
                         lm_head_VH=(0.02 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device, torch.bfloat16),
@@ -90,8 +90,8 @@ def fresh_drafter(args, device) -> DFlashDrafter:
 @pytest.mark.parametrize("seed", range(3))
 def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks, kernel, monkeypatch):
     """Every way of building the flex block masks (the collate's tiles, over gathered keys,
-    create_block_mask), under inductor's default kernel tiles and 128-key mask tiles and the small heads'
-    kernel tiles (`masks.SMALL_HEAD_OPTIONS`) and 64-key mask tiles, gives the dense mask's loss and gradients."""
+    create_block_mask), under inductor's default kernel tiles and the small heads' ones
+    (`masks.SMALL_HEAD_OPTIONS`), gives the dense mask's loss and gradients."""
     # The head dim below which the small heads' tiles apply: none (inductor's defaults) or every head.
     monkeypatch.setattr(dflash_masks, "SMALL_HEAD_DIM", 0 if kernel == "default" else 1 << 20)
     device = torch.device("cuda")
@@ -99,6 +99,25 @@ def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks, kern
     results = {}
     for backend in ("dense", "flex"):
         ctx = context(backend, device)
+        model = fresh_drafter(ctx.args, device)
+        out, _ = forward_loss(model, ctx, batch)
+        out.loss.backward()
+        results[backend] = (out.loss.detach().float(), [p.grad.float() for p in model.parameters()])
+    torch.testing.assert_close(results["flex"][0], results["dense"][0], rtol=2e-3, atol=2e-3)
+    for flex_grad, dense_grad in zip(results["flex"][1], results["dense"][1]):
+        torch.testing.assert_close(flex_grad, dense_grad, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_small_heads_over_64_key_mask_tiles_equal_dense_sdpa(seed):
+    """64-dim heads under the small heads' kernel tiles over 64 x 64 mask tiles (`bench_stage2 --mask-tile
+    64`; torch's backward lowering needs `masks.backward_configs_follow_options` for them): the dense mask's
+    loss and gradients, compiled flex forward and backward."""
+    device = torch.device("cuda")
+    batch = micro_batch(seed, device, tile=64)
+    results = {}
+    for backend in ("dense", "flex"):
+        ctx = context(backend, device, head_dim=64)
         model = fresh_drafter(ctx.args, device)
         out, _ = forward_loss(model, ctx, batch)
         out.loss.backward()

@@ -391,16 +391,38 @@ def test_flex_kernel_options_small_heads_and_the_benchmarks_override(monkeypatch
     assert masks.flex_kernel_options(64) == masks.flex_kernel_options(128) == {"BLOCK_M1": 32, "BLOCK_N1": 64}
 
 
-def test_mask_tile_holds_every_kernel_tile(monkeypatch):
-    """The block masks' tile is the largest kernel tile: 64 under the small heads' options, 128 under
-    inductor's defaults, and an override's largest; the trainer's collate lays out tiles of that size."""
+def test_mask_tile_is_the_default_or_the_override_and_holds_every_kernel_tile(monkeypatch):
+    """The block masks' tile is TILE unless the benchmark overrides it; a tile that some kernel tile does
+    not divide is an error naming the option; the trainer's collate lays out tiles of that size."""
     from dflash.model import masks
     from dflash.model.drafter import drafter_args
     from dflash.train.batch import collate_options
 
-    assert masks.mask_tile(64) == 64 and masks.mask_tile(128) == TILE
-    small, large = drafter_args("tiny", head_dim=64), drafter_args("tiny", head_dim=128)
-    assert collate_options("flex", small)["mask_tile"] == 64 and collate_options("flex", large)["mask_tile"] == TILE
-    assert collate_options("dense", small)["mask_tile"] == TILE
+    assert masks.mask_tile(64) == masks.mask_tile(128) == TILE
+    monkeypatch.setattr(masks, "MASK_TILE_OVERRIDE", 64)
+    assert masks.mask_tile(64) == 64
+    assert collate_options("flex", drafter_args("tiny", head_dim=64))["mask_tile"] == 64
+    assert collate_options("dense", drafter_args("tiny", head_dim=64))["mask_tile"] == TILE
     monkeypatch.setattr(masks, "FLEX_OPTIONS_OVERRIDE", {"BLOCK_M": 128, "BLOCK_N": 64})
-    assert masks.mask_tile(64) == 128
+    with pytest.raises(ValueError, match="BLOCK_M=128"):
+        masks.mask_tile(64)
+
+
+def test_backward_configs_carry_the_kernel_options_blocks(monkeypatch):
+    """Under the choices `backward_configs_follow_options` installs, flex attention's backward configs for
+    small heads on an H100/H200 (capability 9.0) are the small heads' blocks, which divide a 64-key tile
+    (inductor's own: 128-key blocks, which made the lowering find no kernel); other heads keep inductor's."""
+    from torch._inductor.choices import InductorChoices
+
+    from dflash.model import masks
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    choices = masks._choices_with_options_blocks()()
+    own = InductorChoices().get_flex_attention_bwd_configs(64, torch.bfloat16, "cuda")
+    assert any(64 % config.block_n1 or 64 % config.block_m2 for config in own)  # the bug's premise
+    (config,) = choices.get_flex_attention_bwd_configs(64, torch.bfloat16, "cuda")
+    options = masks.SMALL_HEAD_OPTIONS
+    assert (config.block_m1, config.block_n1, config.block_m2, config.block_n2) == tuple(
+        options[name] for name in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"))
+    assert choices.get_flex_attention_bwd_configs(128, torch.bfloat16, "cuda") == \
+        InductorChoices().get_flex_attention_bwd_configs(128, torch.bfloat16, "cuda")

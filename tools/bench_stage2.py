@@ -669,8 +669,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="train.gather_context_keys: each query tile its own copy of the context keys it reads, "
                              "so no key tile is read by two query tiles in flex's backward")
     parser.add_argument("--mask-tile", type=int, default=0,
-                        help="the block masks' tile (rows and keys) in place of dflash's (masks.mask_tile: 64 for "
-                             "heads of <= 64 dims, else 128); a multiple of every kernel tile, e.g. 128 to compare")
+                        help="the block masks' tile (rows and keys) in place of dflash's 128 (masks.mask_tile), "
+                             "a multiple of every kernel tile: 64 under the small heads' kernel tiles")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
@@ -746,6 +746,7 @@ def run(args, argv, dist) -> int:
     from dflash.model import masks
 
     masks.FLEX_OPTIONS_OVERRIDE.update(args.flex_options)  # before anything compiles flex
+    masks.MASK_TILE_OVERRIDE = args.mask_tile  # the collate options below read it
     model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target)
     flex_options = flex_kernel_options(ctx.args.head_dim) if device.type == "cuda" else {}  # as masks.attend uses them
     from dflash.model.drafter import count_parameters
@@ -769,8 +770,6 @@ def run(args, argv, dist) -> int:
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
     options = collate_options(ctx, config, args.mask_rule)
-    if args.mask_tile:
-        options["mask_tile"] = args.mask_tile
     results["mask_tile"] = options["mask_tile"]
     say(f"block masks' tile {options['mask_tile']}")
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:

@@ -11,7 +11,7 @@ The same `mask_mod` builds a flex-attention `BlockMask` (CUDA) or a dense boolea
 SDPA (CPU, where flex has no backward), so CPU tests check the real mask logic against a
 loop-by-loop statement of the rule (tests/support.py).
 
-Which tiles of a `BlockMask` (`mask_tile`: 128 x 128, 64 x 64 for small heads) hold visible pairs is
+Which tiles of a `BlockMask` (`mask_tile`: 128 x 128) hold visible pairs is
 laid out on the host by dflash/model/tiles.py (the collate, in the loader's workers); `build_masks`
 builds the `BlockMask` from that layout, and the `mask_mod` runs only inside partial tiles. Without a
 layout it falls back to `create_block_mask`, which evaluates the rule on every (query, key) pair.
@@ -98,6 +98,8 @@ def block_mask_from_layout(layout: torch.Tensor, mask_mod, num_queries: int, num
     """The `BlockMask` of a `tile_layout` (its partial and full tiles), for one batch and head; the
     lists padded to every key tile, as `BlockMask` reads them."""
     tile = layout_tile(layout, num_queries)
+    if tile < TILE and layout.is_cuda:
+        backward_configs_follow_options()
     num_key_tiles = -(-num_keys // tile)
     layout = layout.to(torch.int32)
     if layout.shape[-1] < num_key_tiles + 1:
@@ -231,14 +233,61 @@ def _compiled_flex_attention():
 FLEX_OPTIONS_OVERRIDE: dict = {}  # non-empty: the kernel options for every head size (bench_stage2 --flex-options)
 
 
+MASK_TILE_OVERRIDE = 0  # non-zero: the block masks' tile in place of TILE (bench_stage2 --mask-tile)
+
+
 def mask_tile(head_dim: int) -> int:
-    """The block masks' tile (rows and keys) for heads of `head_dim`: the largest of the kernel's tiles
-    (`flex_kernel_options`), so every kernel tile lies inside one mask tile; 128 (`TILE`) under inductor's
-    defaults. The small heads' 64 x 64 tiles list fewer keys no row sees: at the SmolLM2-sized drafter's
-    budget (two 16K-token buckets, 4,096 anchors each) the listed tiles hold 63-86% visible pairs
-    instead of 43-74%."""
-    blocks = [value for key, value in flex_kernel_options(head_dim).items() if key.startswith("BLOCK_")]
-    return max(blocks, default=TILE)
+    """The block masks' tile (rows and keys) for heads of `head_dim`: `TILE`, or the benchmark's override.
+    Every kernel tile (`flex_kernel_options`) must lie inside one mask tile. Under the small heads' kernel
+    tiles a 64 x 64 mask lists fewer keys no row sees (at the SmolLM2-sized drafter's budget, two 16K-token
+    buckets of 4,096 anchors, the listed tiles hold 63-86% visible pairs instead of 43-74%), but it stays
+    the benchmark's until measured faster on a GPU."""
+    tile = MASK_TILE_OVERRIDE or TILE
+    for key, value in flex_kernel_options(head_dim).items():
+        if key.startswith("BLOCK_") and tile % value:
+            raise ValueError(f"masks: the block masks' tile {tile} is not a multiple of the kernel option "
+                             f"{key}={value} (heads of {head_dim} dims)")
+    return tile
+
+
+@cache
+def backward_configs_follow_options() -> None:
+    """Let flex attention's backward compile over masks of tiles smaller than `TILE`.
+
+    torch's lowering of the backward (2.11-2.13) checks the mask's tile against the block sizes of its
+    own heuristic's configs (on an H100 or H200, 128-key blocks for 64-dim heads), not against the kernel
+    options that replace them, so it finds no kernel for 64-key tiles. This sets inductor's choices
+    (`inductor_choices_class`, read by every thread that compiles, and this thread's) to ones whose backward
+    configs carry the kernel options' block sizes; where another choices class is set already, it stays.
+    """
+    from torch._inductor import config as inductor_config
+    from torch._inductor.virtualized import V
+
+    if getattr(inductor_config, "inductor_choices_class", "absent") is not None:
+        return
+    inductor_config.inductor_choices_class = _choices_with_options_blocks()
+    V.set_choices_handler(inductor_config.inductor_choices_class())
+
+
+@cache
+def _choices_with_options_blocks():
+    import dataclasses
+
+    from torch._inductor.choices import InductorChoices
+
+    class ChoicesWithOptionsBlocks(InductorChoices):
+        """Inductor's choices; flex attention's backward configs take the block sizes of the kernel
+        options (`flex_kernel_options`) where those set all four."""
+
+        def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
+            configs = super().get_flex_attention_bwd_configs(head_dim, dtype, device_type)
+            options = flex_kernel_options(head_dim)
+            blocks = {name: options.get(name.upper()) for name in ("block_m1", "block_n1", "block_m2", "block_n2")}
+            if None in blocks.values() or not configs:
+                return configs
+            return [dataclasses.replace(configs[-1], **blocks)]
+
+    return ChoicesWithOptionsBlocks
 
 
 def flex_kernel_options(head_dim: int) -> dict:
