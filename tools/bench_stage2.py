@@ -811,10 +811,9 @@ def run_loader_only(args, argv, config, device) -> int:
     """The loader at the drafter's real row shape with no model (runs on a CPU machine too)."""
     from types import SimpleNamespace
 
-    from dflash.model.masks import default_backend
-
     drafter = bench_drafter_args(config, args.target)
-    ctx = SimpleNamespace(args=drafter, device=device, backend=default_backend(device))
+    # The collate of a GPU trainer (flex attention: each micro-batch's tile layouts) on any machine.
+    ctx = SimpleNamespace(args=drafter, device=device, backend="flex")
     pool = FeaturePool(4_096, len(drafter.target_layer_ids), drafter.hidden_size, device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "drafter": config.drafter.size, "modes": {}}
