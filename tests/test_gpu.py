@@ -85,6 +85,20 @@ def fresh_drafter(args, device) -> DFlashDrafter:
     return DFlashDrafter(args).to(device)
 
 
+def assert_flex_step_equals_dense(batch: dict, device, **overrides) -> None:
+    """The training step's loss and gradients under flex attention equal the dense mask's (SDPA)."""
+    results = {}
+    for backend in ("dense", "flex"):
+        ctx = context(backend, device, **overrides)
+        model = fresh_drafter(ctx.args, device)
+        out, _ = forward_loss(model, ctx, batch)
+        out.loss.backward()
+        results[backend] = (out.loss.detach().float(), [p.grad.float() for p in model.parameters()])
+    torch.testing.assert_close(results["flex"][0], results["dense"][0], rtol=2e-3, atol=2e-3)
+    for flex_grad, dense_grad in zip(results["flex"][1], results["dense"][1]):
+        torch.testing.assert_close(flex_grad, dense_grad, rtol=5e-2, atol=5e-3)
+
+
 @pytest.mark.parametrize("kernel", ["default", "small-head"])
 @pytest.mark.parametrize("masks", ["tiles", "gathered", "rule"])
 @pytest.mark.parametrize("seed", range(3))
@@ -96,16 +110,7 @@ def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks, kern
     monkeypatch.setattr(dflash_masks, "SMALL_HEAD_DIM", 0 if kernel == "default" else 1 << 20)
     device = torch.device("cuda")
     batch = micro_batch(seed, device, masks)
-    results = {}
-    for backend in ("dense", "flex"):
-        ctx = context(backend, device)
-        model = fresh_drafter(ctx.args, device)
-        out, _ = forward_loss(model, ctx, batch)
-        out.loss.backward()
-        results[backend] = (out.loss.detach().float(), [p.grad.float() for p in model.parameters()])
-    torch.testing.assert_close(results["flex"][0], results["dense"][0], rtol=2e-3, atol=2e-3)
-    for flex_grad, dense_grad in zip(results["flex"][1], results["dense"][1]):
-        torch.testing.assert_close(flex_grad, dense_grad, rtol=5e-2, atol=5e-3)
+    assert_flex_step_equals_dense(batch, device)
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -115,16 +120,7 @@ def test_small_heads_over_64_key_mask_tiles_equal_dense_sdpa(seed):
     loss and gradients, compiled flex forward and backward."""
     device = torch.device("cuda")
     batch = micro_batch(seed, device, tile=64)
-    results = {}
-    for backend in ("dense", "flex"):
-        ctx = context(backend, device, head_dim=64)
-        model = fresh_drafter(ctx.args, device)
-        out, _ = forward_loss(model, ctx, batch)
-        out.loss.backward()
-        results[backend] = (out.loss.detach().float(), [p.grad.float() for p in model.parameters()])
-    torch.testing.assert_close(results["flex"][0], results["dense"][0], rtol=2e-3, atol=2e-3)
-    for flex_grad, dense_grad in zip(results["flex"][1], results["dense"][1]):
-        torch.testing.assert_close(flex_grad, dense_grad, rtol=5e-2, atol=5e-3)
+    assert_flex_step_equals_dense(batch, device, head_dim=64)
 
 
 class UpdateByGradient(torch.optim.Optimizer):
