@@ -80,6 +80,8 @@ def bench_config(args):
         train["anchor_budget"] = args.anchor_budget
     if args.workers:
         train["num_workers"] = args.workers
+    if getattr(args, "loss_chunk", 0):
+        train["loss_chunk"] = args.loss_chunk
     if getattr(args, "fuse_accum", False):
         train["fuse_accum"] = True
     if getattr(args, "gather_keys", False):
@@ -658,6 +660,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--token-budget", type=int, default=0, help="override train.token_budget")
     parser.add_argument("--accum-steps", type=int, default=0, help="override train.accum_steps")
     parser.add_argument("--anchor-budget", type=int, default=0, help="override train.anchor_budget")
+    parser.add_argument("--loss-chunk", type=int, default=0,
+                        help="override train.loss_chunk (block rows per LM-head and loss chunk; the recipe's 4,096): "
+                             "fewer chunks, fewer launches and compiled calls a step, larger logits")
     parser.add_argument("--fuse-accum", action="store_true",
                         help="train.fuse_accum: each step's accum_steps micro-batches packed as one (the same samples "
                              "and loss, one forward and backward)")
@@ -755,7 +760,8 @@ def run(args, argv, dist) -> int:
     drafter_name = f"auto ({args.target})" if args.target else config.drafter.size
     say(f"drafter {drafter_name}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
-        f"{config.train.accum_steps}{' fused' if config.train.fuse_accum else ''}, compile {config.train.compile}, "
+        f"{config.train.accum_steps}{' fused' if config.train.fuse_accum else ''}, loss_chunk {config.train.loss_chunk}, "
+        f"compile {config.train.compile}, "
         f"attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
         f", flex options {flex_options or 'inductor defaults'}, "
