@@ -426,3 +426,38 @@ def test_backward_configs_carry_the_kernel_options_blocks(monkeypatch):
         options[name] for name in ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2"))
     assert choices.get_flex_attention_bwd_configs(128, torch.bfloat16, "cuda") == \
         InductorChoices().get_flex_attention_bwd_configs(128, torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("tile_size", [TILE, 64])
+@pytest.mark.parametrize("gather", [False, True])
+def test_transposed_tiles_equal_what_from_kv_blocks_computes(seed, tile_size, gather):
+    """The tiles per key tile the collate lays out (`tiles.transpose_layout`, what flex's backward reads)
+    are the ones `BlockMask.from_kv_blocks` computes on the device: the same counts, the same query tiles in
+    the same order, the same shapes and dtypes (only the padding after each list may differ)."""
+    from dflash.model.tiles import transpose_layout
+
+    rng = np.random.default_rng(500 + seed)
+    meta = tiled_packed_meta(rng, 16, tile_size)
+    num_queries = len(meta["anchor_doc"]) * 16
+    num_keys = len(meta["doc_ids"]) + num_queries
+    for window in (int(rng.integers(16, 200)), None):
+        if gather:
+            layout, keys = gathered(meta, 16, window, tile_size)
+            num_keys = keys.shape[1]
+        else:
+            layout = layout_of(meta, 16, window, tile_size)
+        mask_mod = make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"],
+                                 16, window)
+        transposed = torch.from_numpy(transpose_layout(layout, num_keys // tile_size))
+        built = block_mask_from_layout(torch.from_numpy(layout), mask_mod, num_queries, num_keys, transposed)
+        expected = block_mask_from_layout(torch.from_numpy(layout), mask_mod, num_queries, num_keys)
+        assert built.BLOCK_SIZE == expected.BLOCK_SIZE and built.seq_lengths == expected.seq_lengths
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(built, name), getattr(expected, name)), name
+        for counts, indices in (("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+            got, want = getattr(built, indices), getattr(expected, indices)
+            assert got.shape == want.shape and got.dtype == want.dtype and got.is_contiguous(), indices
+            assert torch.equal(getattr(built, counts), getattr(expected, counts)), counts
+            for row, count in enumerate(getattr(expected, counts)[0, 0].tolist()):
+                assert torch.equal(got[0, 0, row, :count], want[0, 0, row, :count]), (indices, row)

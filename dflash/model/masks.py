@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
-from dflash.model.tiles import PADDING_DOC, TILE, keys_key, tiles_key
+from dflash.model.tiles import PADDING_DOC, TILE, keys_key, tiles_key, transposed_key
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
@@ -94,20 +94,33 @@ def layout_tile(layout: torch.Tensor, num_queries: int) -> int:
     return num_queries // layout.shape[1]
 
 
-def block_mask_from_layout(layout: torch.Tensor, mask_mod, num_queries: int, num_keys: int) -> BlockMask:
+def block_mask_from_layout(layout: torch.Tensor, mask_mod, num_queries: int, num_keys: int,
+                           transposed: torch.Tensor | None = None) -> BlockMask:
     """The `BlockMask` of a `tile_layout` (its partial and full tiles), for one batch and head; the
-    lists padded to every key tile, as `BlockMask` reads them."""
+    lists padded to every key (or query) tile, as `BlockMask` reads them. With the lists per key tile
+    (`tiles.transpose_layout`) the mask takes them as they are; without, `from_kv_blocks` computes them."""
     tile = layout_tile(layout, num_queries)
     if tile < TILE and layout.is_cuda:
         backward_configs_follow_options()
-    num_key_tiles = -(-num_keys // tile)
+    num_query_tiles, num_key_tiles = layout.shape[1], -(-num_keys // tile)
+    kv_num, kv_indices, full_kv_num, full_kv_indices = _lists(layout, num_key_tiles)
+    if transposed is None:
+        return BlockMask.from_kv_blocks(kv_num, kv_indices, full_kv_num, full_kv_indices, BLOCK_SIZE=tile,
+                                        mask_mod=mask_mod, seq_lengths=(num_queries, num_keys))
+    q_num, q_indices, full_q_num, full_q_indices = _lists(transposed, num_query_tiles)
+    return BlockMask((num_queries, num_keys), kv_num, kv_indices, full_kv_num, full_kv_indices, q_num, q_indices,
+                     full_q_num, full_q_indices, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod)
+
+
+def _lists(layout: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
+    """A layout's (2, rows, 1 + W) lists as `BlockMask` holds them: the partial tiles' counts `(1, 1, rows)`
+    and indices `(1, 1, rows, width)`, then the full tiles', int32, the indices padded with 0."""
     layout = layout.to(torch.int32)
-    if layout.shape[-1] < num_key_tiles + 1:
-        layout = F.pad(layout, (0, num_key_tiles + 1 - layout.shape[-1]))
-    layout = layout[:, None, None]  # (2, 1, 1, QT, KT + 1)
-    return BlockMask.from_kv_blocks(layout[0, ..., 0].contiguous(), layout[0, ..., 1:].contiguous(),
-                                    layout[1, ..., 0].contiguous(), layout[1, ..., 1:].contiguous(),
-                                    BLOCK_SIZE=tile, mask_mod=mask_mod, seq_lengths=(num_queries, num_keys))
+    if layout.shape[-1] < width + 1:
+        layout = F.pad(layout, (0, width + 1 - layout.shape[-1]))
+    layout = layout[:, None, None]  # (2, 1, 1, rows, width + 1)
+    return (layout[0, ..., 0].contiguous(), layout[0, ..., 1:].contiguous(),
+            layout[1, ..., 0].contiguous(), layout[1, ..., 1:].contiguous())
 
 
 def gathered_mask_mod(mask_mod, keys_2K: torch.Tensor, tile: int = TILE):
@@ -199,13 +212,15 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
         mask_mod = make_mask_mod(*tensors, block_size, layer_window)
         layout = _optional_field(batch_meta, tiles_key(layer_type))
         keys = _optional_field(batch_meta, keys_key(layer_type))
+        transposed = _optional_field(batch_meta, transposed_key(layer_type))
+        transposed = transposed.to(device) if transposed is not None else None
         if backend == "flex" and layout is not None and keys is not None:
             keys = keys.to(device)
             mask_mod = gathered_mask_mod(mask_mod, keys, layout_tile(layout, num_queries))
-            block_mask = block_mask_from_layout(layout.to(device), mask_mod, num_queries, keys.shape[1])
+            block_mask = block_mask_from_layout(layout.to(device), mask_mod, num_queries, keys.shape[1], transposed)
             masks[layer_type] = GatheredMask(block_mask, keys[0])
         elif backend == "flex" and layout is not None:
-            masks[layer_type] = block_mask_from_layout(layout.to(device), mask_mod, num_queries, num_keys)
+            masks[layer_type] = block_mask_from_layout(layout.to(device), mask_mod, num_queries, num_keys, transposed)
         elif backend == "flex":
             build = _compiled_create_block_mask() if device.type == "cuda" else create_block_mask
             masks[layer_type] = build(mask_mod, 1, 1, num_queries, num_keys, device=device)

@@ -28,6 +28,11 @@ def tiles_key(layer_type: str) -> str:
     return f"tiles_{layer_type}"
 
 
+def transposed_key(layer_type: str) -> str:
+    """The micro-batch key of a layer type's tiles listed per key tile (`transpose_layout`)."""
+    return f"tiles_q_{layer_type}"
+
+
 def keys_key(layer_type: str) -> str:
     """The micro-batch key of a layer type's gathered keys (`gather_context_keys`), when gathered."""
     return f"keys_{layer_type}"
@@ -105,6 +110,28 @@ def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, 
         layout[kind, :, 0] = counts[kind]
         layout[kind, rows, 1 + np.arange(len(cells)) - first[rows]] = columns
     return layout
+
+
+def transpose_layout(layout: np.ndarray, num_key_tiles: int) -> np.ndarray:
+    """A `tile_layout`'s tiles listed per key tile, as flex attention's backward reads them: int32
+    `(2, KT, 1 + W)`, per key tile the count, then the query tiles that list it in ascending order (the
+    rest 0). `BlockMask.from_kv_blocks` computes the same lists on the device, a dense (KT, QT) matrix and
+    an argsort per kind and layer type every micro-batch; here the loader's workers do."""
+    kinds = []
+    for kind in (0, 1):
+        counts = layout[kind, :, 0].astype(np.int64)
+        rows = np.repeat(np.arange(len(counts)), counts)
+        columns = layout[kind, rows, 1 + np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)]
+        order = np.lexsort((rows, columns))  # by key tile, then query tile
+        kinds.append((rows[order], columns[order].astype(np.int64)))
+    per_key = [np.bincount(columns, minlength=num_key_tiles) for _, columns in kinds]
+    transposed = np.zeros((2, num_key_tiles, 1 + max(1, max(int(c.max(initial=0)) for c in per_key))),
+                          dtype=np.int32)
+    for kind, ((rows, columns), counts) in enumerate(zip(kinds, per_key)):
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        transposed[kind, :, 0] = counts
+        transposed[kind, columns, 1 + np.arange(len(rows)) - first[columns]] = rows
+    return transposed
 
 
 def _tile_cells(query_tile: np.ndarray, first: np.ndarray, last: np.ndarray, num_key_tiles: int) -> np.ndarray:

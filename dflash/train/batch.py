@@ -26,7 +26,8 @@ from dflash.data.chat import row_label
 from dflash.model.anchors import anchor_rng, sample_anchors
 from dflash.model.loss import label_rows
 from dflash.model.masks import layer_windows, mask_tile
-from dflash.model.tiles import PADDING_DOC, TILE, gather_context_keys, keys_key, tile_layout, tiles_key
+from dflash.model.tiles import (PADDING_DOC, TILE, gather_context_keys, keys_key, tile_layout, tiles_key,
+                                transpose_layout, transposed_key)
 from dflash.padding import micro_batch_multiple, round_up
 from dflash.store.schema import CorruptShardError, bits_to_probs
 from dflash.train.served import window_anchors
@@ -188,8 +189,9 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
     `num_real_tokens`, `num_real_anchors`; with `block_size`, `label_rows (L,)`: the block rows
     that carry a label (`dflash.model.loss.label_rows`, so the LM head skips the others); with
     `block_size` and `mask_windows` (`dflash.model.masks.layer_windows`, flex attention), each layer
-    type's `tile_layout` (`mask_tile` x `mask_tile` tiles) under `tiles_key(layer_type)`, so the trainer
-    builds its block masks from the tiles instead of evaluating the rule over every (query, key) pair
+    type's `tile_layout` (`mask_tile` x `mask_tile` tiles) under `tiles_key(layer_type)` and the same
+    tiles per key tile under `transposed_key(layer_type)`, so the trainer builds its block masks from the
+    tiles instead of evaluating the rule over every (query, key) pair
     (with `gather_keys`, over each query tile's own copies of its context keys, `keys_key(layer_type)`:
     `tiles.gather_context_keys`);
     for the samples of a fused step (items with a `group`), `anchor_group (A,)` and the host list
@@ -229,11 +231,15 @@ def collate_packed(items: list[dict], pad_multiple: int, block_size: int | None 
         for layer_type, window in (mask_windows or {}).items():
             layout = tile_layout(arrays["doc_ids"], arrays["position_ids"], arrays["anchor_doc"],
                                  arrays["anchor_pos"], block_size, window, mask_tile)
-            if layout is not None and gather_keys:
+            if layout is None:
+                continue
+            num_keys = len(arrays["doc_ids"]) + len(arrays["anchor_doc"]) * block_size
+            if gather_keys:
                 layout, keys = gather_context_keys(layout, len(arrays["doc_ids"]), mask_tile)
                 batch[keys_key(layer_type)] = torch.from_numpy(keys)
-            if layout is not None:
-                batch[tiles_key(layer_type)] = torch.from_numpy(layout)
+                num_keys = keys.shape[1]
+            batch[tiles_key(layer_type)] = torch.from_numpy(layout)
+            batch[transposed_key(layer_type)] = torch.from_numpy(transpose_layout(layout, num_keys // mask_tile))
     scalars = {
         "bucket": buckets.pop() if len(buckets) == 1 else -1,
         "epoch": items[0]["epoch"],
