@@ -108,8 +108,10 @@ def block_mask_from_layout(layout: torch.Tensor, mask_mod, num_queries: int, num
         return BlockMask.from_kv_blocks(kv_num, kv_indices, full_kv_num, full_kv_indices, BLOCK_SIZE=tile,
                                         mask_mod=mask_mod, seq_lengths=(num_queries, num_keys))
     q_num, q_indices, full_q_num, full_q_indices = _lists(transposed, num_query_tiles)
-    return BlockMask((num_queries, num_keys), kv_num, kv_indices, full_kv_num, full_kv_indices, q_num, q_indices,
-                     full_q_num, full_q_indices, BLOCK_SIZE=(tile, tile), mask_mod=mask_mod)
+    return BlockMask(seq_lengths=(num_queries, num_keys), kv_num_blocks=kv_num, kv_indices=kv_indices,
+                     full_kv_num_blocks=full_kv_num, full_kv_indices=full_kv_indices, q_num_blocks=q_num,
+                     q_indices=q_indices, full_q_num_blocks=full_q_num, full_q_indices=full_q_indices,
+                     BLOCK_SIZE=(tile, tile), mask_mod=mask_mod)
 
 
 def _lists(layout: torch.Tensor, width: int) -> tuple[torch.Tensor, ...]:
