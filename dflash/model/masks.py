@@ -219,7 +219,8 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
         if backend == "flex" and layout is not None and keys is not None:
             keys = keys.to(device)
             mask_mod = gathered_mask_mod(mask_mod, keys, layout_tile(layout, num_queries))
-            block_mask = block_mask_from_layout(layout.to(device), mask_mod, num_queries, keys.shape[1], transposed)
+            block_mask = block_mask_from_layout(layout.to(device), mask_mod, num_queries, keys.shape[1],
+                                                transposed)
             masks[layer_type] = GatheredMask(block_mask, keys[0])
         elif backend == "flex" and layout is not None:
             masks[layer_type] = block_mask_from_layout(layout.to(device), mask_mod, num_queries, num_keys, transposed)

@@ -2,11 +2,12 @@
 
 Flex attention skips every (query, key) tile that its `BlockMask` does not list and evaluates the
 `mask_mod` only inside partial tiles; the tiles are 128 x 128 (`masks.mask_tile`), or smaller where every
-kernel tile fits (64 x 64 under the small heads' kernel tiles, where a 64-row query tile holds 4 anchors'
-blocks instead of 8 and so lists fewer keys no row of it sees). Which tiles those are follows from each query row's visible
-keys, two index ranges (dflash/model/masks.py states the rule): its sequence's context before the
-anchor, inside the sliding window, and its own block. `tile_layout` computes them with a few numpy
-passes over the rows (the collate does, in the loader's workers); `create_block_mask` found the same
+kernel tile fits (`bench_stage2 --mask-tile 64` under the small heads' kernel tiles: a 64-row query tile
+holds 4 anchors' blocks instead of 8 and so lists fewer keys no row of it sees). Which tiles those are
+follows from each query row's visible keys, two index ranges (dflash/model/masks.py states the rule):
+its sequence's context before the anchor, inside the sliding window, and its own block. `tile_layout`
+computes them with a few numpy passes over the anchors (the collate does, in the loader's workers), and
+`transpose_layout` lists them per key tile for flex's backward; `create_block_mask` found the same
 tiles by evaluating the rule on all Q x (T + Q) pairs, a compiled GPU kernel per layer type and
 micro-batch. `gather_context_keys` then gives each query tile its own copy of the context tiles it
 reads, so that no key tile is read by more than one query tile (flex's backward runs one program per
