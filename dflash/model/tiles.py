@@ -102,15 +102,9 @@ def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, 
     touched = np.unique(np.concatenate(touched))
     cells, count = np.unique(np.concatenate(covered), return_counts=True)
     full = cells[count == tile // unit]  # every unit, so every row, of the query tile sees the whole key tile
-    kinds = (np.setdiff1d(touched, full, assume_unique=True), full)
-    counts = [np.bincount(cells // num_key_tiles, minlength=num_query_tiles) for cells in kinds]
-    layout = np.zeros((2, num_query_tiles, 1 + max(1, max(int(c.max()) for c in counts))), dtype=np.int32)
-    for kind, cells in enumerate(kinds):
-        rows, columns = cells // num_key_tiles, cells % num_key_tiles  # row by row, columns ascending
-        first = np.concatenate([[0], np.cumsum(counts[kind])[:-1]])
-        layout[kind, :, 0] = counts[kind]
-        layout[kind, rows, 1 + np.arange(len(cells)) - first[rows]] = columns
-    return layout
+    # sorted cells: row by row, columns ascending
+    return _row_lists([divmod(cells, num_key_tiles) for cells in (np.setdiff1d(touched, full, assume_unique=True), full)],
+                  num_query_tiles)
 
 
 def transpose_layout(layout: np.ndarray, num_key_tiles: int) -> np.ndarray:
@@ -124,15 +118,21 @@ def transpose_layout(layout: np.ndarray, num_key_tiles: int) -> np.ndarray:
         rows = np.repeat(np.arange(len(counts)), counts)
         columns = layout[kind, rows, 1 + np.arange(len(rows)) - np.repeat(np.cumsum(counts) - counts, counts)]
         order = np.lexsort((rows, columns))  # by key tile, then query tile
-        kinds.append((rows[order], columns[order].astype(np.int64)))
-    per_key = [np.bincount(columns, minlength=num_key_tiles) for _, columns in kinds]
-    transposed = np.zeros((2, num_key_tiles, 1 + max(1, max(int(c.max(initial=0)) for c in per_key))),
-                          dtype=np.int32)
-    for kind, ((rows, columns), counts) in enumerate(zip(kinds, per_key)):
-        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        transposed[kind, :, 0] = counts
-        transposed[kind, columns, 1 + np.arange(len(rows)) - first[columns]] = rows
-    return transposed
+        kinds.append((columns[order].astype(np.int64), rows[order]))
+    return _row_lists(kinds, num_key_tiles)
+
+
+def _row_lists(kinds: list[tuple[np.ndarray, np.ndarray]], num_rows: int) -> np.ndarray:
+    """Per kind (partial, full) the `(row, column)` pairs, grouped by row with columns ascending, as the
+    int32 `(2, num_rows, 1 + W)` lists of a layout: per row the count, then its columns (the rest 0); W is
+    the longest list, at least 1."""
+    counts = [np.bincount(rows, minlength=num_rows) for rows, _ in kinds]
+    lists = np.zeros((2, num_rows, 1 + max(1, max(int(count.max(initial=0)) for count in counts))), dtype=np.int32)
+    for kind, ((rows, columns), count) in enumerate(zip(kinds, counts)):
+        first = np.cumsum(count) - count
+        lists[kind, :, 0] = count
+        lists[kind, rows, 1 + np.arange(len(rows)) - first[rows]] = columns
+    return lists
 
 
 def _tile_cells(query_tile: np.ndarray, first: np.ndarray, last: np.ndarray, num_key_tiles: int) -> np.ndarray:
