@@ -102,9 +102,9 @@ def tile_layout(doc_T: np.ndarray, pos_T: np.ndarray, anchor_doc_A: np.ndarray, 
     touched = np.unique(np.concatenate(touched))
     cells, count = np.unique(np.concatenate(covered), return_counts=True)
     full = cells[count == tile // unit]  # every unit, so every row, of the query tile sees the whole key tile
+    partial = np.setdiff1d(touched, full, assume_unique=True)
     # sorted cells: row by row, columns ascending
-    return _row_lists([divmod(cells, num_key_tiles) for cells in (np.setdiff1d(touched, full, assume_unique=True), full)],
-                  num_query_tiles)
+    return _row_lists([divmod(cells, num_key_tiles) for cells in (partial, full)], num_query_tiles)
 
 
 def transpose_layout(layout: np.ndarray, num_key_tiles: int) -> np.ndarray:
