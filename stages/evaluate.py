@@ -24,6 +24,7 @@ last assistant turn rendered with `add_generation_prompt=True`. Nothing here was
 the held-out split is the one stage two holds out (`train.holdout_fraction`, `train.seed`).
 """
 
+import contextlib
 import json
 from dataclasses import dataclass
 
@@ -126,6 +127,17 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
     served_proposals(options, report=False)  # a bad policy fails before anything loads
     if options.workers > 1 and not options.shard:
         return run_sharded(options, list(config_args))
+    turns = DeviceTurns(options.device_lock)
+    with contextlib.ExitStack() as timed_ahead:  # this process's timed prompts go before every process's untimed ones
+        timed_ahead.enter_context(turns.timed_ahead())
+        return serve(config, options, turns, timed_ahead)
+
+
+def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead: contextlib.ExitStack
+          ) -> list[EvalResult]:
+    """`run` in one process: warm up beside the others, decode the timed prompts in one turn alone, close
+    `timed_ahead` (this process has no timed work left), wait until no process has any, then decode the rest
+    beside the others. The results keep the prompts' order."""
     device = resolve_device(options.device)
     dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
@@ -156,30 +168,48 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
                for path, draft in zip(options.drafters, drafts) for proposal in proposals]
     stops = stop_token_ids(tokenizer, target)
     baseline_generator = torch.Generator(device=device)
-    turns = DeviceTurns(options.device_lock)
     with turns.beside():  # never beside a prompt timed alone
         warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals, graphs)
-    bar = tqdm(prompts, unit="prompt", desc=f"eval {options.shard}".strip(), dynamic_ncols=True)
-    for index, prompt in enumerate(bar, start):
+    bar = tqdm(total=len(prompts), unit="prompt", desc=f"eval {options.shard}".strip(), dynamic_ncols=True)
+    decoded_by_index = {}
+
+    def serve_prompt(index: int, prompt) -> None:
         for generator in [baseline_generator, *(generator for _, _, generator in served)]:
             generator.manual_seed(options.seed + index)
         input_ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=device)[None]
         timed_prompt = index in timed_indices
-        with turns.alone() if timed_prompt else turns.beside():
-            # the plain baseline is only a speed figure (at temperature 0 the output is checked against the
-            # target's greedy choices in one forward): an untimed prompt skips it
-            baseline = ([], 0.0) if not timed_prompt else timed(
-                device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
-                                               options.temperature, baseline_generator))
-            checks = {}  # the greedy check once per distinct output (the policies' outputs are mostly one)
-            decoded_all = [decode_prompt(draft, target, prompt.label, input_ids, baseline, options.max_new_tokens,
-                                         options.temperature, stops, generator, device, proposal, graphs, checks)
-                           for draft, proposal, generator in served]
-        for decoded, result in zip(decoded_all, results):
+        # the plain baseline is only a speed figure (at temperature 0 the output is checked against the
+        # target's greedy choices in one forward): an untimed prompt skips it
+        baseline = ([], 0.0) if not timed_prompt else timed(
+            device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
+                                           options.temperature, baseline_generator))
+        checks = {}  # the greedy check once per distinct output (the policies' outputs are mostly one)
+        decoded_by_index[index] = [decode_prompt(draft, target, prompt.label, input_ids, baseline,
+                                                 options.max_new_tokens, options.temperature, stops, generator,
+                                                 device, proposal, graphs, checks)
+                                   for draft, proposal, generator in served]
+        for decoded in decoded_by_index[index]:
             decoded.kind, decoded.timed = prompt.kind, timed_prompt
-            result.per_prompt.append(mark_code(decoded, tokenizer))
+        for result, decoded in zip(results, decoded_by_index[index]):  # the running tau: the prompts so far
+            result.per_prompt.append(decoded)
+        bar.update()
         bar.set_postfix(tau="/".join(f"{summarize(result).tau:.2f}" for result in results))
+
+    numbered = list(enumerate(prompts, start))
+    timed_here = [(index, prompt) for index, prompt in numbered if index in timed_indices]
+    if timed_here:
+        with turns.alone():  # one turn for all of them: one wait for the prompts the others have in hand
+            for index, prompt in timed_here:
+                serve_prompt(index, prompt)
+    timed_ahead.close()
+    turns.after_timed()
+    for index, prompt in numbered:
+        if index not in timed_indices:
+            with turns.beside():
+                serve_prompt(index, prompt)
     bar.close()
+    for result, in_order in zip(results, zip(*(decoded_by_index[index] for index, _ in numbered))):
+        result.per_prompt = [mark_code(decoded, tokenizer) for decoded in in_order]
     for result in results:
         summarize(result)
     return reported(results, options)

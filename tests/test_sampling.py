@@ -219,10 +219,11 @@ def test_every_policy_is_greedy_at_temperature_zero_and_serves_above_it(tmp_path
 
 
 @pytest.mark.slow
-def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_config, capsys):
+def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_config, capsys, monkeypatch):
     """`dflash eval --temperature 0.8 --proposal argmax,sample` on the embedded tiny target: one result per
     policy on the same prompts, the JSON names each result's policy and gives tau per prompt kind; with
-    `--workers 2` the same numbers, prompt for prompt."""
+    `--workers 2` the same numbers, prompt for prompt; a timed prompt decoded first (before the untimed ones)
+    keeps its place in the results."""
     import dataclasses
     import json
 
@@ -272,6 +273,13 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
         assert two["speedup"] == pytest.approx(timed["baseline_seconds"] / timed["spec_seconds"]
                                                * timed["generated_tokens"] / timed["baseline_tokens"])
     assert (tmp_path / "evals" / "device.lock").exists()
+    monkeypatch.setattr(evaluate, "spread", lambda chosen, count: {1})  # the last prompt timed: decoded first
+    second_timed = dataclasses.replace(sharded, workers=1, out=str(tmp_path / "eval-last-timed.json"))
+    evaluate.run(config, second_timed)
+    for one, last in zip(results, json.loads((tmp_path / "eval-last-timed.json").read_text())["results"], strict=True):
+        for key in ("prompt_id", "acceptance_lengths", "generated_ids", "kind"):
+            assert [p[key] for p in last["per_prompt"]] == [p[key] for p in one["per_prompt"]], key
+        assert [p["timed"] for p in last["per_prompt"]] == [False, True] and last["tau"] == one["tau"]
 
 
 def test_best_first_tree_adds_the_likeliest_paths_first():

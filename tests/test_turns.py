@@ -84,3 +84,40 @@ def test_timed_prompts_spread_over_the_set():
 
     assert spread(0, 5) == spread(9, 5) == {0, 1, 2, 3, 4}
     assert spread(1, 120) == {0} and spread(4, 120) == {0, 40, 79, 119} and len(spread(30, 31)) == 30
+
+
+def test_untimed_work_waits_for_every_process_that_said_it_has_timed_work(tmp_path):
+    turns = DeviceTurns(tmp_path / "evals" / "device.lock")
+    events, lock = [], threading.Lock()
+    said, release = threading.Event(), threading.Event()
+
+    def note(text):
+        with lock:
+            events.append(text)
+
+    def timed_process():  # says so at its start, then times its prompts alone
+        with turns.timed_ahead():
+            said.set()
+            release.wait(5)
+            with turns.alone():
+                note("timed")
+            note("timed done")
+
+    def untimed_process():  # nothing to time: its untimed prompts wait for the other's timed ones
+        said.wait(5)
+        turns.after_timed()
+        with turns.beside():
+            note("untimed")
+
+    threads = [threading.Thread(target=function) for function in (timed_process, untimed_process)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    assert events == []  # the untimed process still waits
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert events.index("timed") < events.index("untimed") and events.index("timed done") < events.index("untimed")
+    turns.after_timed()  # nobody has timed work left: returns at once
+    with DeviceTurns("").timed_ahead():  # no lock file: nothing to say
+        DeviceTurns("").after_timed()
