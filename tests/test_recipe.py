@@ -1,6 +1,7 @@
 """`dflash recipe` end to end on the CPU with its tiny default (configs/tiny-recipe.toml): every part runs and
 the report is written; a recipe killed (SIGKILL of its process group) inside generate, stage one, stage two
-and an eval, then rerun, serves the same numbers as one never interrupted."""
+and an eval, then rerun (its evals side by side, timed prompts first, the walk beside them), serves the same
+numbers as one never interrupted."""
 
 import json
 import os
@@ -22,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHEAPER = ("train.max_anchors=2", "train.eval_served_tokens=2")
 
 
-def recipe(run_dir: Path, cache: Path) -> list[str]:
-    sets = [arg for setting in CHEAPER for arg in ("--set", setting)]
+def recipe(run_dir: Path, cache: Path, *settings: str) -> list[str]:
+    sets = [arg for setting in (*CHEAPER, *settings) for arg in ("--set", setting)]
     return [sys.executable, "-m", "stages.cli", "recipe", "--set", f"recipe.run_dir={run_dir}",
             "--set", f"data.cache_dir={cache}", *sets]
 
@@ -32,16 +33,16 @@ def environment() -> dict:
     return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
 
-def run_to_end(run_dir: Path, cache: Path) -> str:
-    done = subprocess.run(recipe(run_dir, cache), cwd=run_dir.parent, env=environment(), capture_output=True,
+def run_to_end(run_dir: Path, cache: Path, *settings: str) -> str:
+    done = subprocess.run(recipe(run_dir, cache, *settings), cwd=run_dir.parent, env=environment(), capture_output=True,
                           text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
 
-def kill_when(run_dir: Path, cache: Path, appeared) -> None:
+def kill_when(run_dir: Path, cache: Path, appeared, *settings: str) -> None:
     """Start the recipe, SIGKILL it and its parts as soon as `appeared(run_dir)` holds."""
-    process = subprocess.Popen(recipe(run_dir, cache), cwd=run_dir.parent, env=environment(),
+    process = subprocess.Popen(recipe(run_dir, cache, *settings), cwd=run_dir.parent, env=environment(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while not appeared(run_dir):
@@ -83,8 +84,13 @@ def test_the_tiny_recipe_reports_and_resumes_after_kills_with_the_same_served_nu
                lambda root: any((root / "store" / "shards").glob("*")),  # stage one's first shard
                lambda root: (root / "drafter" / "checkpoints" / "step-00000002" / "state.json").exists(),
                lambda root: older_than(root / "results" / "export-00000002.json", 5.0)]  # inside the first eval
+    # the killed run serves its evals side by side, each timing its first prompt alone (timed prompts first, the
+    # device lock), the walk starting beside the temperature-1 eval once the temperature-0 one is written
+    side_by_side = ("recipe.parallel_evals=true", "recipe.timed_prompts=1")
     for moment in moments:
-        kill_when(killed, cache, moment)
-    output = run_to_end(killed, cache)
+        kill_when(killed, cache, moment, *side_by_side)
+    output = run_to_end(killed, cache, *side_by_side)
     assert "(continuing: --resume)" in output or "train: complete" in output
     assert served(killed) == served(whole)
+    assert "recipe: walk: what it reads is written (eval-heldout-t0): beside the rest" in output or \
+        "eval-heldout-t0: complete" in output

@@ -154,6 +154,51 @@ def test_parts_side_by_side_each_recorded_and_a_failure_named(tmp_path, capsys):
     assert "recipe: walk-bad, walk: side by side" in printed and "recipe: walk: done in" in printed
 
 
+def test_a_follower_starts_beside_the_rest_once_what_it_reads_is_written(tmp_path, capsys):
+    """Side by side, each part is recorded when it ends (its own time, not the slowest before it), and the
+    follower starts as soon as the part it reads has ended, beside the part still running; after a failure a
+    follower does not start."""
+    from dflash.pipeline.parts import Part
+    from dflash.pipeline.runner import PartFailed, run_parts
+
+    run = recipe_run(tmp_path)  # the parts' phase "walk": their records read nothing they write
+    slow_end, quick_out, follower_start = tmp_path / "slow", tmp_path / "quick", tmp_path / "follower"
+
+    def writes(path, delay):
+        return [sys.executable, "-c", f"import time; time.sleep({delay}); open({str(path)!r}, 'w').write(repr(time.time()))"]
+
+    slow = Part("eval-slow", "walk", writes(slow_end, 3.0), (slow_end,))
+    quick = Part("eval-quick", "walk", writes(quick_out, 0.2), (quick_out,))
+    follower = Part("walk", "walk", writes(follower_start, 0.0), (follower_start,))
+    run_parts(run, [slow, quick], at_once=True, following=[(follower, {"eval-quick"})])
+    assert all(records.is_complete(run.layout, part) for part in (slow, quick, follower))
+    assert float(follower_start.read_text()) < float(slow_end.read_text())  # beside the slow one
+    assert records.read_record(run.layout, "eval-quick")["seconds"] < 2.0  # its own time, not the slow one's
+    assert "recipe: walk: what it reads is written (eval-quick): beside the rest" in capsys.readouterr().out
+    bad = Part("eval-bad", "walk", [sys.executable, "-c", "raise SystemExit(2)"], ())
+    other = Part("walk-2", "walk", writes(tmp_path / "never", 0.0), (tmp_path / "never",))
+    with pytest.raises(PartFailed, match="eval-bad failed"):
+        run_parts(run, [bad, Part("eval-ok", "walk", writes(tmp_path / "ok", 0.5), (tmp_path / "ok",))],
+                  at_once=True, following=[(other, {"eval-bad"})])
+    assert not (tmp_path / "never").exists()
+
+
+def test_the_walk_follows_the_evals_it_reads_while_they_are_still_to_run(tmp_path):
+    from dflash.pipeline.runner import followers
+
+    evals = ('recipe.evals=[{name = "h", prompts = "heldout", temperatures = [0.0, 1.0]}, '
+             '{name = "c", prompts = "embedded:chat-heldout"}]')
+    run = recipe_run(tmp_path, evals, "store.labels=target")
+    (checkpoint := tmp_path / "run" / "drafter" / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (checkpoint / "state.pt").write_bytes(b"")
+    todo = eval_parts(run)
+    assert [part.name for part in todo] == ["eval-h-t0", "eval-h-t1", "eval-c-t0"]
+    ((walk, reads),) = followers(run, "eval", todo)
+    assert walk.name == "walk" and reads == {"eval-h-t0"}
+    assert followers(run, "eval", todo[1:]) == []  # what it reads is done already: the walk keeps its own phase
+    assert followers(run, "train", todo) == []
+
+
 def test_the_report_times_the_run_end_to_end_where_parts_overlap():
     """Three parts, two of them side by side: end to end is first start to last end, less than their sum."""
     done = [{"seconds": 100.0, "finished": "2026-12-04T10:01:40+0000"},  # 10:00:00 - 10:01:40

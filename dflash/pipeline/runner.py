@@ -1,7 +1,12 @@
 """Runs `dflash recipe`'s parts: phase by phase, each phase planned once the earlier ones finished,
 its parts one after the other or side by side (subprocesses at once on the one GPU). One line per
-part as it starts and ends, with its wall time; the parts' own output (their progress bars) passes
-through. A part whose record is valid is skipped; a failed one stops the recipe with an error naming it."""
+part as it starts and ends, with its wall time (side by side: each part's own, from its start to its
+end); the parts' own output (their progress bars) passes through. A part whose record is valid is
+skipped; a failed one stops the recipe with an error naming it.
+
+The walk reads only the temperature-0 held-out evals' JSONs, which side by side end minutes before the
+chat evals do: it starts beside the evals still running as soon as the ones it reads are written (a
+follower of the eval phase), instead of after the last of them. Its phase then finds it complete."""
 
 import json
 import os
@@ -11,7 +16,9 @@ from pathlib import Path
 
 from dflash.errors import DflashError
 from dflash.pipeline import records
-from dflash.pipeline.parts import PHASES, PLANNERS, Part, RecipeRun, side_by_side
+from dflash.pipeline.parts import PHASES, PLANNERS, Part, RecipeRun, side_by_side, walk_parts, walked_evals
+
+POLL_SECONDS = 1.0  # side by side: how often the parts' processes are looked at
 
 
 class PartFailed(DflashError):
@@ -30,7 +37,19 @@ def run_recipe(run: RecipeRun, start_phase: str = PHASES[0]) -> None:
         parts = PLANNERS[phase](run)
         todo = [part for part in parts if not skipped(run, part)]
         if todo:
-            run_parts(run, todo, side_by_side(run.config, phase) and len(todo) > 1)
+            at_once = side_by_side(run.config, phase) and len(todo) > 1
+            run_parts(run, todo, at_once, followers(run, phase, todo) if at_once else [])
+
+
+def followers(run: RecipeRun, phase: str, todo: list[Part]) -> list[tuple[Part, set[str]]]:
+    """The parts of later phases that may start beside `todo` once the parts of it they read have ended:
+    the walk, beside the evals, when some eval it reads is still to run (`(part, names it waits for)`)."""
+    if phase != "eval":
+        return []
+    names = {part.name for part in todo}
+    read = {path.stem for path in walked_evals(run)}
+    return [(part, read & names) for part in walk_parts(run)
+            if read & names and not records.is_complete(run.layout, part)]
 
 
 def skipped(run: RecipeRun, part: Part) -> bool:
@@ -41,16 +60,31 @@ def skipped(run: RecipeRun, part: Part) -> bool:
     return True
 
 
-def run_parts(run: RecipeRun, parts: list[Part], at_once: bool) -> None:
-    """`parts` in turn, or all started at once and waited for; a failure stops the recipe after the
-    others ended (their records are written: a rerun keeps them)."""
+def run_parts(run: RecipeRun, parts: list[Part], at_once: bool,
+              following: list[tuple[Part, set[str]]] = ()) -> None:
+    """`parts` in turn, or all started at once and waited for, each recorded when it ends; a follower
+    `(part, names)` starts beside the others once the parts named have ended well. A failure stops the
+    recipe after the others ended (their records are written: a rerun keeps them); followers not yet
+    started then stay for their own phase."""
     if not at_once:
         for part in parts:
             finish(run, part, *start(part))
         return
     say(f"{', '.join(part.name for part in parts)}: side by side")
-    started = [(part, *start(part)) for part in parts]
-    failures = [error for error in (finish_quietly(run, *item) for item in started) if error]
+    running = [(part, *start(part)) for part in parts]
+    waiting, ended, failures = list(following), set(), []
+    while running:
+        for item in [item for item in running if item[1].poll() is not None]:
+            running.remove(item)
+            error = finish_quietly(run, *item)
+            failures += [error] if error else []
+            ended |= set() if error else {item[0].name}
+        for follower in [follower for follower in waiting if follower[1] <= ended and not failures]:
+            waiting.remove(follower)
+            say(f"{follower[0].name}: what it reads is written ({', '.join(sorted(follower[1]))}): beside the rest")
+            running.append((follower[0], *start(follower[0])))
+        if running:
+            time.sleep(POLL_SECONDS)
     if failures:
         raise failures[0]
 
