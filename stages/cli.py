@@ -228,7 +228,9 @@ def export(checkpoint, out_dir):
 @click.option("--seed", default=0, show_default=True,
               help="Sampling seed (temperature > 0): prompt i's draws start from seed + i.")
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Write every number, per prompt too, as JSON.")
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="Write every number, per prompt too, as JSON. Each prompt's results go to OUT.partial.jsonl as "
+                   "it ends: a killed eval rerun with the same options and drafters continues from there.")
 @click.option("--plot", type=click.Path(dir_okay=False),
               help="Write a PNG: histogram of tokens per verification and per-slot acceptance.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
@@ -242,8 +244,9 @@ def export(checkpoint, out_dir):
                    "others skip the plain baseline (only the speed figure).")
 @click.option("--device-lock", default="", type=click.Path(dir_okay=False),
               help="A lock file that evals side by side on one GPU share (`dflash recipe` passes one, and --workers "
-                   "hands it on): each timed prompt waits until the others finish the prompt in hand and decodes "
-                   "alone, the rest decode side by side. Speedups timed beside other processes are not served ones.")
+                   "hands it on): each eval decodes its timed prompts first, alone (after the others finish the "
+                   "prompt in hand), and every untimed prompt waits until no eval has timed ones left, then decodes "
+                   "side by side. Speedups timed beside other processes are not served ones.")
 @click.option("--drafter-graphs/--no-drafter-graphs", default=True, show_default=True,
               help="On a GPU, capture the drafter's block once as a CUDA graph and replay it per verification (its "
                    "few hundred kernel launches become one; the same logits as the eager drafter, tested); off: "

@@ -26,7 +26,10 @@ the held-out split is the one stage two holds out (`train.holdout_fraction`, `tr
 
 import contextlib
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -36,9 +39,9 @@ from dflash.data.tokenizer import load_target_tokenizer
 from dflash.dist import resolve_device
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
 from dflash.model.modeling_dflash import Proposal, TargetSession, parse_proposal, plain_generate
-from dflash.serve.evaluation import (HELDOUT, EvalResult, PromptResult, check_drafter_export, decode_prompt,
-                                     load_drafter, load_prompts, mark_code, plot, print_report, summarize, timed,
-                                     warm_up, write_json)
+from dflash.serve.evaluation import (HELDOUT, EvalResult, PartialResults, PromptResult, check_drafter_export,
+                                     decode_prompt, drafter_identity, load_drafter, load_prompts, mark_code, plot,
+                                     print_report, summarize, timed, warm_up, write_json)
 from dflash.serve.turns import DeviceTurns
 
 
@@ -168,10 +171,16 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
                for path, draft in zip(options.drafters, drafts) for proposal in proposals]
     stops = stop_token_ids(tokenizer, target)
     baseline_generator = torch.Generator(device=device)
-    with turns.beside():  # never beside a prompt timed alone
-        warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals, graphs)
+    partial = PartialResults(options.out, run_identity(options, device))
+    decoded_by_index = partial.load()  # the prompts a killed run of these options and drafters served
     bar = tqdm(total=len(prompts), unit="prompt", desc=f"eval {options.shard}".strip(), dynamic_ncols=True)
-    decoded_by_index = {}
+    for index in sorted(decoded_by_index):
+        for result, decoded in zip(results, decoded_by_index[index]):
+            result.per_prompt.append(decoded)
+        bar.update()
+    if len(decoded_by_index) < len(prompts):
+        with turns.beside():  # never beside a prompt timed alone
+            warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals, graphs)
 
     def serve_prompt(index: int, prompt) -> None:
         for generator in [baseline_generator, *(generator for _, _, generator in served)]:
@@ -190,20 +199,22 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
                                    for draft, proposal, generator in served]
         for decoded in decoded_by_index[index]:
             decoded.kind, decoded.timed = prompt.kind, timed_prompt
+        partial.add(index, decoded_by_index[index])
         for result, decoded in zip(results, decoded_by_index[index]):  # the running tau: the prompts so far
             result.per_prompt.append(decoded)
         bar.update()
         bar.set_postfix(tau="/".join(f"{summarize(result).tau:.2f}" for result in results))
 
     numbered = list(enumerate(prompts, start))
-    timed_here = [(index, prompt) for index, prompt in numbered if index in timed_indices]
+    todo = [(index, prompt) for index, prompt in numbered if index not in decoded_by_index]
+    timed_here = [(index, prompt) for index, prompt in todo if index in timed_indices]
     if timed_here:
         with turns.alone():  # one turn for all of them: one wait for the prompts the others have in hand
             for index, prompt in timed_here:
                 serve_prompt(index, prompt)
     timed_ahead.close()
     turns.after_timed()
-    for index, prompt in numbered:
+    for index, prompt in todo:
         if index not in timed_indices:
             with turns.beside():
                 serve_prompt(index, prompt)
@@ -212,7 +223,20 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
         result.per_prompt = [mark_code(decoded, tokenizer) for decoded in in_order]
     for result in results:
         summarize(result)
-    return reported(results, options)
+    reported(results, options)
+    if not options.shard:  # a worker's partial file stays until `run_sharded` has merged every worker's JSON
+        partial.remove()
+    return results
+
+
+def run_identity(options: EvalOptions, device: torch.device) -> dict:
+    """What decides an eval's outputs, as its partial file names it: every option that does, the device and each
+    drafter's weights (`drafter_identity`)."""
+    return {"drafters": [drafter_identity(path) for path in options.drafters], "prompts": options.prompts,
+            "num_prompts": options.num_prompts, "match": options.match, "exclude": options.exclude,
+            "max_new_tokens": options.max_new_tokens, "temperature": options.temperature,
+            "proposals": list(options.proposals), "seed": options.seed, "shard": options.shard,
+            "timed_prompts": options.timed_prompts, "drafter_graphs": options.drafter_graphs, "device": str(device)}
 
 
 def reported(results: list[EvalResult], options: EvalOptions) -> list[EvalResult]:
@@ -231,16 +255,14 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
     A worker that fails stops the others, and its log's tail names it."""
     import subprocess
     import sys
-    import tempfile
-    from pathlib import Path
 
     total = options.workers
     print(f"eval: {total} workers side by side, each serving a contiguous share of the prompts")
-    with tempfile.TemporaryDirectory(prefix="dflash-eval-") as folder:
+    with shard_folder(options.out) as folder:
         workers = []
         try:
             for index in range(total):
-                out, log = Path(folder) / f"shard-{index}.json", Path(folder) / f"shard-{index}.log"
+                out, log = Path(folder) / f"shard-{index}of{total}.json", Path(folder) / f"shard-{index}of{total}.log"
                 command = [sys.executable, "-m", "stages.cli", "eval", *config_args,
                            *[item for path in options.drafters for item in ("--drafter", path)],
                            "--prompts", options.prompts, "--num-prompts", str(options.num_prompts),
@@ -264,7 +286,22 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
                     worker.terminate()
                     worker.wait()
         shards = [json.loads(out.read_text())["results"] for _, out, _ in workers]
-    return reported(merge_shards([shard for shard in shards if shard]), options)
+        return reported(merge_shards([shard for shard in shards if shard]), options)
+
+
+@contextlib.contextmanager
+def shard_folder(out: str):
+    """Where `run_sharded`'s workers write: `OUT.shards/` beside --out, kept if the run fails or is killed (each
+    worker's partial file there lets a rerun continue) and removed once the merged JSON is written; without
+    --out a temporary folder."""
+    if not out:
+        with tempfile.TemporaryDirectory(prefix="dflash-eval-") as folder:
+            yield Path(folder)
+        return
+    folder = Path(out + ".shards")
+    folder.mkdir(parents=True, exist_ok=True)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def merge_shards(shards: list[list[dict]]) -> list[EvalResult]:

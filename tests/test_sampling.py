@@ -223,9 +223,10 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
     """`dflash eval --temperature 0.8 --proposal argmax,sample` on the embedded tiny target: one result per
     policy on the same prompts, the JSON names each result's policy and gives tau per prompt kind; with
     `--workers 2` the same numbers, prompt for prompt; a timed prompt decoded first (before the untimed ones)
-    keeps its place in the results."""
+    keeps its place in the results; a killed eval continues from its partial file."""
     import dataclasses
     import json
+    from pathlib import Path
 
     from dflash.config import load_config
     from dflash.extract.target import load_causal_lm, prepare_checkpoint
@@ -272,7 +273,7 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
         timed = two["per_prompt"][0]
         assert two["speedup"] == pytest.approx(timed["baseline_seconds"] / timed["spec_seconds"]
                                                * timed["generated_tokens"] / timed["baseline_tokens"])
-    assert (tmp_path / "evals" / "device.lock").exists()
+    assert (tmp_path / "evals" / "device.lock").exists() and not (tmp_path / "eval-2.json.shards").exists()
     monkeypatch.setattr(evaluate, "spread", lambda chosen, count: {1})  # the last prompt timed: decoded first
     second_timed = dataclasses.replace(sharded, workers=1, out=str(tmp_path / "eval-last-timed.json"))
     evaluate.run(config, second_timed)
@@ -280,6 +281,41 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
         for key in ("prompt_id", "acceptance_lengths", "generated_ids", "kind"):
             assert [p[key] for p in last["per_prompt"]] == [p[key] for p in one["per_prompt"]], key
         assert [p["timed"] for p in last["per_prompt"]] == [False, True] and last["tau"] == one["tau"]
+    monkeypatch.undo()
+    # killed after its first prompt, an eval rerun with the same options continues from OUT.partial.jsonl: it
+    # serves the second prompt alone and writes the uninterrupted run's numbers, then removes the partial file
+    resumed = dataclasses.replace(options, out=str(tmp_path / "eval-resumed.json"))
+    partial = tmp_path / "eval-resumed.json.partial.jsonl"
+    served_prompts, decode = [], evaluate.decode_prompt
+
+    class Killed(Exception):
+        pass
+
+    def killed_at_the_second_prompt(*args, **kwargs):
+        served_prompts.append(args[2])
+        if len(set(served_prompts)) > 1:
+            raise Killed
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "decode_prompt", killed_at_the_second_prompt)
+    with pytest.raises(Killed):
+        evaluate.run(config, resumed)
+    assert len(partial.read_text().splitlines()) == 2  # the run's identity, the first prompt
+    with partial.open("a") as cut:
+        cut.write('{"index": 1, "decoded": [{"prompt_')  # a line a kill cut short: served again
+    first_label, served_prompts[:] = served_prompts[0], []
+    monkeypatch.setattr(evaluate, "decode_prompt", lambda *args, **kwargs: served_prompts.append(args[2]) or
+                        decode(*args, **kwargs))
+    evaluate.run(config, resumed)
+    assert served_prompts and first_label not in served_prompts and not partial.exists()
+    assert "continuing after 1 prompts served" in capsys.readouterr().out
+    for one, again in zip(results, json.loads(Path(resumed.out).read_text())["results"], strict=True):
+        for key in ("prompt_id", "acceptance_lengths", "generated_ids"):
+            assert [p[key] for p in again["per_prompt"]] == [p[key] for p in one["per_prompt"]], key
+    other_drafter = dataclasses.replace(resumed, seed=1)  # another run's partial file is not continued
+    Path(resumed.out + ".partial.jsonl").write_text(json.dumps({"identity": {"seed": 0}}) + "\n")
+    evaluate.run(config, other_drafter)
+    assert "written by another run" in capsys.readouterr().out
 
 
 def test_best_first_tree_adds_the_likeliest_paths_first():

@@ -429,6 +429,67 @@ def write_json(results: list[EvalResult], path: str) -> None:
     print(f"wrote {path}")
 
 
+PARTIAL_SUFFIX = ".partial.jsonl"  # beside --out: each prompt's results as it ends
+
+
+class PartialResults:
+    """Each prompt's results, one JSON line as it ends, in `OUT.partial.jsonl`: a killed eval loses at most the
+    prompt in hand. The first line names the run (`identity`: the options that decide the outputs and each drafter's
+    weights file, by path, size and modification time); a rerun whose identity is the same continues from the
+    prompts written (every random stream restarts at each prompt from the seed plus its index, so the rest decode
+    as they would have), any other starts over. A line cut by a kill is dropped. Removed once the JSON is written."""
+
+    def __init__(self, out: str, identity: dict):
+        self.path = Path(out + PARTIAL_SUFFIX) if out else None
+        self.identity = identity
+        self.stream = None
+
+    def load(self) -> dict[int, list[PromptResult]]:
+        """The prompts already served by a run of this identity (by prompt index); the file rewritten with them."""
+        done = {}
+        if self.path is not None and self.path.exists():
+            lines = self.path.read_text().splitlines()
+            try:
+                same = bool(lines) and json.loads(lines[0]) == {"identity": self.identity}
+            except json.JSONDecodeError:
+                same = False
+            for line in lines[1:] if same else []:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # cut by a kill: the prompt is served again
+                    break
+                done[row["index"]] = [PromptResult(**decoded) for decoded in row["decoded"]]
+            print(f"{self.path}: continuing after {len(done)} prompts served" if same else
+                  f"{self.path}: written by another run (options or drafters differ): starting over")
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.stream = self.path.open("w")
+            self._write({"identity": self.identity})
+            for index, decoded in sorted(done.items()):
+                self.add(index, decoded)
+        return done
+
+    def add(self, index: int, decoded: list[PromptResult]) -> None:
+        if self.stream is not None:
+            self._write({"index": index, "decoded": [asdict(prompt) for prompt in decoded]})
+
+    def _write(self, row: dict) -> None:
+        self.stream.write(json.dumps(row) + "\n")
+        self.stream.flush()
+
+    def remove(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.path.unlink(missing_ok=True)
+
+
+def drafter_identity(export_dir: str) -> list:
+    """An export as a partial file names it: its path and its weights file's size and modification time."""
+    weights = Path(export_dir) / WEIGHTS_NAME
+    stat = weights.stat()
+    return [str(Path(export_dir).resolve()), stat.st_size, stat.st_mtime_ns]
+
+
 def plot(results: list[EvalResult], path: str) -> None:
     import matplotlib
 
