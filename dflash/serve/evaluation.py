@@ -456,17 +456,21 @@ class PartialResults:
             for line in lines[1:] if same else []:
                 try:
                     row = json.loads(line)
-                except json.JSONDecodeError:  # cut by a kill: the prompt is served again
+                    done[row["index"]] = [PromptResult(**decoded) for decoded in row["decoded"]]
+                except (json.JSONDecodeError, KeyError, TypeError):  # cut by a kill: served again from here
                     break
-                done[row["index"]] = [PromptResult(**decoded) for decoded in row["decoded"]]
             print(f"{self.path}: continuing after {len(done)} prompts served" if same else
                   f"{self.path}: written by another run (options or drafters differ): starting over")
-        if self.path is not None:
+        if self.path is not None:  # rewritten whole beside it, then put in its place: a kill loses nothing served
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.stream = self.path.open("w")
+            fresh = self.path.with_name(self.path.name + ".tmp")
+            self.stream = fresh.open("w")
             self._write({"identity": self.identity})
             for index, decoded in sorted(done.items()):
                 self.add(index, decoded)
+            self.stream.close()
+            fresh.replace(self.path)
+            self.stream = self.path.open("a")
         return done
 
     def add(self, index: int, decoded: list[PromptResult]) -> None:

@@ -36,11 +36,11 @@ class DeviceTurns:
         return self._turn(fcntl.LOCK_SH)
 
     @contextmanager
-    def timed_ahead(self, pending: bool = True):
+    def timed_ahead(self):
         """While inside: this process has timed prompts still to decode (`after_timed` waits for it). Enter it
         at the start, before loading anything, so that an eval that loads faster cannot start its untimed work
-        before a slower one has said it has timed work; `pending` False: nothing is said."""
-        if self.path is None or not pending:
+        before a slower one has said it has timed work."""
+        if self.path is None:
             yield
             return
         with self._open("pending") as pending_file:
