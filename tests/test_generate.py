@@ -197,6 +197,19 @@ def test_several_sampled_answers_beside_the_greedy_one(tmp_path, embedded_cache_
     assert eval_indices.size and not set(source_rows[train_indices]) & set(source_rows[eval_indices])
 
 
+def test_no_prompt_the_target_wrote_ended_so_none_is_answered(tmp_path, embedded_cache_dir, llama_target_dir, capsys):
+    """A random target ends no turn within 8 tokens: every prompt it was asked to write is dropped and counted,
+    nothing is answered, and the shards are written empty (the recipe's cheap dry runs hit this)."""
+    from dflash.data.embedded import ask_code_rows
+
+    config = load_config(write_config(tmp_path, embedded_cache_dir, ask_code_rows()[:2], str(llama_target_dir)))
+    options = generate.GenerateOptions(out=str(tmp_path / "out"), max_new_tokens=8, ask_temperature=1.0,
+                                       rows_per_shard=3, batch_size=4, engine="slots")
+    result = generate.run(config, options)
+    assert result.asked == 0 and sum(result.ask_dropped.values()) == 2 and result.answers == 0
+    assert read_parts(tmp_path / "out") == [] and "asked: the target wrote 2 prompts" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("engine", ["slots", "generate"])
 def test_the_target_writes_the_prompts_it_then_answers(tmp_path, embedded_cache_dir, llama_target_dir, monkeypatch,
                                                        capsys, engine):

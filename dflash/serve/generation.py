@@ -138,6 +138,8 @@ class Generator:
         """Every job's answer, handed to `on_answer(job index, answer)` as it is made (not in job order);
         `temperature` (> 0) samples this run's sampled jobs at another temperature than the generator's."""
         temperature = self.temperature if temperature is None else temperature
+        if not jobs:  # e.g. every prompt the target was asked to write was dropped
+            return
         if self.engine == "slots":
             self._run_slots(jobs, on_answer, on_steps, temperature)
         else:
