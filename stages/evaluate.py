@@ -25,6 +25,7 @@ the held-out split is the one stage two holds out (`train.holdout_fraction`, `tr
 """
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -230,13 +231,14 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
 
 
 def run_identity(options: EvalOptions, device: torch.device) -> dict:
-    """What decides an eval's outputs, as its partial file names it: every option that does, the device and each
-    drafter's weights (`drafter_identity`)."""
-    return {"drafters": [drafter_identity(path) for path in options.drafters], "prompts": options.prompts,
-            "num_prompts": options.num_prompts, "match": options.match, "exclude": options.exclude,
-            "max_new_tokens": options.max_new_tokens, "temperature": options.temperature,
-            "proposals": list(options.proposals), "seed": options.seed, "shard": options.shard,
-            "timed_prompts": options.timed_prompts, "drafter_graphs": options.drafter_graphs, "device": str(device)}
+    """What decides an eval's outputs, as its partial file names it: its options but where it writes and how many
+    processes share the work, the device and each drafter's weights (`drafter_identity`)."""
+    identity = {key: value for key, value in dataclasses.asdict(options).items() if key not in NOT_IDENTITY}
+    identity.update(drafters=[drafter_identity(path) for path in options.drafters], device=str(device))
+    return json.loads(json.dumps(identity))  # as the partial file's first line reads back (tuples as lists)
+
+
+NOT_IDENTITY = ("out", "plot", "workers", "device_lock", "device")  # options that leave a prompt's outputs alone
 
 
 def reported(results: list[EvalResult], options: EvalOptions) -> list[EvalResult]:

@@ -77,8 +77,10 @@ def run_parts(run: RecipeRun, parts: list[Part], at_once: bool,
         for item in [item for item in running if item[1].poll() is not None]:
             running.remove(item)
             error = finish_quietly(run, *item)
-            failures += [error] if error else []
-            ended |= set() if error else {item[0].name}
+            if error:
+                failures.append(error)
+            else:
+                ended.add(item[0].name)
         for follower in [follower for follower in waiting if follower[1] <= ended and not failures]:
             waiting.remove(follower)
             say(f"{follower[0].name}: what it reads is written ({', '.join(sorted(follower[1]))}): beside the rest")
