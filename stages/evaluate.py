@@ -27,6 +27,7 @@ the held-out split is the one stage two holds out (`train.holdout_fraction`, `tr
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from dflash.model.modeling_dflash import Proposal, TargetSession, parse_proposal
 from dflash.serve.evaluation import (HELDOUT, EvalResult, PartialResults, PromptResult, check_drafter_export,
                                      decode_prompt, drafter_identity, load_drafter, load_prompts, mark_code, plot,
                                      print_report, summarize, timed, warm_up, write_json)
-from dflash.serve.turns import DeviceTurns
+from dflash.serve.turns import DeviceTurns, hand_loading_lock
 
 
 @dataclass(frozen=True)
@@ -132,16 +133,18 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
     if options.workers > 1 and not options.shard:
         return run_sharded(options, list(config_args))
     turns = DeviceTurns(options.device_lock)
-    with contextlib.ExitStack() as timed_ahead:  # this process's timed prompts go before every process's untimed ones
-        timed_ahead.enter_context(turns.timed_ahead())
-        return serve(config, options, turns, timed_ahead)
+    with contextlib.ExitStack() as timed_ahead, contextlib.ExitStack() as loading:
+        timed_ahead.enter_context(turns.timed_ahead())  # this process's timed prompts go before any untimed ones
+        loading.enter_context(turns.loading())  # and no process's timed prompts while this one loads
+        return serve(config, options, turns, timed_ahead, loading)
 
 
-def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead: contextlib.ExitStack
-          ) -> list[EvalResult]:
-    """`run` in one process: warm up beside the others, decode the timed prompts in one turn alone, close
-    `timed_ahead` (this process has no timed work left), wait until no process has any, then decode the rest
-    beside the others. The results keep the prompts' order."""
+def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead: contextlib.ExitStack,
+          loading: contextlib.ExitStack) -> list[EvalResult]:
+    """`run` in one process: load and warm up beside the others, close `loading`, decode the timed prompts in
+    one turn alone (once no process is loading), close `timed_ahead` (this process has no timed work left),
+    wait until no process has any, then decode the rest beside the others. The results keep the prompts'
+    order."""
     device = resolve_device(options.device)
     dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
@@ -182,6 +185,7 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
     if len(decoded_by_index) < len(prompts):
         with turns.beside():  # never beside a prompt timed alone
             warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals, graphs)
+    loading.close()
 
     def serve_prompt(index: int, prompt) -> None:
         for generator in [baseline_generator, *(generator for _, _, generator in served)]:
@@ -255,28 +259,18 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
     """`options.workers` processes of `dflash eval --shard I/K` side by side, each on a contiguous share of the
     prompts with its own target and baseline; their JSONs merged in prompt order and summarised as one run.
     A worker that fails stops the others, and its log's tail names it."""
-    import subprocess
-    import sys
-
     total = options.workers
     print(f"eval: {total} workers side by side, each serving a contiguous share of the prompts")
+    turns = DeviceTurns(options.device_lock)
     with shard_folder(options.out) as folder:
         workers = []
         try:
-            for index in range(total):
-                out, log = Path(folder) / f"shard-{index}of{total}.json", Path(folder) / f"shard-{index}of{total}.log"
-                command = [sys.executable, "-m", "stages.cli", "eval", *config_args,
-                           *[item for path in options.drafters for item in ("--drafter", path)],
-                           "--prompts", options.prompts, "--num-prompts", str(options.num_prompts),
-                           "--match", options.match, "--exclude", options.exclude,
-                           "--max-new-tokens", str(options.max_new_tokens), "--temperature", f"{options.temperature!r}",
-                           "--proposal", ",".join(options.proposals), "--seed", str(options.seed),
-                           "--device", options.device, "--out", str(out), "--shard", f"{index}/{total}",
-                           "--timed-prompts", str(options.timed_prompts),
-                           *(["--device-lock", options.device_lock] if options.device_lock else []),
-                           "--drafter-graphs" if options.drafter_graphs else "--no-drafter-graphs"]
-                with open(log, "w") as stream:
-                    workers.append((subprocess.Popen(command, stdout=stream), out, log))
+            with turns.loading():  # until each worker holds its own (`start_worker`)
+                for index in range(total):
+                    out, log = (Path(folder) / f"shard-{index}of{total}.{kind}" for kind in ("json", "log"))
+                    command = worker_command(options, config_args, f"{index}/{total}", out)
+                    with open(log, "w") as stream:
+                        workers.append((start_worker(command, stream, options.device_lock), out, log))
             for index, (worker, out, log) in enumerate(workers):
                 if worker.wait() != 0:
                     tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
@@ -289,6 +283,36 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
                     worker.wait()
         shards = [json.loads(out.read_text())["results"] for _, out, _ in workers]
         return reported(merge_shards([shard for shard in shards if shard]), options)
+
+
+def worker_command(options: EvalOptions, config_args: list[str], shard: str, out: Path) -> list[str]:
+    """`dflash eval --shard I/K` with this eval's options."""
+    import sys
+
+    return [sys.executable, "-m", "stages.cli", "eval", *config_args,
+            *[item for path in options.drafters for item in ("--drafter", path)],
+            "--prompts", options.prompts, "--num-prompts", str(options.num_prompts),
+            "--match", options.match, "--exclude", options.exclude,
+            "--max-new-tokens", str(options.max_new_tokens), "--temperature", f"{options.temperature!r}",
+            "--proposal", ",".join(options.proposals), "--seed", str(options.seed),
+            "--device", options.device, "--out", str(out), "--shard", shard,
+            "--timed-prompts", str(options.timed_prompts),
+            *(["--device-lock", options.device_lock] if options.device_lock else []),
+            "--drafter-graphs" if options.drafter_graphs else "--no-drafter-graphs"]
+
+
+def start_worker(command: list[str], stream, device_lock: str):
+    """A worker process; with a device lock it starts holding a loading lock taken for it (`hand_loading_lock`),
+    so that no eval times its prompts while the worker imports and loads."""
+    import subprocess
+
+    if not device_lock:
+        return subprocess.Popen(command, stdout=stream)
+    descriptor, env = hand_loading_lock(device_lock)
+    try:
+        return subprocess.Popen(command, stdout=stream, env={**os.environ, **env}, pass_fds=(descriptor,))
+    finally:
+        os.close(descriptor)
 
 
 @contextlib.contextmanager

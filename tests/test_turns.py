@@ -121,3 +121,103 @@ def test_untimed_work_waits_for_every_process_that_said_it_has_timed_work(tmp_pa
     turns.after_timed()  # nobody has timed work left: returns at once
     with DeviceTurns("").timed_ahead():  # no lock file: nothing to say
         DeviceTurns("").after_timed()
+
+
+def test_a_turn_alone_waits_until_no_process_is_loading(tmp_path):
+    turns = DeviceTurns(tmp_path / "evals" / "device.lock")
+    events, lock = [], threading.Lock()
+    loading_in, release = threading.Event(), threading.Event()
+
+    def note(text):
+        with lock:
+            events.append(text)
+
+    def loader():  # still loading its target: nobody times alone, but warming up beside is fine
+        with turns.loading():
+            loading_in.set()
+            with turns.beside():
+                note("warm-up beside")
+            release.wait(5)
+            note("loaded")
+
+    def timed():
+        loading_in.wait(5)
+        with turns.alone():
+            note("alone")
+
+    threads = [threading.Thread(target=function) for function in (loader, timed)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    assert events == ["warm-up beside"]  # the turn alone waits for the loader
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert events == ["warm-up beside", "loaded", "alone"]
+
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from dflash.serve.turns import DeviceTurns
+turns = DeviceTurns(sys.argv[1])
+with turns.loading():
+    Path(sys.argv[2]).touch()
+    while not Path(sys.argv[3]).exists():
+        time.sleep(0.05)
+Path(sys.argv[4]).touch()
+while not Path(sys.argv[5]).exists():  # alive, and no longer loading, until told to end
+    time.sleep(0.05)
+"""
+
+
+def test_a_started_process_holds_the_loading_lock_from_before_its_first_line(tmp_path):
+    """The starter takes the lock for the child (`hand_loading_lock`, as the recipe's runner and `--workers` do):
+    a turn alone waits for a child still importing, and the child releases that very lock once loaded."""
+    import fcntl
+    import os
+    import subprocess
+    import sys
+
+    from dflash.serve.turns import hand_loading_lock
+
+    lock_path = tmp_path / "evals" / "device.lock"
+    inside, go, loaded, finish = (tmp_path / name for name in ("inside", "go", "loaded", "finish"))
+
+    def someone_loading() -> bool:
+        with open(lock_path.with_name("device.lock.loading"), "a") as probe:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(probe, fcntl.LOCK_UN)
+            return False
+
+    descriptor, env = hand_loading_lock(lock_path)
+    try:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, *map(str, (lock_path, inside, go, loaded, finish))],
+                                 env={**os.environ, **env}, pass_fds=(descriptor,))
+    finally:
+        os.close(descriptor)
+    try:
+        assert someone_loading()  # at once, before the child ran a line
+        deadline = time.monotonic() + 60
+        while not inside.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert inside.exists() and someone_loading()
+        alone_at = []
+
+        def timed():
+            with DeviceTurns(lock_path).alone():
+                alone_at.append(loaded.exists())
+
+        thread = threading.Thread(target=timed, daemon=True)
+        thread.start()
+        time.sleep(0.3)
+        assert not alone_at  # the child is still loading
+        go.touch()
+        thread.join(30)
+        assert alone_at == [True] and child.poll() is None  # once it has loaded, while it still runs
+    finally:
+        finish.touch()
+        assert child.wait(60) == 0

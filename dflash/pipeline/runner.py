@@ -17,6 +17,7 @@ from pathlib import Path
 from dflash.errors import DflashError
 from dflash.pipeline import records
 from dflash.pipeline.parts import PHASES, PLANNERS, Part, RecipeRun, side_by_side, walk_parts, walked_evals
+from dflash.serve.turns import hand_loading_lock
 
 POLL_SECONDS = 1.0  # side by side: how often the parts' processes are looked at
 
@@ -98,7 +99,15 @@ def start(part: Part) -> tuple[subprocess.Popen, float, list[str]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     if part.phase == "train":  # stage two names every recompile's failed guard (TORCH_LOGS= turns it off)
         env.setdefault("TORCH_LOGS", "recompiles")
-    return subprocess.Popen(command, env=env), time.monotonic(), command
+    if "--device-lock" not in command:
+        return subprocess.Popen(command, env=env), time.monotonic(), command
+    # an eval taking turns on the device starts as one still loading (DeviceTurns.loading): no eval beside it
+    # times its prompts while this one imports and loads
+    descriptor, loading = hand_loading_lock(command[command.index("--device-lock") + 1])
+    try:
+        return subprocess.Popen(command, env={**env, **loading}, pass_fds=(descriptor,)), time.monotonic(), command
+    finally:
+        os.close(descriptor)
 
 
 def finish(run: RecipeRun, part: Part, process: subprocess.Popen, began: float, command: list[str]) -> None:

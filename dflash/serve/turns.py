@@ -12,12 +12,34 @@ spread among the rest costs every process that many waits. So every eval holds `
 PATH.pending) from its start until its timed prompts, if any, are done, all in one turn alone, and `after_timed()`
 waits until nobody holds it. Every eval then times its prompts one after another, and the
 untimed work of all of them runs beside each other afterwards, with no turn alone left to wait for.
+
+A turn alone also waits until no process is still loading (`loading()`: reading the target and the drafter,
+building their graphs, the warm-up). Thirteen processes start together in the recipe; the first evals loaded
+timed their prompts while the others were still loading, and those steps ran at 24-89 ms where a step alone
+takes about 22 (H100, 12-06). A process started with `--device-lock` holds a shared lock on PATH.loading while
+it loads; so that a process still importing cannot be missed, the one that starts it takes that lock for it
+(`hand_loading_lock`: the child inherits the locked file as LOADING_FD_ENV names it, and releases it when loaded).
 """
 
 import fcntl
 import os
 from contextlib import contextmanager
 from pathlib import Path
+
+
+LOADING_FD_ENV = "DFLASH_DEVICE_LOADING_FD"  # a locked PATH.loading this process inherited from the one that started it
+
+
+def hand_loading_lock(lock_path: str | os.PathLike) -> tuple[int, dict]:
+    """For a process about to start one that takes turns at `lock_path`: a new open file of PATH.loading with a
+    shared lock on it, and the environment entry naming it. Pass the descriptor to the child (`pass_fds`), then
+    close it here: the lock stays with the child until it has loaded (or exits)."""
+    path = Path(lock_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path.with_name(path.name + ".loading"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fcntl.flock(descriptor, fcntl.LOCK_SH)
+    os.set_inheritable(descriptor, True)
+    return descriptor, {LOADING_FD_ENV: str(descriptor)}
 
 
 class DeviceTurns:
@@ -28,8 +50,38 @@ class DeviceTurns:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def alone(self):
-        """Hold the device alone: wait until no process decodes beside, then keep them waiting."""
+        """Hold the device alone: wait until no process is loading and none decodes beside, then keep them
+        waiting."""
+        if self.path is not None:
+            with self._open("loading") as loading_file:
+                fcntl.flock(loading_file, fcntl.LOCK_EX)
+                fcntl.flock(loading_file, fcntl.LOCK_UN)
         return self._turn(fcntl.LOCK_EX)
+
+    @contextmanager
+    def loading(self):
+        """While inside, this process is loading: no turn alone starts. It keeps the lock it inherited
+        (LOADING_FD_ENV, taken by the process that started it) or takes its own."""
+        if self.path is None:
+            yield
+            return
+        inherited = os.environ.pop(LOADING_FD_ENV, "")
+        descriptor = None
+        if inherited.isdigit():
+            try:
+                os.fstat(int(inherited))
+                descriptor = int(inherited)
+            except OSError:  # named but not passed down: take our own
+                descriptor = None
+        if descriptor is None:
+            descriptor = os.open(self.path.with_name(self.path.name + ".loading"),
+                                 os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            fcntl.flock(descriptor, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(descriptor, fcntl.LOCK_UN)
+            os.close(descriptor)
 
     def beside(self):
         """Decode beside the other processes (never while one holds the device alone)."""
