@@ -221,3 +221,24 @@ def test_a_started_process_holds_the_loading_lock_from_before_its_first_line(tmp
     finally:
         finish.touch()
         assert child.wait(60) == 0
+
+
+def test_a_loading_lock_named_but_not_passed_down_is_taken_anew(tmp_path, monkeypatch):
+    import fcntl
+    import os
+
+    from dflash.serve.turns import LOADING_FD_ENV
+
+    lock_path = tmp_path / "device.lock"
+    closed = os.open(os.devnull, os.O_RDONLY)
+    os.close(closed)
+    monkeypatch.setenv(LOADING_FD_ENV, str(closed))
+    with DeviceTurns(lock_path).loading():
+        assert LOADING_FD_ENV not in os.environ  # a process this one starts gets its own
+        with open(lock_path.with_name("device.lock.loading"), "a") as probe:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = False
+            except BlockingIOError:
+                held = True
+    assert held

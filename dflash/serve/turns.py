@@ -34,12 +34,27 @@ def hand_loading_lock(lock_path: str | os.PathLike) -> tuple[int, dict]:
     """For a process about to start one that takes turns at `lock_path`: a new open file of PATH.loading with a
     shared lock on it, and the environment entry naming it. Pass the descriptor to the child (`pass_fds`), then
     close it here: the lock stays with the child until it has loaded (or exits)."""
+    descriptor = loading_lock(lock_path)
+    os.set_inheritable(descriptor, True)
+    return descriptor, {LOADING_FD_ENV: str(descriptor)}
+
+
+def loading_lock(lock_path: str | os.PathLike) -> int:
+    """A new open file of PATH.loading holding a shared lock (released by LOCK_UN on it or when every descriptor of
+    it is closed)."""
     path = Path(lock_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor = os.open(path.with_name(path.name + ".loading"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     fcntl.flock(descriptor, fcntl.LOCK_SH)
-    os.set_inheritable(descriptor, True)
-    return descriptor, {LOADING_FD_ENV: str(descriptor)}
+    return descriptor
+
+
+def is_open(descriptor: int) -> bool:
+    try:
+        os.fstat(descriptor)
+    except OSError:  # named but not passed down
+        return False
+    return True
 
 
 class DeviceTurns:
@@ -65,18 +80,8 @@ class DeviceTurns:
         if self.path is None:
             yield
             return
-        inherited = os.environ.pop(LOADING_FD_ENV, "")
-        descriptor = None
-        if inherited.isdigit():
-            try:
-                os.fstat(int(inherited))
-                descriptor = int(inherited)
-            except OSError:  # named but not passed down: take our own
-                descriptor = None
-        if descriptor is None:
-            descriptor = os.open(self.path.with_name(self.path.name + ".loading"),
-                                 os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            fcntl.flock(descriptor, fcntl.LOCK_SH)
+        inherited = os.environ.pop(LOADING_FD_ENV, "")  # not for the processes this one starts
+        descriptor = int(inherited) if inherited.isdigit() and is_open(int(inherited)) else loading_lock(self.path)
         try:
             yield
         finally:
