@@ -139,6 +139,28 @@ def test_the_report_copies_the_eval_json_and_renders_again_from_report_json(tmp_
     assert (root / "report.md").read_text() == text
 
 
+def test_the_report_says_what_sampling_keeps_of_greedy_tau():
+    from dflash.pipeline.report import sampling_table
+
+    def entry(name, temperature, *rows):
+        return {"eval_set": name, "temperature": temperature, "results": [
+            {"drafter": f"/run/exports/{drafter}", "step": step, "proposal": proposal, "tau": tau, "speedup": 1.5,
+             "timed_prompts": 3, "num_prompts": 16} for drafter, step, proposal, tau in rows]}
+
+    evals = [entry("docs", 0.0, ("export", 8, "sample", 3.0), ("export", 8, "tree:64", 4.0),
+                   ("export-4", 4, "sample", 9.0)),  # an earlier checkpoint (the curve): its own drafter
+             entry("docs", 1.0, ("export", 8, "sample", 1.5), ("export", 8, "tree:64", 2.4),
+                   ("export", 8, "sample:1.5", 1.2)),
+             entry("other", 1.0, ("export", 8, "sample", 1.0))]  # no T = 0 eval of its own: no row
+    lines = sampling_table(evals)
+    rows = [line for line in lines if line.startswith("| docs |")]
+    assert rows == ["| docs | 1 | sample | export | 1.500 | 1.50 (3 alone) | 0.50 | 0.50 | 0.38 |",
+                    "| docs | 1 | tree:64 | export | 2.400 | 1.50 (3 alone) | 0.60 | 0.80 | 0.60 |",
+                    "| docs | 1 | sample:1.5 | export | 1.200 | 1.50 (3 alone) | - | 0.40 | 0.30 |"]
+    assert not any(line.startswith("| other |") for line in lines)
+    assert sampling_table([evals[0]]) == []  # nothing sampled
+
+
 def test_parts_side_by_side_each_recorded_and_a_failure_named(tmp_path, capsys):
     from dflash.pipeline.parts import Part
     from dflash.pipeline.runner import PartFailed, run_parts

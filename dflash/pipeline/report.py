@@ -146,6 +146,7 @@ def markdown(report: dict, plots: list[Path]) -> str:
               f"teacher-forced tau {number(train['heldout_tau'])}, walked as served "
               f"{number(train['heldout_served_tau'])}.", ""]
     lines += served_tables(report["evals"])
+    lines += sampling_table(report["evals"])
     if report["walk"]:
         lines += ["## Teacher-forced (walk) vs served, same prompts", "",
                   "| eval | drafter | prompts | teacher-forced tau | served tau | ratio |", "|---|---|---:|---:|---:|---:|"]
@@ -180,6 +181,35 @@ def served_tables(evals: list[dict]) -> list[str]:
                          f"{number(row.get('tau_outside_code') if row.get('verifications_outside_code') else None)} | "
                          f"{kinds} |")
     return lines + [""]
+
+
+def sampling_table(evals: list[dict]) -> list[str]:
+    """What sampling keeps: each eval set's tau at T > 0 as a fraction of the same drafter's tau on the same set at
+    T = 0, against the same policy (T = 0 serves `stree:N` as `tree:N`; draws at F x T have no T = 0 row of their
+    own), the chain (greedy verification of the argmax block) and the best T = 0 policy."""
+    greedy = {}  # (eval set, drafter) -> {proposal: tau} at T = 0
+    for entry in evals:
+        if entry["temperature"] == 0:
+            for row in entry["results"]:
+                greedy.setdefault((entry["eval_set"], row["drafter"]), {})[row.get("proposal") or ""] = row["tau"]
+    rows = []
+    for entry in evals:
+        for row in entry["results"] if entry["temperature"] > 0 else []:
+            at_zero = greedy.get((entry["eval_set"], row["drafter"]))
+            if not at_zero:
+                continue
+            chain = next((at_zero[name] for name in ("sample", "argmax", "") if name in at_zero), None)
+            ratios = [row["tau"] / tau if tau else None for tau in
+                      (at_zero.get(row.get("proposal") or ""), chain, max(at_zero.values()))]
+            rows.append(f"| {entry['eval_set']} | {entry['temperature']:g} | {row.get('proposal', '') or ''} | "
+                        f"{Path(row['drafter']).name} | {number(row['tau'])} | {speedup_cell(row)} | "
+                        + " | ".join(number(ratio, 2) for ratio in ratios) + " |")
+    if not rows:
+        return []
+    return ["## Sampling against greedy", "", "Served tau at T > 0 as a fraction of the same drafter's on the same set "
+            "at T = 0: the same policy's, the chain's and the best policy's.", "",
+            "| eval set | T | proposal | drafter | tau | speedup | x same policy at T=0 | x chain at T=0 | "
+            "x best at T=0 |", "|---|---:|---|---|---:|---:|---:|---:|---:|", *rows, ""]
 
 
 def speedup_cell(row: dict) -> str:
