@@ -44,7 +44,7 @@ from dflash.model.modeling_dflash import Proposal, TargetSession, parse_proposal
 from dflash.serve.evaluation import (HELDOUT, EvalResult, PartialResults, PromptResult, check_drafter_export,
                                      decode_prompt, drafter_identity, load_drafter, load_prompts, mark_code, plot,
                                      print_report, summarize, timed, warm_up, write_json)
-from dflash.serve.turns import DeviceTurns, hand_loading_lock
+from dflash.serve.turns import DeviceTurns, start_loading
 
 
 @dataclass(frozen=True)
@@ -302,17 +302,13 @@ def worker_command(options: EvalOptions, config_args: list[str], shard: str, out
 
 
 def start_worker(command: list[str], stream, device_lock: str):
-    """A worker process; with a device lock it starts holding a loading lock taken for it (`hand_loading_lock`),
-    so that no eval times its prompts while the worker imports and loads."""
+    """A worker process; with a device lock it starts as one still loading (`start_loading`), so that no eval times
+    its prompts while the worker imports and loads."""
     import subprocess
 
-    if not device_lock:
-        return subprocess.Popen(command, stdout=stream)
-    descriptor, env = hand_loading_lock(device_lock)
-    try:
-        return subprocess.Popen(command, stdout=stream, env={**os.environ, **env}, pass_fds=(descriptor,))
-    finally:
-        os.close(descriptor)
+    if device_lock:
+        return start_loading(command, device_lock, stdout=stream)
+    return subprocess.Popen(command, stdout=stream)
 
 
 @contextlib.contextmanager

@@ -172,14 +172,12 @@ while not Path(sys.argv[5]).exists():  # alive, and no longer loading, until tol
 
 
 def test_a_started_process_holds_the_loading_lock_from_before_its_first_line(tmp_path):
-    """The starter takes the lock for the child (`hand_loading_lock`, as the recipe's runner and `--workers` do):
+    """The starter takes the lock for the child (`start_loading`, as the recipe's runner and `--workers` do):
     a turn alone waits for a child still importing, and the child releases that very lock once loaded."""
     import fcntl
-    import os
-    import subprocess
     import sys
 
-    from dflash.serve.turns import hand_loading_lock
+    from dflash.serve.turns import start_loading
 
     lock_path = tmp_path / "evals" / "device.lock"
     inside, go, loaded, finish = (tmp_path / name for name in ("inside", "go", "loaded", "finish"))
@@ -193,12 +191,7 @@ def test_a_started_process_holds_the_loading_lock_from_before_its_first_line(tmp
             fcntl.flock(probe, fcntl.LOCK_UN)
             return False
 
-    descriptor, env = hand_loading_lock(lock_path)
-    try:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, *map(str, (lock_path, inside, go, loaded, finish))],
-                                 env={**os.environ, **env}, pass_fds=(descriptor,))
-    finally:
-        os.close(descriptor)
+    child = start_loading([sys.executable, "-c", CHILD, *map(str, (lock_path, inside, go, loaded, finish))], lock_path)
     try:
         assert someone_loading()  # at once, before the child ran a line
         deadline = time.monotonic() + 60

@@ -17,7 +17,7 @@ from pathlib import Path
 from dflash.errors import DflashError
 from dflash.pipeline import records
 from dflash.pipeline.parts import PHASES, PLANNERS, Part, RecipeRun, side_by_side, walk_parts, walked_evals
-from dflash.serve.turns import hand_loading_lock
+from dflash.serve.turns import start_loading
 
 POLL_SECONDS = 1.0  # side by side: how often the parts' processes are looked at
 
@@ -101,13 +101,9 @@ def start(part: Part) -> tuple[subprocess.Popen, float, list[str]]:
         env.setdefault("TORCH_LOGS", "recompiles")
     if "--device-lock" not in command:
         return subprocess.Popen(command, env=env), time.monotonic(), command
-    # an eval taking turns on the device starts as one still loading (DeviceTurns.loading): no eval beside it
-    # times its prompts while this one imports and loads
-    descriptor, loading = hand_loading_lock(command[command.index("--device-lock") + 1])
-    try:
-        return subprocess.Popen(command, env={**env, **loading}, pass_fds=(descriptor,)), time.monotonic(), command
-    finally:
-        os.close(descriptor)
+    # an eval taking turns on the device starts as one still loading: no eval beside it times its prompts while
+    # this one imports and loads
+    return start_loading(command, command[command.index("--device-lock") + 1], env), time.monotonic(), command
 
 
 def finish(run: RecipeRun, part: Part, process: subprocess.Popen, began: float, command: list[str]) -> None:

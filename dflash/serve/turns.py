@@ -18,11 +18,12 @@ building their graphs, the warm-up). Thirteen processes start together in the re
 timed their prompts while the others were still loading, and those steps ran at 24-89 ms where a step alone
 takes about 22 (H100, 12-06). A process started with `--device-lock` holds a shared lock on PATH.loading while
 it loads; so that a process still importing cannot be missed, the one that starts it takes that lock for it
-(`hand_loading_lock`: the child inherits the locked file as LOADING_FD_ENV names it, and releases it when loaded).
+(`start_loading`: the child inherits the locked file as LOADING_FD_ENV names it, and releases it when loaded).
 """
 
 import fcntl
 import os
+import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,13 +31,18 @@ from pathlib import Path
 LOADING_FD_ENV = "DFLASH_DEVICE_LOADING_FD"  # a locked PATH.loading this process inherited from the one that started it
 
 
-def hand_loading_lock(lock_path: str | os.PathLike) -> tuple[int, dict]:
-    """For a process about to start one that takes turns at `lock_path`: a new open file of PATH.loading with a
-    shared lock on it, and the environment entry naming it. Pass the descriptor to the child (`pass_fds`), then
-    close it here: the lock stays with the child until it has loaded (or exits)."""
+def start_loading(command: list[str], lock_path: str | os.PathLike, env: dict | None = None,
+                  **popen_args) -> subprocess.Popen:
+    """Start `command`, a process that takes turns at `lock_path`, as one still loading: it inherits a shared lock on
+    PATH.loading taken here before it starts (its descriptor named by LOADING_FD_ENV) and releases it once loaded
+    (`DeviceTurns.loading`), or when it exits."""
     descriptor = loading_lock(lock_path)
     os.set_inheritable(descriptor, True)
-    return descriptor, {LOADING_FD_ENV: str(descriptor)}
+    try:
+        return subprocess.Popen(command, env={**(os.environ if env is None else env), LOADING_FD_ENV: str(descriptor)},
+                                pass_fds=(descriptor,), **popen_args)
+    finally:
+        os.close(descriptor)  # the child's copy keeps the lock
 
 
 def loading_lock(lock_path: str | os.PathLike) -> int:
