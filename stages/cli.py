@@ -360,9 +360,12 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
 @click.option("--from", "start_from", metavar="PART",
               help="Rerun from this part's phase on (generate, extract, train, export, eval, walk, or a part name "
                    "such as eval-heldout-t0): its records and every later one are deleted first.")
+@click.option("--until", "until", metavar="PHASE",
+              help="Stop after this phase (generate, extract, train, export, eval): e.g. --until extract builds the "
+                   "store once, for stage2-train runs of your own from it; a rerun without --until continues.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False), metavar="RUN_DIR",
               help="Only render RUN_DIR's report.md and plots again from its report.json; runs nothing.")
-def recipe(config_path, overrides, start_from, report_dir):
+def recipe(config_path, overrides, start_from, until, report_dir):
     """The whole pipeline in one resumable command: generate -> stage1-extract -> stage2-train -> export
     -> eval -> the teacher-forced walk, then a report.
 
@@ -382,7 +385,7 @@ def recipe(config_path, overrides, start_from, report_dir):
     config_path = config_path or recipe_stage.default_config_path()
     config = load_or_exit(config_path, overrides)
     writes(config.recipe.run_dir)
-    recipe_stage.run(config, config_path, overrides, start_from)
+    recipe_stage.run(config, config_path, overrides, start_from, until)
 
 
 @main.group("config")

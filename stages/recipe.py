@@ -27,24 +27,50 @@ def default_config_path() -> str:
     return str(beside) if beside.is_file() else str(resources.files("dflash.configs").joinpath(DEFAULT_CONFIG))
 
 
-def start_phase(run: RecipeRun, start_from: str | None) -> str:
-    """The phase `--from` names (a phase, or a part of it), its records and later ones cleared."""
+def phase_of(start_from: str | None) -> str:
+    """The phase `--from` names (a phase, or a part of it); the first without it."""
     if not start_from:
         return PHASES[0]
     phase = start_from if start_from in PHASES else next(
         (name for name in PHASES if start_from.startswith(name)), None)
     if phase is None:
         raise ConfigError(f"--from {start_from}: not a part or phase of the recipe (phases: {', '.join(PHASES)})")
+    return phase
+
+
+def start_phase(run: RecipeRun, start_from: str | None) -> str:
+    """The phase `--from` names, its records and later ones cleared."""
+    phase = phase_of(start_from)
+    if not start_from:
+        return phase
     cleared = records.clear_from(run.layout, phase)
     if cleared:
         say(f"--from {start_from}: rerunning {', '.join(cleared)} and what follows")
     return phase
 
 
-def run(config: Config, config_path: str | None, overrides: tuple[str, ...], start_from: str | None = None) -> dict:
-    """The recipe, then its report; returns report.json's content."""
+def end_phase(until: str | None, start: str) -> str:
+    """The last phase to run: `--until`'s (a phase), or the last one."""
+    if not until:
+        return PHASES[-1]
+    if until not in PHASES:
+        raise ConfigError(f"--until {until}: not a phase of the recipe (phases: {', '.join(PHASES)})")
+    if PHASES.index(until) < PHASES.index(start):
+        raise ConfigError(f"--until {until} comes before the phase the run starts from ({start})")
+    return until
+
+
+def run(config: Config, config_path: str | None, overrides: tuple[str, ...], start_from: str | None = None,
+        until: str | None = None) -> dict:
+    """The recipe, then its report; returns report.json's content. With `until` before the last phase: the phases up
+    to it, no report (returns {})."""
     recipe_run = RecipeRun(config, config_path, tuple(overrides))
-    run_recipe(recipe_run, start_phase(recipe_run, start_from))
+    last = end_phase(until, phase_of(start_from))  # both checked before --from clears anything
+    run_recipe(recipe_run, start_phase(recipe_run, start_from), last)
+    if last != PHASES[-1]:
+        say(f"stopped after {last} (--until): a rerun without --until continues from "
+            f"{PHASES[PHASES.index(last) + 1]}; the report is written once the walk has run")
+        return {}
     return report.write_report(recipe_run.layout)
 
 

@@ -161,6 +161,40 @@ def test_the_report_says_what_sampling_keeps_of_greedy_tau():
     assert sampling_table([evals[0]]) == []  # nothing sampled
 
 
+def test_until_stops_after_its_phase_and_a_rerun_continues(tmp_path, monkeypatch, capsys):
+    """`dflash recipe --until extract` runs generate and extract, writes no report, and says how to go on; a rerun
+    without it skips them and runs the rest. A --until before the --from phase, or not a phase, is refused before
+    --from clears anything."""
+    from dflash.config import ConfigError
+    from dflash.pipeline import runner
+    from dflash.pipeline.parts import PHASES, Part
+    from stages import recipe as recipe_stage
+
+    run = recipe_run(tmp_path)
+    made = tmp_path / "made"
+    made.mkdir()
+
+    def planner(phase):
+        out = made / phase
+        return lambda _run: [Part(phase, phase, [sys.executable, "-c", f"open({str(out)!r}, 'w').write('x')"], (out,))]
+
+    for phase in PHASES:
+        monkeypatch.setitem(runner.PLANNERS, phase, planner(phase))
+    monkeypatch.setattr(runner, "facts", lambda run, part: {})  # the stand-ins write no store, answers or metrics
+    monkeypatch.setattr(recipe_stage.report, "write_report", lambda layout: {"reported": True})
+    assert recipe_stage.run(run.config, run.config_path, run.overrides, until="extract") == {}
+    assert sorted(path.name for path in made.iterdir()) == ["extract", "generate"]
+    assert "stopped after extract (--until): a rerun without --until continues from train" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="--until extract comes before the phase the run starts from"):
+        recipe_stage.run(run.config, run.config_path, run.overrides, start_from="train", until="extract")
+    with pytest.raises(ConfigError, match="--until report: not a phase"):
+        recipe_stage.run(run.config, run.config_path, run.overrides, until="report")
+    assert records.read_record(run.layout, "extract") is not None  # nothing cleared by the refused runs
+    assert recipe_stage.run(run.config, run.config_path, run.overrides) == {"reported": True}
+    assert sorted(path.name for path in made.iterdir()) == sorted(PHASES)
+    assert "recipe: extract: complete" in capsys.readouterr().out
+
+
 def test_parts_side_by_side_each_recorded_and_a_failure_named(tmp_path, capsys):
     from dflash.pipeline.parts import Part
     from dflash.pipeline.runner import PartFailed, run_parts

@@ -30,11 +30,11 @@ def say(text: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] recipe: {text}", flush=True)
 
 
-def run_recipe(run: RecipeRun, start_phase: str = PHASES[0]) -> None:
-    """Every phase from `start_phase` on (earlier phases must be complete), then nothing else: the
+def run_recipe(run: RecipeRun, start_phase: str = PHASES[0], end_phase: str = PHASES[-1]) -> None:
+    """Every phase from `start_phase` (earlier phases must be complete) to `end_phase`, then nothing else: the
     report is `dflash.pipeline.report`'s."""
     run.layout.records.mkdir(parents=True, exist_ok=True)
-    for phase in PHASES[PHASES.index(start_phase):]:
+    for phase in PHASES[PHASES.index(start_phase):PHASES.index(end_phase) + 1]:
         parts = PLANNERS[phase](run)
         todo = [part for part in parts if not skipped(run, part)]
         if todo:
