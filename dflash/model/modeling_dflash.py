@@ -812,14 +812,17 @@ def walk_tree(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int
 @torch.inference_mode()
 def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tensor, max_new_tokens: int,
                          stop_token_ids: list[int], temperature: float, generator=None,
-                         proposal: Proposal = Proposal(sample=True), graphs: bool | None = None) -> SpecStats:
+                         proposal: Proposal = Proposal(sample=True), graphs: bool | None = None,
+                         observe=None) -> SpecStats:
     """The serving loop: prefill, then per step draft one block from the anchor (the last committed
     token) by the `proposal` policy, verify it in one target forward, commit the accepted drafts
     plus the target's token.
     Under inference mode, as the baseline `greedy_generate`: with autograd on, the drafter's
     parameters (which require grad) made every draft step record a graph (about a third slower).
     `graphs` (None: on CUDA): the drafter's block replayed as a CUDA graph (`BlockGraph`); True off CUDA
-    runs the graph's static step eagerly; False: the drafter eagerly with a growing cache."""
+    runs the graph's static step eagerly; False: the drafter eagerly with a growing cache.
+    `observe(draft_logits (K, V), target_logits (K + 1, V))`, if given, sees every chain verification: the drafter's
+    slots and the target's logits at the anchor and at each draft (diagnostics: tools/calibration_sampled.py)."""
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"spec_generate serves one sequence: input_ids must be (1, T), got {tuple(input_ids.shape)}")
     device = input_ids.device
@@ -869,6 +872,8 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
         session.before_verify()
         verify_ids = torch.cat([anchor, draft_tokens])[None]
         verify_features, target_logits = session.forward(verify_ids)
+        if observe is not None:
+            observe(draft_logits, target_logits[0])
         accepted, committed = accept(draft_tokens, q_KV, target_logits[0], temperature, generator)
         session.rollback(len(draft_tokens) - accepted, verify_ids[:, :accepted + 1])
         new_features = verify_features[:, :accepted + 1]
