@@ -244,9 +244,10 @@ def export(checkpoint, out_dir):
                    "others skip the plain baseline (only the speed figure).")
 @click.option("--device-lock", default="", type=click.Path(dir_okay=False),
               help="A lock file that evals side by side on one GPU share (`dflash recipe` passes one, and --workers "
-                   "hands it on): each eval decodes its timed prompts first, alone (after the others finish the "
-                   "prompt in hand), and every untimed prompt waits until no eval has timed ones left, then decodes "
-                   "side by side. Speedups timed beside other processes are not served ones.")
+                   "hands it on): each eval decodes its timed prompts first, alone (once no eval is still loading "
+                   "and the others have finished the prompt in hand), and every untimed prompt waits until no eval "
+                   "has timed ones left, then decodes side by side. Speedups timed beside other processes are not "
+                   "served ones.")
 @click.option("--drafter-graphs/--no-drafter-graphs", default=True, show_default=True,
               help="On a GPU, capture the drafter's block once as a CUDA graph and replay it per verification (its "
                    "few hundred kernel launches become one; the same logits as the eager drafter, tested); off: "

@@ -27,7 +27,6 @@ the held-out split is the one stage two holds out (`train.holdout_fraction`, `tr
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -265,12 +264,12 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
     with shard_folder(options.out) as folder:
         workers = []
         try:
-            with turns.loading():  # until each worker holds its own (`start_worker`)
+            with turns.loading():  # until each worker holds its own (`start_loading`)
                 for index in range(total):
                     out, log = (Path(folder) / f"shard-{index}of{total}.{kind}" for kind in ("json", "log"))
                     command = worker_command(options, config_args, f"{index}/{total}", out)
                     with open(log, "w") as stream:
-                        workers.append((start_worker(command, stream, options.device_lock), out, log))
+                        workers.append((start_loading(command, options.device_lock, stdout=stream), out, log))
             for index, (worker, out, log) in enumerate(workers):
                 if worker.wait() != 0:
                     tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
@@ -299,16 +298,6 @@ def worker_command(options: EvalOptions, config_args: list[str], shard: str, out
             "--timed-prompts", str(options.timed_prompts),
             *(["--device-lock", options.device_lock] if options.device_lock else []),
             "--drafter-graphs" if options.drafter_graphs else "--no-drafter-graphs"]
-
-
-def start_worker(command: list[str], stream, device_lock: str):
-    """A worker process; with a device lock it starts as one still loading (`start_loading`), so that no eval times
-    its prompts while the worker imports and loads."""
-    import subprocess
-
-    if device_lock:
-        return start_loading(command, device_lock, stdout=stream)
-    return subprocess.Popen(command, stdout=stream)
 
 
 @contextlib.contextmanager

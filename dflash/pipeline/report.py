@@ -193,8 +193,8 @@ def sampling_table(evals: list[dict]) -> list[str]:
             for row in entry["results"]:
                 greedy.setdefault((entry["eval_set"], row["drafter"]), {})[row.get("proposal") or ""] = row["tau"]
     rows = []
-    for entry in evals:
-        for row in entry["results"] if entry["temperature"] > 0 else []:
+    for entry in (entry for entry in evals if entry["temperature"] > 0):
+        for row in entry["results"]:
             at_zero = greedy.get((entry["eval_set"], row["drafter"]))
             if not at_zero:
                 continue

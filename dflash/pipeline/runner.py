@@ -99,11 +99,10 @@ def start(part: Part) -> tuple[subprocess.Popen, float, list[str]]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     if part.phase == "train":  # stage two names every recompile's failed guard (TORCH_LOGS= turns it off)
         env.setdefault("TORCH_LOGS", "recompiles")
-    if "--device-lock" not in command:
-        return subprocess.Popen(command, env=env), time.monotonic(), command
     # an eval taking turns on the device starts as one still loading: no eval beside it times its prompts while
     # this one imports and loads
-    return start_loading(command, command[command.index("--device-lock") + 1], env), time.monotonic(), command
+    lock = command[command.index("--device-lock") + 1] if "--device-lock" in command else ""
+    return start_loading(command, lock, env), time.monotonic(), command
 
 
 def finish(run: RecipeRun, part: Part, process: subprocess.Popen, began: float, command: list[str]) -> None:

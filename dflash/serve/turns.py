@@ -31,11 +31,13 @@ from pathlib import Path
 LOADING_FD_ENV = "DFLASH_DEVICE_LOADING_FD"  # a locked PATH.loading this process inherited from the one that started it
 
 
-def start_loading(command: list[str], lock_path: str | os.PathLike, env: dict | None = None,
+def start_loading(command: list[str], lock_path: str | os.PathLike | None, env: dict | None = None,
                   **popen_args) -> subprocess.Popen:
     """Start `command`, a process that takes turns at `lock_path`, as one still loading: it inherits a shared lock on
     PATH.loading taken here before it starts (its descriptor named by LOADING_FD_ENV) and releases it once loaded
-    (`DeviceTurns.loading`), or when it exits."""
+    (`DeviceTurns.loading`), or when it exits. `lock_path` None or "": a plain start (no turns to take)."""
+    if not lock_path:
+        return subprocess.Popen(command, env=env, **popen_args)
     descriptor = loading_lock(lock_path)
     os.set_inheritable(descriptor, True)
     try:
