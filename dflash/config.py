@@ -283,8 +283,8 @@ class RecipeEval:
                            "(embedded:humaneval)")
     temperatures: tuple[float, ...] = setting((0.0,), "serving temperatures, one eval each")
     proposals: tuple[str, ...] = setting((), "`dflash eval --proposal`, several served side by side (empty: the "
-                                         "eval's default, auto: tree:64 where the target can verify a tree, else "
-                                         "sample)")
+                                         "eval's default, auto: where the target can verify a tree tree:64 at "
+                                         "temperature 0 and stree:256 above it, else sample)")
     num_prompts: int = setting(0, "prompts served (0: eval.num_prompts)")
     new_tokens: int = setting(0, "tokens per prompt at most (0: eval.max_new_tokens)")
     curve: bool = setting(True, "with recipe.curve: serve every checkpoint at temperature 0, not the last alone")
