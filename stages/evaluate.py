@@ -194,7 +194,7 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
         timed_prompt = index in timed_indices
         # the plain baseline is only a speed figure (at temperature 0 the output is checked against the
         # target's greedy choices in one forward): an untimed prompt skips it
-        baseline = ([], 0.0) if not timed_prompt else timed(
+        baseline = None if not timed_prompt else timed(
             device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
                                            options.temperature, baseline_generator))
         checks = {}  # the greedy check once per distinct output (the policies' outputs are mostly one)

@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from support import VOCAB, packed_training_logits, random_packed_batch, tiny_setup
@@ -160,7 +161,7 @@ def test_a_mismatch_at_a_rounding_tie_is_told_apart_from_a_real_one():
                             near_tie=gap is not None and abs(gap) <= tolerance)
 
     assert greedy_check(target, prompt, truth, [], 30) == (None, None, None)
-    assert decode_prompt(OracleDrafter(truth, prompt.shape[1], None), target, "row 1", prompt, ([], 0.0), 30, 0.0,
+    assert decode_prompt(OracleDrafter(truth, prompt.shape[1], None), target, "row 1", prompt, None, 30, 0.0,
                          [], None, torch.device("cpu")).first_mismatch is None
     tie, real = checked(twin), checked(unlikely)
     # an exact tie of the head rows: the same logits up to the matmul's rounding (0 on some CPUs, 9.5e-7 on
@@ -193,9 +194,49 @@ def test_the_greedy_check_runs_once_per_distinct_output_of_a_prompt(monkeypatch)
     monkeypatch.setattr(evaluation, "greedy_check", lambda *args: calls.append(args) or (None, None, None))
     checks = {}
     for wrong_slot in (None, 2):  # two policies' worth of decoding, the same greedy output
-        decode_prompt(OracleDrafter(truth, prompt.shape[1], wrong_slot), target, "row 1", prompt, ([], 0.0), 12,
+        decode_prompt(OracleDrafter(truth, prompt.shape[1], wrong_slot), target, "row 1", prompt, None, 12,
                       0.0, [], None, torch.device("cpu"), checks=checks)
     assert len(calls) == 1 and list(checks) == [tuple(truth)]
+
+
+def test_a_timed_prompt_carries_the_host_load_of_its_calls(monkeypatch, capsys):
+    """`timed` reads the machine's CPU ticks around the call (`host_load`: the busy and the stolen share of every
+    tick that passed, against a plain sum over the fields); a timed prompt keeps its baseline's and its own,
+    the report tells the most and the mean, and an untimed prompt keeps none."""
+    from dflash.serve import evaluation
+
+    rng = np.random.default_rng()
+    before = [int(v) for v in rng.integers(0, 10**6, 8)]
+    delta = [int(v) for v in rng.integers(0, 500, 8)]
+    after = [a + d for a, d in zip(before, delta)]
+    user, nice, system, idle, iowait, irq, softirq, steal = delta
+    load = evaluation.host_load(before, after)
+    assert load.busy == pytest.approx((user + nice + system + irq + softirq) / sum(delta))
+    assert load.steal == pytest.approx(steal / sum(delta))
+    assert evaluation.host_load(before, before) is None and evaluation.host_load(None, after) is None
+    ticks = evaluation.host_ticks()
+    if ticks is not None:  # Linux: 8 counters that never go back
+        assert len(ticks) == 8 and all(b >= a >= 0 for a, b in zip(ticks, evaluation.host_ticks()))
+
+    readings = iter([before, after, after, [a + 2 * d for a, d in zip(after, delta)]] + [after] * 2)
+    monkeypatch.setattr(evaluation, "host_ticks", lambda: next(readings))
+    target = tiny_llama()
+    prompt = torch.tensor([[5, 17, 42, 99, 7, 250]])
+    truth = greedy_generate(target, prompt, 12)
+    baseline = evaluation.timed(torch.device("cpu"), lambda: truth)
+    assert baseline.value == truth and baseline.host == load
+    decoded = decode_prompt(OracleDrafter(truth, prompt.shape[1], None), target, "row 1", prompt, baseline, 12,
+                            0.0, [], None, torch.device("cpu"))
+    assert (decoded.baseline_host_busy, decoded.baseline_host_steal) == load
+    assert (decoded.spec_host_busy, decoded.spec_host_steal) == load  # the same ticks passed, twice as many
+    assert decoded.baseline_tokens == len(truth)
+    untimed = decode_prompt(OracleDrafter(truth, prompt.shape[1], None), target, "row 1", prompt, None, 12, 0.0,
+                            [], None, torch.device("cpu"))
+    assert untimed.spec_host_busy is None and untimed.baseline_host_busy is None
+    untimed.timed = False
+    result = summarize(EvalResult("d", "t", "p", "cpu", "float32", 16, 0.0, 12, per_prompt=[decoded, untimed]))
+    evaluation.print_report([result])
+    assert f"{load.busy:.0%} busy at most, {load.busy:.0%} on average; {load.steal:.1%} stolen" in capsys.readouterr().out
 
 
 def test_tau_is_split_between_code_blocks_and_prose():

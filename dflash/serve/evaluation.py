@@ -62,6 +62,12 @@ class PromptResult:
     in_code: list[bool] = field(default_factory=list)  # per verification: its first token lies in a ``` block
     kind: str = ""  # the prompt row's `kind`, if it has one
     timed: bool = True  # its times count toward the speed figures (`--timed-prompts N`: N spread over the set)
+    # the machine's CPUs while it was timed (`HostLoad`, from /proc/stat; None where unreadable or untimed): the
+    # share of all cores' time spent working (this process included) and the share a hypervisor stole
+    spec_host_busy: float | None = None
+    spec_host_steal: float | None = None
+    baseline_host_busy: float | None = None
+    baseline_host_steal: float | None = None
 
 
 @dataclass
@@ -224,15 +230,56 @@ def source_prompts(source: str, split: str, tokenizer, num_prompts: int, keep=No
 # ----------------------------------------------------------------------------- decoding
 
 
-def timed(device: torch.device, fn):
-    """`(fn(), seconds)`; on CUDA the queue is drained before and after."""
+class HostLoad(NamedTuple):
+    """The machine's CPUs over an interval, from /proc/stat: `busy`, the share of all cores' time spent working
+    (user, system and interrupts; every process's, this one's too), and `steal`, the share a hypervisor gave to
+    other machines. A turn alone with a busy or stolen host times the host, not the decoding (12-06: plain
+    decoding of one prompt ran 19-44 ms a token in turns alone)."""
+    busy: float
+    steal: float
+
+
+def host_ticks() -> list[int] | None:
+    """The aggregate CPU line of /proc/stat (user nice system idle iowait irq softirq steal), in clock ticks;
+    None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 5 or fields[0] != "cpu":
+        return None
+    return [int(value) for value in fields[1:9]] + [0] * (9 - len(fields[:9]))
+
+
+def host_load(before: list[int] | None, after: list[int] | None) -> HostLoad | None:
+    """`HostLoad` between two `host_ticks()` readings (None when either is missing or no tick passed)."""
+    if before is None or after is None:
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (b - a for a, b in zip(before, after))
+    total = user + nice + system + idle + iowait + irq + softirq + steal
+    if total <= 0:
+        return None
+    return HostLoad(busy=(user + nice + system + irq + softirq) / total, steal=steal / total)
+
+
+class Timed(NamedTuple):
+    value: object
+    seconds: float
+    host: HostLoad | None  # the machine's CPUs meanwhile
+
+
+def timed(device: torch.device, fn) -> Timed:
+    """`(fn(), seconds, host load)`; on CUDA the queue is drained before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # sync: timing only, outside the decoding loops
+    ticks = host_ticks()
     start = time.perf_counter()
     value = fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # sync: timing only
-    return value, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return Timed(value, seconds, host_load(ticks, host_ticks()))
 
 
 def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, device: torch.device,
@@ -256,17 +303,20 @@ def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseli
                   proposal: Proposal = Proposal(sample=True), graphs: bool | None = None,
                   checks: dict | None = None) -> PromptResult:
     """Speculative decoding of one prompt (blocks drafted by `proposal` at temperature > 0); `baseline`: the
-    plain decoding's `(tokens, seconds)` (the speed figure; `([], 0.0)` for a prompt not timed). At temperature
+    plain decoding's `Timed` (tokens, seconds, host load: the speed figure; None for a prompt not timed). At temperature
     0 the output is checked against the target's greedy choice at every position (`greedy_check`), once per
     distinct output where the policies of one prompt share `checks`; `graphs`: as `speculative_generate`'s
     (None: a CUDA graph on CUDA)."""
-    spec, spec_seconds = timed(device, lambda: speculative_generate(
+    spec, spec_seconds, spec_host = timed(device, lambda: speculative_generate(
         draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal, graphs))
-    baseline_tokens, baseline_seconds = baseline
+    baseline_tokens, baseline_seconds, baseline_host = baseline or ([], 0.0, None)
     result = PromptResult(prompt_id=prompt_id, prompt_tokens=input_ids.shape[1], generated_tokens=len(spec.generated),
                           acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
                           spec_seconds=spec_seconds, baseline_tokens=len(baseline_tokens),
                           baseline_seconds=baseline_seconds, generated_ids=list(spec.generated))
+    if baseline is not None:  # a timed prompt
+        result.spec_host_busy, result.spec_host_steal = spec_host or (None, None)
+        result.baseline_host_busy, result.baseline_host_steal = baseline_host or (None, None)
     if temperature <= 0:
         checks = {} if checks is None else checks
         output = tuple(spec.generated)
@@ -401,6 +451,13 @@ def print_report(results: list[EvalResult]) -> None:
     if first.timed_prompts < first.num_prompts:
         print(f"(tokens/s and speedup over {first.timed_prompts} prompts spread over the set, each decoded alone on "
               f"the device with --device-lock; tau over all {first.num_prompts})")
+    loads = [load for result in results for prompt in result.per_prompt if prompt.timed for load in
+             ((prompt.spec_host_busy, prompt.spec_host_steal), (prompt.baseline_host_busy, prompt.baseline_host_steal))
+             if load[0] is not None]
+    if loads:
+        print(f"(the host's CPUs while timed: {max(busy for busy, _ in loads):.0%} busy at most, "
+              f"{np.mean([busy for busy, _ in loads]):.0%} on average; {max(steal for _, steal in loads):.1%} stolen "
+              f"at most)")
     if first.device == "cpu":
         print("(speedup on the CPU is not the served speedup: measure it on the GPU the target serves on)")
 
