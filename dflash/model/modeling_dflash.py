@@ -647,8 +647,7 @@ class DraftTree:
         parents, ranks = np.asarray(self.parents[1:], dtype=np.int64), np.asarray(self.ranks[1:], dtype=np.int64)
         children = np.zeros((size, int(ranks.max()) + 1 if size > 1 else 1), dtype=np.int64)
         children[parents, ranks] = self.tokens[1:]  # numpy at once: a 1,024-node tree's loop cost milliseconds
-        counts = np.bincount(parents, minlength=size)
-        return torch.from_numpy(children), torch.from_numpy(counts.astype(np.int64))
+        return torch.from_numpy(children), torch.from_numpy(np.bincount(parents, minlength=size))
 
     def ancestors(self) -> torch.Tensor:
         """`(n, n)` bool: row i marks node i and its ancestors (what node i's query may see)."""

@@ -249,7 +249,8 @@ def host_ticks() -> list[int] | None:
         return None
     if len(fields) < 5 or fields[0] != "cpu":
         return None
-    return [int(value) for value in fields[1:9]] + [0] * (9 - len(fields[:9]))
+    ticks = [int(value) for value in fields[1:9]]
+    return ticks + [0] * (8 - len(ticks))  # an old kernel's line lacks the later fields
 
 
 def host_load(before: list[int] | None, after: list[int] | None) -> HostLoad | None:
