@@ -165,7 +165,7 @@ with turns.loading():
     Path(sys.argv[2]).touch()
     while not Path(sys.argv[3]).exists():
         time.sleep(0.05)
-Path(sys.argv[4]).touch()
+    Path(sys.argv[4]).touch()  # the last thing it does while loading: a turn alone that starts sees it
 while not Path(sys.argv[5]).exists():  # alive, and no longer loading, until told to end
     time.sleep(0.05)
 """
