@@ -29,8 +29,10 @@ busies the main thread as long as a trainer at R tokens/s would (R from a GPU ru
 """
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -40,6 +42,7 @@ from pathlib import Path
 
 if "--cold" in sys.argv:  # before torch reads them: empty compile caches, as on a new machine
     _cold_dir = tempfile.mkdtemp(prefix="dflash-cold-")
+    atexit.register(shutil.rmtree, _cold_dir, ignore_errors=True)  # the caches served this run only
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_cold_dir, "inductor")
     os.environ["TRITON_CACHE_DIR"] = os.path.join(_cold_dir, "triton")
     if "--cold-serial" in sys.argv:  # kernels compile in this process, one at a time: each one's own seconds
