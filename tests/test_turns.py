@@ -41,15 +41,20 @@ def test_beside_share_alone_excludes_and_a_waiting_alone_goes_before_newcomers(t
             note("alone out")
 
     def newcomer():  # arrives while the timed one waits: goes after it
-        second_in.wait(5)
-        time.sleep(0.2)
+        timed_waits.wait(30)
         with turns.beside():
             note("newcomer in")
 
+    timed_waits = threading.Event()
     threads = [threading.Thread(target=function) for function in (first, second, timed, newcomer)]
     for thread in threads:
         thread.start()
-    time.sleep(0.6)
+    # Events and locks, not sleeps, order the four (CI's machine may be loaded): once the second is in, the
+    # first and second are past the turnstile, so whoever holds it is the timed one waiting for the first.
+    second_in.wait(30)
+    wait_until_held(turns.path.with_name(turns.path.name + ".turnstile"))
+    timed_waits.set()
+    time.sleep(0.3)  # the newcomer queues behind it (were it let in, the order below would say so)
     release_first.set()
     for thread in threads:
         thread.join(10)
@@ -57,6 +62,22 @@ def test_beside_share_alone_excludes_and_a_waiting_alone_goes_before_newcomers(t
     assert events.index("first out") < events.index("alone in")  # alone only once they are out
     assert events.index("alone out") == events.index("alone in") + 1  # nobody in while alone
     assert events.index("alone out") < events.index("newcomer in")  # the newcomer waited at the turnstile
+
+
+def wait_until_held(path, seconds: float = 60) -> None:
+    """Until some holder has `path` locked (a non-blocking exclusive probe fails)."""
+    import fcntl
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with open(path, "a") as probe:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            fcntl.flock(probe, fcntl.LOCK_UN)
+        time.sleep(0.01)
+    raise AssertionError(f"nobody took {path} in {seconds} s")
 
 
 def test_no_path_takes_no_lock(tmp_path):
@@ -126,7 +147,7 @@ def test_untimed_work_waits_for_every_process_that_said_it_has_timed_work(tmp_pa
 def test_a_turn_alone_waits_until_no_process_is_loading(tmp_path):
     turns = DeviceTurns(tmp_path / "evals" / "device.lock")
     events, lock = [], threading.Lock()
-    loading_in, release = threading.Event(), threading.Event()
+    loading_in, warmed, release = threading.Event(), threading.Event(), threading.Event()
 
     def note(text):
         with lock:
@@ -137,6 +158,7 @@ def test_a_turn_alone_waits_until_no_process_is_loading(tmp_path):
             loading_in.set()
             with turns.beside():
                 note("warm-up beside")
+            warmed.set()
             release.wait(5)
             note("loaded")
 
@@ -148,6 +170,7 @@ def test_a_turn_alone_waits_until_no_process_is_loading(tmp_path):
     threads = [threading.Thread(target=function) for function in (loader, timed)]
     for thread in threads:
         thread.start()
+    warmed.wait(30)
     time.sleep(0.3)
     assert events == ["warm-up beside"]  # the turn alone waits for the loader
     release.set()
