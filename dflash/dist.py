@@ -35,6 +35,24 @@ class DistState:
             torch_dist.barrier()
 
 
+def host_cpus() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def share_threads(processes: int, env: dict | None = None) -> dict:
+    """The environment for one of `processes` processes started side by side on this host: `OMP_NUM_THREADS` (the
+    CPU threads torch gives each operator) set to an equal share, at least 1, of the budget, which is the
+    environment's own OMP_NUM_THREADS when it names one, else every CPU. Left alone, each process takes every CPU
+    (16 evals on 16 cores: 256 threads), and their idle threads spin where the others decode; torchrun shares them
+    the same way."""
+    env = dict(os.environ if env is None else env)
+    budget = env.get("OMP_NUM_THREADS", "")
+    budget = int(budget) if budget.isdigit() and int(budget) > 0 else host_cpus()
+    env["OMP_NUM_THREADS"] = str(max(1, budget // max(1, processes)))
+    return env
+
+
 def init_distributed(device: str = "auto") -> DistState:
     """Join the process group torchrun describes in the environment (or run alone)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from dflash.config import Config, ConfigError
 from dflash.data.tokenizer import load_target_tokenizer
-from dflash.dist import resolve_device
+from dflash.dist import resolve_device, share_threads
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
 from dflash.model.modeling_dflash import Proposal, TargetSession, parse_proposal, plain_generate
 from dflash.serve.evaluation import (HELDOUT, EvalResult, PartialResults, PromptResult, check_drafter_export,
@@ -269,8 +269,9 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
                 for index in range(total):
                     out, log = (Path(folder) / f"shard-{index}of{total}.{kind}" for kind in ("json", "log"))
                     command = worker_command(options, config_args, f"{index}/{total}", out)
-                    with open(log, "w") as stream:
-                        workers.append((start_loading(command, options.device_lock, stdout=stream), out, log))
+                    with open(log, "w") as stream:  # each worker its share of this eval's CPU threads
+                        workers.append((start_loading(command, options.device_lock, share_threads(total),
+                                                      stdout=stream), out, log))
             for index, (worker, out, log) in enumerate(workers):
                 if worker.wait() != 0:
                     tail = "".join(log.read_text().splitlines(keepends=True)[-20:])

@@ -401,6 +401,27 @@ def test_workers_share_the_prompts_in_contiguous_near_equal_parts():
             shard_bounds(bad, 10)
 
 
+def test_eval_workers_share_the_cpu_threads(tmp_path, monkeypatch):
+    """`--workers K`: each worker process gets 1/K of the eval's OMP_NUM_THREADS (at least 1), not every CPU."""
+    import subprocess
+    import sys
+
+    from stages import evaluate
+
+    given = []
+
+    def start(command, lock, env=None, **popen_args):
+        given.append(env["OMP_NUM_THREADS"])
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"], **popen_args)
+
+    monkeypatch.setattr(evaluate, "start_loading", start)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    options = evaluate.EvalOptions(drafters=("d",), workers=3, out=str(tmp_path / "eval.json"))
+    with pytest.raises(RuntimeError, match="eval worker 0/3 exited with status 1"):
+        evaluate.run_sharded(options, [])
+    assert given == ["2", "2", "2"]
+
+
 def block_pieces(seed: int, features: torch.Tensor, vocab: int):
     """A sequence fed as serving does: the prompt's context at once (more than a block), then 1-16 tokens a
     step; with the step's anchor token."""

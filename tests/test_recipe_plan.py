@@ -3,6 +3,7 @@ commands from the config, which records a rerun trusts, and a report rendered fr
 numbers are the eval JSON's."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -208,6 +209,32 @@ def test_parts_side_by_side_each_recorded_and_a_failure_named(tmp_path, capsys):
     assert records.is_complete(run.layout, good) and records.read_record(run.layout, "walk-bad") is None
     printed = capsys.readouterr().out
     assert "recipe: walk-bad, walk: side by side" in printed and "recipe: walk: done in" in printed
+
+
+def test_parts_side_by_side_share_the_cpu_threads(tmp_path, monkeypatch):
+    """Each of the parts started at once (and a follower) gets an equal share of OMP_NUM_THREADS, the budget, at
+    least 1; a part run alone keeps the environment's."""
+    from dflash.dist import share_threads
+    from dflash.pipeline.parts import Part
+    from dflash.pipeline.runner import run_parts
+
+    assert share_threads(3, {"OMP_NUM_THREADS": "16"})["OMP_NUM_THREADS"] == "5"
+    assert share_threads(32, {"OMP_NUM_THREADS": "16"})["OMP_NUM_THREADS"] == "1"
+    assert share_threads(1, {})["OMP_NUM_THREADS"] == str(len(os.sched_getaffinity(0)))
+    assert share_threads(2, {"OMP_NUM_THREADS": "junk"})["OMP_NUM_THREADS"] == str(
+        max(1, len(os.sched_getaffinity(0)) // 2))
+    run = recipe_run(tmp_path)
+    monkeypatch.setenv("OMP_NUM_THREADS", "12")
+
+    def part(name):
+        out = tmp_path / f"{name}.txt"
+        code = f"import os; open({str(out)!r}, 'w').write(os.environ['OMP_NUM_THREADS'])"
+        return Part(name, "walk", [sys.executable, "-c", code], (out,)), out
+
+    (a, a_out), (b, b_out), (c, c_out), (alone, alone_out) = (part(name) for name in ("a", "b", "c", "alone"))
+    run_parts(run, [a, b], at_once=True, following=[(c, {"a"})])
+    run_parts(run, [alone], at_once=False)
+    assert [path.read_text() for path in (a_out, b_out, c_out, alone_out)] == ["4", "4", "4", "12"]
 
 
 def test_a_follower_starts_beside_the_rest_once_what_it_reads_is_written(tmp_path, capsys):

@@ -14,6 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from dflash.dist import share_threads
 from dflash.errors import DflashError
 from dflash.pipeline import records
 from dflash.pipeline.parts import PHASES, PLANNERS, Part, RecipeRun, side_by_side, walk_parts, walked_evals
@@ -72,7 +73,8 @@ def run_parts(run: RecipeRun, parts: list[Part], at_once: bool,
             finish(run, part, *start(part))
         return
     say(f"{', '.join(part.name for part in parts)}: side by side")
-    running = [(part, *start(part)) for part in parts]
+    share = len(parts) + len(following)  # every part's CPU threads: its share of the host (followers come later)
+    running = [(part, *start(part, share)) for part in parts]
     waiting, ended, failures = list(following), set(), []
     while running:
         for item in [item for item in running if item[1].poll() is not None]:
@@ -85,18 +87,21 @@ def run_parts(run: RecipeRun, parts: list[Part], at_once: bool,
         for follower in [follower for follower in waiting if follower[1] <= ended and not failures]:
             waiting.remove(follower)
             say(f"{follower[0].name}: what it reads is written ({', '.join(sorted(follower[1]))}): beside the rest")
-            running.append((follower[0], *start(follower[0])))
+            running.append((follower[0], *start(follower[0], share)))
         if running:
             time.sleep(POLL_SECONDS)
     if failures:
         raise failures[0]
 
 
-def start(part: Part) -> tuple[subprocess.Popen, float, list[str]]:
+def start(part: Part, side_by_side: int = 1) -> tuple[subprocess.Popen, float, list[str]]:
+    """Start `part`, one of `side_by_side` parts at once (each gets that share of the CPU threads)."""
     command = part.command + part.resume_args
     say(f"{part.name}: started{' (continuing: ' + ' '.join(part.resume_args) + ')' if part.resume_args else ''}: "
         f"{' '.join(command)}")
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
+    if side_by_side > 1:
+        env = share_threads(side_by_side, env)
     if part.phase == "train":  # stage two names every recompile's failed guard (TORCH_LOGS= turns it off)
         env.setdefault("TORCH_LOGS", "recompiles")
     # an eval taking turns on the device starts as one still loading: no eval beside it times its prompts while
