@@ -171,7 +171,7 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
     results = [EvalResult(drafter=path, target=config.target.path, prompts_source=source, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
                           temperature=options.temperature, max_new_tokens=options.max_new_tokens,
-                          proposal=proposal.name, drafter_graphs=graphs)
+                          proposal=proposal.name, drafter_graphs=graphs, cpu_threads=torch.get_num_threads())
                for path, draft in zip(options.drafters, drafts) for proposal in proposals]
     stops = stop_token_ids(tokenizer, target)
     baseline_generator = torch.Generator(device=device)

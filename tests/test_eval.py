@@ -13,6 +13,7 @@
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -376,6 +377,9 @@ compile = false
     [report] = json.loads((root / "eval.json").read_text())["results"]
     assert report["num_prompts"] == 2 and report["mismatched_prompts"] == 0 and report["tau"] >= 1.0
     assert report["proposal"] == "sample"  # the default, auto, on a target with linear-attention layers
+    # its operator threads: tests/conftest.py's share under xdist (inherited), else torch's default, as here
+    threads = int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads())
+    assert report["cpu_threads"] == threads and f", {threads} CPU thread" in evaluated.stdout
     assert sum(report["histogram"]) == report["verifications"] > 0
     assert all("(sample " in p["prompt_id"] for p in report["per_prompt"])  # the held-out split
     assert (root / "eval.png").stat().st_size > 0

@@ -82,6 +82,7 @@ class EvalResult:
     max_new_tokens: int
     proposal: str = "sample"  # how blocks were drafted at temperature > 0 (modeling_dflash.Proposal)
     drafter_graphs: bool = False  # the drafter's block replayed as a CUDA graph (modeling_dflash.BlockGraph)
+    cpu_threads: int = 0  # torch's operator threads in the serving process (a worker's: its share, docs/eval.md)
     num_prompts: int = 0
     generated_tokens: int = 0
     verifications: int = 0
@@ -412,7 +413,9 @@ def summarize(result: EvalResult) -> EvalResult:
 
 def print_report(results: list[EvalResult]) -> None:
     first = results[0]
-    print(f"\ndflash eval: target {first.target}, {first.device} {first.dtype}, temperature {first.temperature:g}, "
+    threads = f", {first.cpu_threads} CPU thread{'s' if first.cpu_threads != 1 else ''}" if first.cpu_threads else ""
+    print(f"\ndflash eval: target {first.target}, {first.device} {first.dtype}{threads}, "
+          f"temperature {first.temperature:g}, "
           f"up to {first.max_new_tokens} new tokens, {first.num_prompts} prompts ({first.prompts_source})"
           + (", the drafter's block as a CUDA graph" if first.drafter_graphs else ""))
     plain = "greedy" if first.temperature <= 0 else "sampled"
