@@ -5,7 +5,8 @@ target, a test double whose next-token logits depend on the last token only (a t
 drafter double whose per-slot logits depend on the anchor only (another table, near the
 target's). Counting the first three generated tokens, their joint distribution equals the
 target's own (exact: p0(t1) P(t2|t1) P(t3|t2)) by a chi-square test, for `argmax`, `sample`,
-`sample:0.5`, `tree:3`, `tree:8`, `tree:8:2`, `stree:3`, `stree:8` and `stree:8:0.5` proposals; a rule that accepts every draft fails the same test. The doubles keep a
+`sample:0.5`, `tree:3`, `tree:8`, `tree:8:2`, `tree:8x2`, `stree:3`, `stree:8`, `stree:8:0.5` and `stree:8x2` (at
+most 2 children a node of the 3 tokens) proposals; a rule that accepts every draft fails the same test. The doubles keep a
 draw to a few milliseconds of loop overhead (a tiny transformer costs tens of milliseconds a forward
 on a shared CPU), and a target that reads the tokens it verifies still checks that each block
 slot is verified against the right context. `plain_generate`, the baseline, samples the same
@@ -33,7 +34,8 @@ VOCAB = 3
 BLOCK = 4  # three drafts per block
 TEMPERATURE = 1.0
 DRAWS = 1000
-POLICIES = ["argmax", "sample", "sample:0.5", "tree:3", "tree:8", "tree:8:2", "stree:3", "stree:8", "stree:8:0.5"]
+POLICIES = ["argmax", "sample", "sample:0.5", "tree:3", "tree:8", "tree:8:2", "tree:8x2", "stree:3", "stree:8",
+            "stree:8:0.5", "stree:8x2"]
 
 
 class MarkovCache:
@@ -165,18 +167,24 @@ def test_proposal_policies_parse_and_name_a_bad_value():
     assert parse_proposal("tree:64:2") == Proposal(tree=64, sharpen=2.0)
     assert parse_proposal("stree:64") == parse_proposal("stree:64:1") == Proposal(tree=64, drawn=True)
     assert parse_proposal("stree:8:0.5") == Proposal(tree=8, sharpen=0.5, drawn=True)
+    assert parse_proposal("stree:256x32") == Proposal(tree=256, drawn=True, width=32)
+    assert parse_proposal("tree:64x16:2") == Proposal(tree=64, sharpen=2.0, width=16)
+    assert parse_proposal("stree:64x8") == parse_proposal("stree:64")  # 8 children a node: the default
     assert [parse_proposal(text).name for text in ("argmax", "sample", "sample:0.5", "sample:1", "tree:8",
-                                                   "tree:8:2", "stree:8", "stree:8:0.5")] == \
-        ["argmax", "sample", "sample:0.5", "sample", "tree:8", "tree:8:2", "stree:8", "stree:8:0.5"]
+                                                   "tree:8:2", "stree:8", "stree:8:0.5", "stree:8x8", "stree:8x32",
+                                                   "tree:8x2:2")] == \
+        ["argmax", "sample", "sample:0.5", "sample", "tree:8", "tree:8:2", "stree:8", "stree:8:0.5", "stree:8",
+         "stree:8x32", "tree:8x2:2"]
     chains = {parse_proposal(text).greedy_key() for text in ("argmax", "sample", "sample:0.5")}
     trees = {parse_proposal(text).greedy_key() for text in ("tree:8", "tree:16", "tree:8:2")}
     assert len(chains) == 1 and len(trees) == 3 and not chains & trees
     # at T = 0 a sampled tree serves tree:N's tree (its F scales the serving temperature, 0 there)
     assert parse_proposal("stree:8").greedy_key() == parse_proposal("stree:8:0.5").greedy_key() == \
-        parse_proposal("tree:8").greedy_key()
+        parse_proposal("tree:8").greedy_key() != parse_proposal("stree:8x32").greedy_key()  # another shape
     for bad in ("greedy", "sample:", "sample:0", "sample:-1", "sample:x", "argmax:2", "sample:inf", "", "tree",
                 "tree:0", "tree:-3", "tree:2.5", "tree:1025", "tree:8:0", "tree:8:x", "tree::2", "sample:nan",
-                "stree", "stree:0", "stree:8:0", "stree:1025"):
+                "stree", "stree:0", "stree:8:0", "stree:1025", "stree:8x0", "stree:8x65", "stree:8x", "tree:x8",
+                "stree:8xa", "tree:8x2x2"):
         with pytest.raises(ValueError, match=f"proposal {bad!r}: expected argmax, sample or sample:F.*or tree:N"):
             parse_proposal(bad)
 
@@ -330,6 +338,21 @@ def test_best_first_tree_adds_the_likeliest_paths_first():
     assert seen[5].nonzero().flatten().tolist() == [0, 1, 4, 5]
     path, next_token = modeling_dflash.walk_tree(tree, [1, 3, 0, 2, 0, 5])
     assert path == [0, 1, 4, 5] and next_token == 5
+
+
+def test_a_wider_tree_gives_a_node_more_children():
+    """tree:NxW / stree:NxW: with a flat first slot the best-first build (and the drawn tree, whose shape is the
+    same) gives the anchor up to W children; 8 without a width, as before."""
+    logits = torch.zeros(3, 64)
+    logits[1:, 0] = 9.0  # later slots sure: the flat first slot's candidates are the likeliest nodes
+    for width, children in ((None, 8), (32, 32), (2, 2)):
+        kwargs = {} if width is None else {"width": width}
+        built = modeling_dflash.best_first_tree(5, logits, size=40, **kwargs)
+        drawn, _ = modeling_dflash.drawn_tree(5, logits, 40, 1.0, torch.Generator().manual_seed(0), **kwargs)
+        for tree in (built, drawn):
+            assert tree.child_tokens()[1][0] == children and max(tree.child_tokens()[1].tolist()) == children
+    root = [token for token, parent in zip(drawn.tokens, drawn.parents) if parent == 0]
+    assert len(set(root)) == len(root) == 2  # the anchor's draws, without replacement
 
 
 def test_recursive_verdicts_follow_the_residuals():

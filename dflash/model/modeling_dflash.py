@@ -497,6 +497,9 @@ def choose(logits: torch.Tensor, temperature: float, generator) -> torch.Tensor:
     return flat.view(probs.shape[:-1])
 
 
+TREE_WIDTH = 8  # a tree node's children at most, unless the proposal names its own (tree:NxW)
+
+
 @dataclass(frozen=True)
 class Proposal:
     """How a block's drafts come from the drafter's per-slot distributions at temperature T > 0
@@ -518,26 +521,31 @@ class Proposal:
       rejection sampling (`recursive_verdicts`): a draw the target would rarely pick can still be kept
       with probability min(1, p/q), so a flat target keeps more than the top tokens' mass. At T = 0 it
       serves as `tree:N` (the greedy walk).
+    - `tree:NxW`, `stree:NxW` (and with `:F`): a node has at most W children (TREE_WIDTH, 8, without `xW`):
+      the best-first build may spend more of its N nodes on a slot's lower candidates, and a sampled
+      tree draws up to W children at a node, tried in turn.
     Every policy is lossless: the committed tokens are distributed as the target samples them.
     """
     sample: bool = False  # False: argmax
     sharpen: float = 1.0  # the draws' temperature is sharpen x the serving one (tree:N:F: its build's temperature)
     tree: int = 0  # > 0: the drafts are a tree of this many tokens (sample unused)
     drawn: bool = False  # a tree whose children are drawn from q at T > 0 (stree:N)
+    width: int = TREE_WIDTH  # a tree node's children at most (tree:NxW)
 
     @property
     def name(self) -> str:
         if self.tree:
             kind = "stree" if self.drawn else "tree"
-            return f"{kind}:{self.tree}" if self.sharpen == 1.0 else f"{kind}:{self.tree}:{self.sharpen:g}"
+            size = f"{self.tree}" if self.width == TREE_WIDTH else f"{self.tree}x{self.width}"
+            return f"{kind}:{size}" if self.sharpen == 1.0 else f"{kind}:{size}:{self.sharpen:g}"
         if not self.sample:
             return "argmax"
         return "sample" if self.sharpen == 1.0 else f"sample:{self.sharpen:g}"
 
-    def greedy_key(self) -> tuple[int, float]:
+    def greedy_key(self) -> tuple[int, float, int]:
         """Policies with the same key serve the same tokens at T = 0: every chain policy, each tree shape
         (`stree:N:F` serves `tree:N`'s tree there, built at F x 1)."""
-        return (self.tree, 1.0 if self.drawn else self.sharpen) if self.tree else (0, 1.0)
+        return (self.tree, 1.0 if self.drawn else self.sharpen, self.width) if self.tree else (0, 1.0, TREE_WIDTH)
 
     def draft(self, logits_KV: torch.Tensor, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafts `(K,)` and the distribution q `(K, V)` they were drawn from (None: one-hot at the drafts)."""
@@ -548,12 +556,14 @@ class Proposal:
 
 
 MAX_TREE = 1024  # drafted tokens of one tree at most: one verification's rows
+MAX_TREE_WIDTH = 64  # children of one tree node at most (tree:NxW)
 
 
 def parse_proposal(text: str) -> Proposal:
     """"argmax", "sample", "sample:F" (F > 0, the draws' temperature as a multiple of the serving one),
     "tree:N" (N drafted tokens, 1 <= N <= MAX_TREE), "tree:N:F" (the tree built from softmax(logits / F)),
-    "stree:N" or "stree:N:F" (a sampled tree: children drawn from softmax(logits / (F T)) at T > 0)."""
+    "stree:N" or "stree:N:F" (a sampled tree: children drawn from softmax(logits / (F T)) at T > 0); a tree's
+    size may name its width, "NxW" (at most W children a node, 1 <= W <= MAX_TREE_WIDTH; TREE_WIDTH without)."""
     kind, colon, rest = text.strip().partition(":")
     if kind == "argmax" and not colon:
         return Proposal()
@@ -561,14 +571,18 @@ def parse_proposal(text: str) -> Proposal:
         return Proposal(sample=True)
     trees = ("tree", "stree")
     size, _, factor = rest.partition(":") if kind in trees else ("", "", rest)
-    tree = int(size) if size.strip().isdigit() and 1 <= int(size) <= MAX_TREE else 0
-    if kind in trees and tree and not factor:
-        return Proposal(tree=tree, drawn=kind == "stree")
-    if (kind == "sample" or (kind in trees and tree)) and positive_number(factor):
-        return Proposal(sample=not tree, sharpen=float(factor), tree=tree, drawn=kind == "stree")
+    size, wide, width = size.strip().partition("x")
+    tree = int(size) if size.isdigit() and 1 <= int(size) <= MAX_TREE else 0
+    width = int(width) if width.isdigit() and 1 <= int(width) <= MAX_TREE_WIDTH else (0 if wide else TREE_WIDTH)
+    if kind in trees and tree and width and not factor:
+        return Proposal(tree=tree, drawn=kind == "stree", width=width)
+    if (kind == "sample" or (kind in trees and tree and width)) and positive_number(factor):
+        return Proposal(sample=not tree, sharpen=float(factor), tree=tree, drawn=kind == "stree",
+                        width=width or TREE_WIDTH)
     raise ValueError(f"proposal {text!r}: expected argmax, sample or sample:F with a number F > 0 "
                      f"(e.g. sample:0.5 draws at half the serving temperature), or tree:N with 1 <= N <= {MAX_TREE} "
-                     f"(tree:N:F: built from softmax(logits / F); stree:N[:F]: children drawn at T > 0)")
+                     f"(tree:N:F: built from softmax(logits / F); stree:N[:F]: children drawn at T > 0; tree:NxW: "
+                     f"at most W children a node, 1 <= W <= {MAX_TREE_WIDTH})")
 
 
 def positive_number(text: str) -> bool:
@@ -658,9 +672,6 @@ class DraftTree:
                 seen[node] = seen[parent]
             seen[node, node] = True
         return torch.from_numpy(seen)
-
-
-TREE_WIDTH = 8  # candidates per slot the best-first search may branch to
 
 
 def best_first_tree(anchor: int, logits_KV: torch.Tensor, size: int, width: int = TREE_WIDTH) -> DraftTree:
@@ -849,13 +860,13 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
         draft_logits = draft_block(new_features, anchor)
         if proposal.tree and proposal.drawn and temperature > 0:
             tree, q_KV = drawn_tree(generated[-1], draft_logits, proposal.tree, proposal.sharpen * temperature,
-                                    generator)
+                                    generator, width=proposal.width)
             prefix, verify_features, target_logits = verify_tree(session, tree, device, embed_VH.dtype)
             path, next_token = walk_drawn(tree, *recursive_verdicts(tree, q_KV, target_logits[0], temperature,
                                                                      generator))
         elif proposal.tree:
             build = 1.0 if proposal.drawn else proposal.sharpen
-            tree = best_first_tree(generated[-1], draft_logits / build, proposal.tree)
+            tree = best_first_tree(generated[-1], draft_logits / build, proposal.tree, width=proposal.width)
             prefix, verify_features, target_logits = verify_tree(session, tree, device, embed_VH.dtype)
             path, next_token = walk_tree(tree, choose(target_logits[0], temperature, generator).tolist())
         if proposal.tree:
