@@ -283,7 +283,7 @@ class RecipeEval:
                            "(embedded:humaneval)")
     temperatures: tuple[float, ...] = setting((0.0,), "serving temperatures, one eval each")
     proposals: tuple[str, ...] = setting((), "`dflash eval --proposal`, several served side by side (empty: the "
-                                         "eval's default, auto: where the target can verify a tree tree:64 at "
+                                         "eval's default, auto: where the target can verify a tree tree:64x16 at "
                                          "temperature 0 and stree:256 above it, else sample)")
     num_prompts: int = setting(0, "prompts served (0: eval.num_prompts)")
     new_tokens: int = setting(0, "tokens per prompt at most (0: eval.max_new_tokens)")

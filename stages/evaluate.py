@@ -68,7 +68,7 @@ class EvalOptions:
 
 
 AUTO_PROPOSAL = "auto"
-AUTO_TREE, AUTO_SAMPLED_TREE, AUTO_CHAIN = "tree:64", "stree:256", "sample"
+AUTO_TREE, AUTO_SAMPLED_TREE, AUTO_CHAIN = "tree:64x16", "stree:256", "sample"
 
 
 @torch.inference_mode()
@@ -82,7 +82,7 @@ def target_takes_trees(target, device: torch.device) -> bool:
 
 def served_proposals(options: EvalOptions, takes_trees: bool = False, report: bool = True) -> list[Proposal]:
     """The policies to serve, parsed (a bad one is a ConfigError naming it); `auto` is, for a target that can
-    verify trees (`takes_trees`), `tree:64` at temperature 0 and `stree:256` above it (a deterministic tree keeps
+    verify trees (`takes_trees`), `tree:64x16` at temperature 0 and `stree:256` above it (a deterministic tree keeps
     little of a sampled target's mass), and `sample` otherwise. At temperature 0 every chain policy (argmax,
     sample, sample:F) is the same greedy verification, so the first of them stands for all; each tree size
     serves its own tokens' tree and stays."""

@@ -309,8 +309,8 @@ def test_spec_generate_equals_greedy_on_llama_and_qwen35(tmp_path, tiny_target_d
 
 
 def test_the_auto_proposal_is_a_tree_where_the_target_can_verify_one(tiny_target_dir):
-    """`--proposal auto` (the default): on a full-attention target (Llama) tree:64 at temperature 0 and the
-    sampled tree stree:256 above it; sample on a target with linear-attention layers (Qwen3.5), whose cache
+    """`--proposal auto` (the default): on a full-attention target (Llama) tree:64x16 (64 nodes, up to 16
+    children a node) at temperature 0 and the sampled tree stree:256 above it; sample on a target with linear-attention layers (Qwen3.5), whose cache
     cannot hold a tree's branches apart, at any temperature."""
     from dflash.extract.target import load_causal_lm
     from stages import evaluate
@@ -320,7 +320,7 @@ def test_the_auto_proposal_is_a_tree_where_the_target_can_verify_one(tiny_target
     assert options.proposals == ("auto",)
     assert evaluate.target_takes_trees(tiny_llama().to(device), device)
     assert not evaluate.target_takes_trees(load_causal_lm(str(tiny_target_dir), torch.float32, device), device)
-    assert [p.name for p in evaluate.served_proposals(options, takes_trees=True)] == ["tree:64"]
+    assert [p.name for p in evaluate.served_proposals(options, takes_trees=True)] == ["tree:64x16"]
     assert [p.name for p in evaluate.served_proposals(options, takes_trees=False)] == ["sample"]
     mixed = evaluate.EvalOptions(drafters=("export",), proposals=("auto", "argmax"), temperature=1.0)
     assert [p.name for p in evaluate.served_proposals(mixed, takes_trees=True)] == ["stree:256", "argmax"]
