@@ -577,8 +577,7 @@ def parse_proposal(text: str) -> Proposal:
     if kind in trees and tree and width and not factor:
         return Proposal(tree=tree, drawn=kind == "stree", width=width)
     if (kind == "sample" or (kind in trees and tree and width)) and positive_number(factor):
-        return Proposal(sample=not tree, sharpen=float(factor), tree=tree, drawn=kind == "stree",
-                        width=width or TREE_WIDTH)
+        return Proposal(sample=not tree, sharpen=float(factor), tree=tree, drawn=kind == "stree", width=width)
     raise ValueError(f"proposal {text!r}: expected argmax, sample or sample:F with a number F > 0 "
                      f"(e.g. sample:0.5 draws at half the serving temperature), or tree:N with 1 <= N <= {MAX_TREE} "
                      f"(tree:N:F: built from softmax(logits / F); stree:N[:F]: children drawn at T > 0; tree:NxW: "
