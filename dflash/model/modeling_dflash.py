@@ -739,7 +739,7 @@ def drawn_tree(anchor: int, logits_KV: torch.Tensor, size: int, temperature: flo
 
 
 def recursive_verdicts(tree: DraftTree, q_KV: torch.Tensor, target_logits: torch.Tensor, temperature: float,
-                       generator) -> tuple[list[int], list[int]]:
+                       generator, graphs: bool | None = None) -> tuple[list[int], list[int]]:
     """Every node's verdict at once, by recursive rejection sampling: `(kept rank, token)` per node.
 
     Node n's children y_0, y_1, ... (its draws from q, without replacement) are tried in order: y_i is kept
@@ -749,41 +749,115 @@ def recursive_verdicts(tree: DraftTree, q_KV: torch.Tensor, target_logits: torch
     keeps none) draws its token from the last p_i: the walk commits the target's own distribution. Rank
     -1: none kept. One transfer to the host.
 
-    Only the nodes with children run the rule, and the i-th try only those with an i-th child (most of a
-    large tree's nodes are leaves: they draw from p_0 alone); the nodes are ordered by child count on the host,
-    so each try works on a leading slice of them."""
+    Only the nodes with children run the rule (most of a large tree's nodes are leaves: they draw from p_0
+    alone), in `VerdictTries`' closed form: after i rejections p_i is max(0, p - c_i q) over the tokens not
+    yet drawn, normalised, so each try needs one sum over the vocabulary. On CUDA the tries are replayed as
+    one CUDA graph per shape (eagerly their loop is about 20 small kernels a child rank); `graphs=False`: eagerly."""
     size = len(tree.tokens)
     device = target_logits.device
     children, counts = tree.child_tokens()
-    width = children.shape[1]
     p = torch.softmax(target_logits.float() / temperature, dim=-1)  # (n, V)
     kept = torch.full((size,), -1, dtype=torch.long, device=device)
-    tried = torch.rand(size, width, generator=generator, device=device)
-    count_of = counts.tolist()
-    inner = sorted((node for node in range(size) if count_of[node] > 0), key=lambda node: -count_of[node])
-    inner_counts = [count_of[node] for node in inner]  # descending: the nodes with an i-th child lead
-    if inner:
-        rows = torch.tensor(inner, dtype=torch.long)
-        slots = torch.tensor(tree.depths, dtype=torch.long)[rows].clamp(max=q_KV.shape[0] - 1)
-        rows, slots = rows.to(device, non_blocking=True), slots.to(device, non_blocking=True)
-        tokens = children[inner].to(device, non_blocking=True)
-        # node n's children come from slot depth(n)
-        p_inner, q_inner, tried_inner = p[rows], q_KV[slots], tried[rows]
-        kept_inner = torch.full((len(inner),), -1, dtype=torch.long, device=device)
-        for rank in range(width):
-            trying_rows = sum(count > rank for count in inner_counts)
-            token = tokens[:trying_rows, rank:rank + 1]
-            p_now, q_now, kept_now = p_inner[:trying_rows], q_inner[:trying_rows], kept_inner[:trying_rows]
-            trying = kept_now < 0
-            p_y, q_y = p_now.gather(-1, token).squeeze(-1), q_now.gather(-1, token).squeeze(-1)
-            keep = trying & (tried_inner[:trying_rows, rank] * q_y < p_y)
-            kept_inner[:trying_rows] = torch.where(keep, rank, kept_now)
-            p_inner[:trying_rows], q_inner[:trying_rows] = after_rejection(p_now, q_now, token,
-                                                                           (trying & ~keep)[:, None])
-        kept[rows], p[rows] = kept_inner, p_inner
+    tried = torch.rand(size, children.shape[1], generator=generator, device=device)
+    inner = torch.nonzero(counts).squeeze(-1)
+    if len(inner):
+        tries = verdict_tries(len(inner), children.shape[1], q_KV, graphs is not False and device.type == "cuda")
+        slots = torch.tensor(tree.depths, dtype=torch.long)[inner].clamp(max=q_KV.shape[0] - 1)
+        kept_inner, residual = tries(p, q_KV, inner, slots, children[inner], counts[inner], tried)
+        rows = inner.to(device, non_blocking=True)
+        kept[rows], p[rows] = kept_inner, residual
     drawn = torch.multinomial(p, 1, generator=generator).squeeze(-1)
     verdicts = torch.stack([kept, drawn]).tolist()  # sync: one per block
     return verdicts[0], verdicts[1]
+
+
+class VerdictTries:
+    """The tries of `recursive_verdicts` for up to `rows` inner nodes of at most `width` children each, in
+    static buffers, so that on CUDA they are captured once and replayed (`graph=True`).
+
+    The closed form: with p and q the node's target and child-slot distributions (the slot's q normalised
+    over the whole vocabulary), after rejections of y_0 .. y_{i-1} the rule's p_i is max(0, p - c_i q)
+    normalised, with c_0 = 0 and c_{i+1} = c_i + Z_i / S_i (Z_i: the sum of max(0, p - c_i q), S_i: q's mass
+    not yet drawn, 1 - q(y_0) - .. - q(y_{i-1})), and q_i(y) = q(y) / S_i. A rejected y_i has p(y_i) - c_{i+1}
+    q(y_i) < 0, so drawn tokens drop out of the residual by themselves. Try i keeps y_i when
+    u_i q_i(y_i) < p_i(y_i), i.e. u_i q(y_i) Z_i < max(0, p(y_i) - c_i q(y_i)) S_i; a row whose every try
+    was rejected keeps max(0, p - c q) as the distribution its token is drawn from."""
+
+    def __init__(self, rows: int, width: int, slots: int, vocab: int, device: torch.device, graph: bool):
+        self.width = width
+        self.p = torch.zeros(rows, vocab, device=device)  # the inner nodes' p; the residual after the tries
+        self.q = torch.zeros(slots, vocab, device=device)
+        self.index = torch.zeros(rows, 2 + width, dtype=torch.long, device=device)  # slot, count, tokens
+        self.tried = torch.zeros(rows, width, device=device)
+        self.graph, self.kept = None, None
+        if graph:
+            self.capture()
+
+    def step(self) -> torch.Tensor:
+        slot, count, tokens = self.index[:, 0], self.index[:, 1], self.index[:, 2:]
+        q = self.q.index_select(0, slot)
+        p_y, q_y = self.p.gather(-1, tokens), q.gather(-1, tokens)
+        left = (1 - (q_y.cumsum(-1) - q_y)).clamp_min(1e-30)  # S_i
+        bar = self.tried * q_y  # u_i q(y_i)
+        valid = torch.arange(self.width, device=count.device) < count[:, None]
+        c = torch.zeros_like(left[:, 0])
+        mass = torch.ones_like(c)
+        kept = torch.full_like(count, -1)
+        for rank in range(self.width):
+            trying = (kept < 0) & valid[:, rank]
+            keep = trying & (bar[:, rank] * mass < (p_y[:, rank] - c * q_y[:, rank]).clamp_min(0) * left[:, rank])
+            kept = torch.where(keep, rank, kept)
+            c_next = c + mass / left[:, rank]
+            mass_next = torch.addcmul(self.p, c_next[:, None], q, value=-1).clamp_min_(0).sum(-1)
+            moved = trying & ~keep & (mass_next > 0)
+            c, mass = torch.where(moved, c_next, c), torch.where(moved, mass_next, mass)
+        self.p.copy_(torch.addcmul(self.p, c[:, None], q, value=-1).clamp_min_(0))
+        return kept
+
+    def capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture
+            self.step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.kept = self.step()
+
+    def __call__(self, p: torch.Tensor, q_KV: torch.Tensor, inner: torch.Tensor, slots: torch.Tensor,
+                 children: torch.Tensor, counts: torch.Tensor, tried: torch.Tensor):
+        """`(kept rank, residual p)` of the `inner` rows (host indices) of `p`: `slots` their child slots,
+        `children` / `counts` their children's tokens by rank and how many, `tried` (all nodes, width) the
+        uniforms of the tries. Padding rows past len(inner) have no children and try nothing."""
+        rows, width = len(inner), children.shape[1]
+        index = torch.zeros(self.index.shape, dtype=torch.long)
+        index[:rows, 0], index[:rows, 1], index[:rows, 2:2 + width] = slots, counts, children
+        self.index.copy_(index.to(self.index.device, non_blocking=True))
+        on_device = inner.to(p.device, non_blocking=True)
+        self.p[:rows] = p.index_select(0, on_device)
+        self.q[:q_KV.shape[0]] = q_KV
+        self.tried[:rows, :width] = tried.index_select(0, on_device)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.kept = self.step()
+        return self.kept[:rows], self.p[:rows]
+
+
+VERDICT_ROWS_MIN = 16  # the inner rows round up to a power of two from here: few captures
+
+
+def verdict_tries(rows: int, width: int, q_KV: torch.Tensor, graph: bool) -> VerdictTries:
+    """The `VerdictTries` for `rows` inner nodes of up to `width` children, kept per shape (a module-level
+    cache keyed by device: the rows rounded up to a power of two, the width, q's slots and vocabulary)."""
+    rows = max(VERDICT_ROWS_MIN, 1 << (rows - 1).bit_length())
+    key = (rows, width, *q_KV.shape, str(q_KV.device), graph)
+    if key not in VERDICT_TRIES:
+        VERDICT_TRIES[key] = VerdictTries(rows, width, q_KV.shape[0], q_KV.shape[1], q_KV.device, graph)
+    return VERDICT_TRIES[key]
+
+
+VERDICT_TRIES: dict[tuple, VerdictTries] = {}
 
 
 def after_rejection(p: torch.Tensor, q: torch.Tensor, token: torch.Tensor, rejected: torch.Tensor):
@@ -827,8 +901,9 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
     plus the target's token.
     Under inference mode, as the baseline `greedy_generate`: with autograd on, the drafter's
     parameters (which require grad) made every draft step record a graph (about a third slower).
-    `graphs` (None: on CUDA): the drafter's block replayed as a CUDA graph (`BlockGraph`); True off CUDA
-    runs the graph's static step eagerly; False: the drafter eagerly with a growing cache.
+    `graphs` (None: on CUDA): the drafter's block replayed as a CUDA graph (`BlockGraph`), and a sampled
+    tree's verdicts (`VerdictTries`); True off CUDA runs the graph's static step eagerly; False: the drafter
+    eagerly with a growing cache, the verdicts eagerly.
     `observe(draft_logits (K, V), target_logits (K + 1, V))`, if given, sees every chain verification: the drafter's
     slots and the target's logits at the anchor and at each draft (diagnostics: tools/calibration_sampled.py)."""
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
@@ -862,7 +937,7 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
                                     generator, width=proposal.width)
             prefix, verify_features, target_logits = verify_tree(session, tree, device, embed_VH.dtype)
             path, next_token = walk_drawn(tree, *recursive_verdicts(tree, q_KV, target_logits[0], temperature,
-                                                                     generator))
+                                                                     generator, graphs=graphs))
         elif proposal.tree:
             build = 1.0 if proposal.drawn else proposal.sharpen
             tree = best_first_tree(generated[-1], draft_logits / build, proposal.tree, width=proposal.width)
