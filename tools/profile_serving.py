@@ -176,7 +176,8 @@ def main(argv=None):
                         help="also count each phase's ATen operators per verification (slows the loop: its times "
                              "are then not the served pace)")
     parser.add_argument("--drafter-graphs", choices=("on", "off"), default="on",
-                        help="on a GPU, the drafter's block replayed as a CUDA graph (as dflash eval serves it)")
+                        help="on a GPU, the drafter's block and a sampled tree's verdicts replayed as CUDA graphs "
+                             "(as dflash eval serves them)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="")
     argv = sys.argv[1:] if argv is None else argv
