@@ -254,8 +254,9 @@ def export(checkpoint, out_dir):
                    "served ones.")
 @click.option("--drafter-graphs/--no-drafter-graphs", default=True, show_default=True,
               help="On a GPU, capture the drafter's block once as a CUDA graph and replay it per verification (its "
-                   "few hundred kernel launches become one; the same logits as the eager drafter, tested); off: "
-                   "the drafter runs eagerly.")
+                   "few hundred kernel launches become one; the same logits as the eager drafter, tested), and at T > 0 "
+                   "a sampled tree's verdicts likewise (one replay per tree shape, the same verdicts as eager, "
+                   "tested); off: both run eagerly.")
 @click.option("--shard", default="", hidden=True, help="I/K: serve only the I-th of K contiguous shares (--workers).")
 def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, exclude, max_new_tokens, temperature,
              proposals, seed, device, out, plot, workers, timed_prompts, device_lock, drafter_graphs, shard):

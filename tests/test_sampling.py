@@ -390,16 +390,18 @@ def plain_verdicts(tree, q_KV, target_logits, temperature, generator):
     return kept.tolist(), torch.multinomial(p, 1, generator=generator).squeeze(-1).tolist()
 
 
-@pytest.mark.parametrize("size", [1, 7, 64, 200])
-def test_recursive_verdicts_equal_every_node_running_every_try(size):
-    """The verdicts run over the nodes with children only, each try over those with a child of its rank, equal
-    the plain rule over every node and try, draw for draw, on fresh random trees and target logits."""
+@pytest.mark.parametrize("size, width", [(1, 8), (7, 8), (64, 8), (200, 8), (64, 3), (200, 16)])
+def test_recursive_verdicts_equal_every_node_running_every_try(size, width):
+    """The verdicts in closed form over the nodes with children only (padded rows and tries trying nothing)
+    equal the plain rule over every node and try with the residuals iterated, draw for draw, on fresh random
+    trees and target logits."""
     kept_somewhere = False
     for seed in range(4):
         torch.manual_seed(seed)
         vocab, slots = 50, 6
         drafter_logits = torch.randn(slots, vocab) * 2
-        tree, q_KV = modeling_dflash.drawn_tree(3, drafter_logits, size, 0.8, torch.Generator().manual_seed(seed))
+        tree, q_KV = modeling_dflash.drawn_tree(3, drafter_logits, size, 0.8, torch.Generator().manual_seed(seed),
+                                                width=width)
         assert len(tree.tokens) == size + 1
         # the target near the drafter at each node's child slot, so that children are kept as well as rejected
         depths = torch.tensor(tree.depths).clamp(max=slots - 1)

@@ -844,13 +844,15 @@ class VerdictTries:
         return self.kept[:rows], self.p[:rows]
 
 
-VERDICT_ROWS_MIN = 16  # the inner rows round up to a power of two from here: few captures
+VERDICT_ROWS_MIN, VERDICT_WIDTH_MIN = 16, 8  # rows and width round up to powers of two from here: few captures
 
 
 def verdict_tries(rows: int, width: int, q_KV: torch.Tensor, graph: bool) -> VerdictTries:
     """The `VerdictTries` for `rows` inner nodes of up to `width` children, kept per shape (a module-level
-    cache keyed by device: the rows rounded up to a power of two, the width, q's slots and vocabulary)."""
+    cache keyed by device: the rows and the width rounded up to powers of two, q's slots and vocabulary; a
+    padded try of a row tries nothing)."""
     rows = max(VERDICT_ROWS_MIN, 1 << (rows - 1).bit_length())
+    width = max(VERDICT_WIDTH_MIN, 1 << (width - 1).bit_length())
     key = (rows, width, *q_KV.shape, str(q_KV.device), graph)
     if key not in VERDICT_TRIES:
         VERDICT_TRIES[key] = VerdictTries(rows, width, q_KV.shape[0], q_KV.shape[1], q_KV.device, graph)
