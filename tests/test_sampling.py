@@ -476,7 +476,8 @@ def test_a_target_whose_cache_cannot_hold_a_tree_is_refused():
 
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("size, width", [(7, 8), (256, 8), (256, 32), (1024, 8)])
 def test_recursive_verdicts_replayed_equal_eager_on_cuda(size, width):
     """The tries replayed as a CUDA graph give the eager tries' verdicts, draw for draw, on fresh trees over a

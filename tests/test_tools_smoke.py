@@ -19,6 +19,7 @@ TOOLS = {
     "bench_codecs": (["--quick", "--sources", "random-target"], "## codecs", ("sources",)),
     "bench_handoff": (["--quick"], "## hand-off", ("fresh", "slots")),
     "bench_generate": (["--quick"], "## generate", ("results",)),
+    "bench_verdicts": (["--quick"], "## verdicts", ("results",)),
 }
 
 
