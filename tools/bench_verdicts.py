@@ -71,12 +71,14 @@ def main(argv=None):
         graph_ms, graph = (time_verdicts(tree, q_KV, target_logits, device, True, args.reps)
                            if device.type == "cuda" else (None, None))
         equal = None if graph is None else graph == eager
+        reserved = torch.cuda.memory_reserved(device) / 2**20 if device.type == "cuda" else None
         results.append({"shape": f"stree:{size}x{width}", "inner_nodes": inner, "eager_ms": eager_ms,
-                        "graph_ms": graph_ms, "equal": equal})
+                        "graph_ms": graph_ms, "equal": equal, "reserved_mib": reserved,
+                        "captured": sum(tries.graph is not None for tries in modeling_dflash.VERDICT_TRIES.values())})
         rows.append([f"stree:{size}x{width}", inner, eager_ms, "-" if graph_ms is None else graph_ms,
-                     "-" if equal is None else equal])
+                     "-" if equal is None else equal, "-" if reserved is None else reserved])
     print_table(f"verdicts per call, {device}, V = {args.vocab:,}, {args.reps} calls",
-                ["tree", "inner nodes", "eager ms", "graph ms", "equal"], rows)
+                ["tree", "inner nodes", "eager ms", "graph ms", "equal", "reserved MiB (all so far)"], rows)
     if args.out:
         write_results(args.out, {"meta": run_metadata(sys.argv), "quick": args.quick, "args": vars(args),
                                  "results": results})
