@@ -763,8 +763,8 @@ def recursive_verdicts(tree: DraftTree, q_KV: torch.Tensor, target_logits: torch
     if len(inner):
         tries = verdict_tries(len(inner), children.shape[1], q_KV, graphs is not False and device.type == "cuda")
         slots = torch.tensor(tree.depths, dtype=torch.long)[inner].clamp(max=q_KV.shape[0] - 1)
-        kept_inner, residual = tries(p, q_KV, inner, slots, children[inner], counts[inner], tried)
         rows = inner.to(device, non_blocking=True)
+        kept_inner, residual = tries(p, q_KV, rows, slots, children[inner], counts[inner], tried)
         kept[rows], p[rows] = kept_inner, residual
     drawn = torch.multinomial(p, 1, generator=generator).squeeze(-1)
     verdicts = torch.stack([kept, drawn]).tolist()  # sync: one per block
@@ -826,17 +826,16 @@ class VerdictTries:
 
     def __call__(self, p: torch.Tensor, q_KV: torch.Tensor, inner: torch.Tensor, slots: torch.Tensor,
                  children: torch.Tensor, counts: torch.Tensor, tried: torch.Tensor):
-        """`(kept rank, residual p)` of the `inner` rows (host indices) of `p`: `slots` their child slots,
+        """`(kept rank, residual p)` of the `inner` rows (indices on p's device) of `p`: `slots` their child slots,
         `children` / `counts` their children's tokens by rank and how many, `tried` (all nodes, width) the
         uniforms of the tries. Padding rows past len(inner) have no children and try nothing."""
         rows, width = len(inner), children.shape[1]
         index = torch.zeros(self.index.shape, dtype=torch.long)
         index[:rows, 0], index[:rows, 1], index[:rows, 2:2 + width] = slots, counts, children
         self.index.copy_(index.to(self.index.device, non_blocking=True))
-        on_device = inner.to(p.device, non_blocking=True)
-        self.p[:rows] = p.index_select(0, on_device)
-        self.q[:q_KV.shape[0]] = q_KV
-        self.tried[:rows, :width] = tried.index_select(0, on_device)
+        self.p[:rows] = p.index_select(0, inner)
+        self.q.copy_(q_KV)
+        self.tried[:rows, :width] = tried.index_select(0, inner)
         if self.graph is not None:
             self.graph.replay()
         else:
