@@ -284,7 +284,7 @@ class RecipeEval:
     temperatures: tuple[float, ...] = setting((0.0,), "serving temperatures, one eval each")
     proposals: tuple[str, ...] = setting((), "`dflash eval --proposal`, several served side by side (empty: the "
                                          "eval's default, auto: where the target can verify a tree tree:64x16 at "
-                                         "temperature 0 and stree:256 above it, else sample)")
+                                         "temperature 0 and stree:256x32 above it, else sample)")
     num_prompts: int = setting(0, "prompts served (0: eval.num_prompts)")
     new_tokens: int = setting(0, "tokens per prompt at most (0: eval.max_new_tokens)")
     curve: bool = setting(True, "with recipe.curve: serve every checkpoint at temperature 0, not the last alone")
@@ -302,11 +302,12 @@ class RecipeConfig:
         (), "the eval sets, a list of tables [[recipe.evals]] (empty: the held-out prompts at temperature 0)")
     curve: bool = setting(True, "export and serve every saved checkpoint (the served curve), not the last alone")
     parallel_generates: bool = setting(True, "the sources' generates side by side on the one GPU (else in turn)")
-    parallel_evals: bool = setting(True, "the evals side by side on the one GPU (else in turn); side by side, each "
-                                   "times timed_prompts of its prompts alone (`dflash eval --device-lock`)")
+    parallel_evals: bool = setting(True, "the evals side by side on the one GPU (else in turn); side by side, they "
+                                   "serve untimed and `dflash time-evals` times timed_prompts of each alone at the end")
     timed_prompts: int = setting(4, "evals side by side (or with workers > 1): the prompts per eval, spread over "
-                                 "its set, whose times make its speedup, each decoded alone while the others wait "
-                                 "(0: every prompt, timed beside the others)", minimum=0)
+                                 "its set, whose times make its speedup, decoded again in one process alone on the "
+                                 "GPU once the evals have ended (0: every prompt, timed beside the others)",
+                                 minimum=0)
     walk: bool = setting(True, "walk the temperature-0 held-out evals' prompts teacher-forced through their "
                          "checkpoints (needs store.labels = \"target\")")
 

@@ -102,6 +102,7 @@ def main(debug):
     3. inspect-cache   statistics and verification of a cache
     4. export          write a checkpoint in the format inference engines load
     5. eval            served acceptance: speculative decoding with the target and an export
+       time-evals      the speed figures of evals served with --defer-timing, decoded again alone
     6. generate        regenerate a dataset's answers with the target (train on what it says)
     7. config show     every config key with its value, default and meaning
     8. recipe          the whole pipeline, generate to served eval, resumable, with a report
@@ -223,10 +224,11 @@ def export(checkpoint, out_dir):
                    "tree:N at 0); a tree's size may name its width, tree:NxW / stree:NxW (at most W children a "
                    "node, 8 without); a comma-separated list serves each on "
                    "the same prompts and baseline. auto (the default) is, where the target can verify a tree, "
-                   "tree:64x16 at T=0 and stree:256 at T > 0, else sample: on held-out code-docs (12-05) tree:64 "
+                   "tree:64x16 at T=0 and stree:256x32 at T > 0, else sample: on held-out code-docs (12-05) tree:64 "
                    "served 1.47x the chain's tau at T=0, and alone a tree's step costs about a chain's (1.20 against "
                    "1.21 x tau at T=0 on an H200, 12-06); at T=1 stree:256 served 2.31-2.49 against tree:64's "
-                   "1.78-1.99 and the chain's 1.69-1.72 (12-06, two H100 runs); sample beat argmax at 0.7 and 1 "
+                   "1.78-1.99 and the chain's 1.69-1.72 (12-06, two H100 runs), and 32 children a node rather than 8 "
+                   "2.715 against 2.562 (2.968 -> 3.244 at 0.7; H100, 12-06 16:45); sample beat argmax at 0.7 and 1 "
                    "(12-04); 16 children a node rather than 8 served 2.542 against 2.443 on 24 chat prompts at T=0 "
                    "(CPU, 12-06; docs/eval.md).")
 @click.option("--seed", default=0, show_default=True,
@@ -244,14 +246,14 @@ def export(checkpoint, out_dir):
                    "small target is bound by the host, so a GPU serves several at once.")
 @click.option("--timed-prompts", default=0, show_default=True, type=click.IntRange(min=0),
               help="Only N prompts' times, spread evenly over the set, make tokens/s and the speedup (0: every "
-                   "prompt's); tau counts every prompt. With --device-lock those N decode alone on the device. The "
-                   "others skip the plain baseline (only the speed figure).")
-@click.option("--device-lock", default="", type=click.Path(dir_okay=False),
-              help="A lock file that evals side by side on one GPU share (`dflash recipe` passes one, and --workers "
-                   "hands it on): each eval decodes its timed prompts first, alone (once no eval is still loading "
-                   "and the others have finished the prompt in hand), and every untimed prompt waits until no eval "
-                   "has timed ones left, then decodes side by side. Speedups timed beside other processes are not "
-                   "served ones.")
+                   "prompt's); tau counts every prompt. The others skip the plain baseline (only the speed figure). "
+                   "With --workers the workers serve every prompt untimed and, once they have ended, this process "
+                   "decodes the N again alone on the device (0: every prompt again): times taken beside other "
+                   "processes are not served ones.")
+@click.option("--defer-timing", is_flag=True,
+              help="Serve every prompt untimed and write the JSON without speed figures; `dflash time-evals` decodes "
+                   "the timed prompts again later, in one process alone on the device (`dflash recipe` runs its "
+                   "evals side by side so, then times them all at the end).")
 @click.option("--drafter-graphs/--no-drafter-graphs", default=True, show_default=True,
               help="On a GPU, capture the drafter's block once as a CUDA graph and replay it per verification (its "
                    "few hundred kernel launches become one; the same logits as the eager drafter, tested), and at T > 0 "
@@ -259,7 +261,7 @@ def export(checkpoint, out_dir):
                    "tested); off: both run eagerly.")
 @click.option("--shard", default="", hidden=True, help="I/K: serve only the I-th of K contiguous shares (--workers).")
 def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, exclude, max_new_tokens, temperature,
-             proposals, seed, device, out, plot, workers, timed_prompts, device_lock, drafter_graphs, shard):
+             proposals, seed, device, out, plot, workers, timed_prompts, defer_timing, drafter_graphs, shard):
     """Measure an exported drafter as it is served: speculative decoding with the target.
 
     The target is the config's target.path (checkpoint directory, .gguf file or embedded:tiny).
@@ -278,11 +280,32 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
                                          temperature=temperature, proposals=tuple(proposals.split(",")),
                                          seed=seed, device=device, out=out or "",
                                          plot=plot or "", workers=workers, shard=shard,
-                                         timed_prompts=timed_prompts, device_lock=device_lock or "",
+                                         timed_prompts=timed_prompts, defer_timing=defer_timing,
                                          drafter_graphs=drafter_graphs)
     config_args = (["-c", config_path] if config_path else []) + [item for override in overrides
                                                                    for item in ("--set", override)]
     evaluate_stage.run(config, options, config_args)
+
+
+@main.command("time-evals", short_help="Time evals' prompts alone on the device, after they were served.")
+@config_options
+@click.argument("eval_jsons", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
+@click.option("--summary", type=click.Path(dir_okay=False), help="Write a JSON naming each eval and what was done.")
+def time_evals(config_path, overrides, eval_jsons, device, summary):
+    """Fill in the speed figures of evals served with --defer-timing.
+
+    For each EVAL_JSON written by `dflash eval --defer-timing --out EVAL_JSON` (the config must name the
+    target it served), decodes its --timed-prompts prompts again, plainly and with every drafter and
+    policy it served, in this one process, and writes the JSON back with tokens/s and the speedup
+    from those times (the timed decodes replace their untimed ones; tau stays over every prompt).
+    Run it when nothing else uses the device: times taken beside other processes are not served
+    ones. JSONs timed already are left as they are. `dflash recipe` runs it after its evals.
+    """
+    config = load_or_exit(config_path, overrides)
+    from stages import evaluate as evaluate_stage
+
+    evaluate_stage.time_evals(config, list(eval_jsons), device, summary or "")
 
 
 @main.command("generate", short_help="Regenerate a dataset's answers with the target.")
@@ -364,16 +387,17 @@ def generate(config_path, overrides, out, max_new_tokens, temperature, top_p, to
 @main.command("recipe", short_help="The whole pipeline in one resumable command, then a report.")
 @config_options
 @click.option("--from", "start_from", metavar="PART",
-              help="Rerun from this part's phase on (generate, extract, train, export, eval, walk, or a part name "
-                   "such as eval-heldout-t0): its records and every later one are deleted first.")
+              help="Rerun from this part's phase on (generate, extract, train, export, eval, walk, time, or a part "
+                   "name such as eval-heldout-t0): its records and every later one are deleted first.")
 @click.option("--until", "until", metavar="PHASE",
-              help="Stop after this phase (generate, extract, train, export, eval): e.g. --until extract builds the "
-                   "store once, for stage2-train runs of your own from it; a rerun without --until continues.")
+              help="Stop after this phase (generate, extract, train, export, eval, walk): e.g. --until extract builds "
+                   "the store once, for stage2-train runs of your own from it; a rerun without --until continues.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False), metavar="RUN_DIR",
               help="Only render RUN_DIR's report.md and plots again from its report.json; runs nothing.")
 def recipe(config_path, overrides, start_from, until, report_dir):
     """The whole pipeline in one resumable command: generate -> stage1-extract -> stage2-train -> export
-    -> eval -> the teacher-forced walk, then a report.
+    -> eval -> the teacher-forced walk -> the evals served side by side timed alone (time-evals), then a
+    report.
 
     Settings: the config's [generate], [eval] and [recipe] sections ([[recipe.sources]]: what the
     target answers; [[recipe.evals]]: the prompts served, at which temperatures; recipe.run_dir: where

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +40,11 @@ from dflash.config import Config, ConfigError
 from dflash.data.tokenizer import load_target_tokenizer
 from dflash.dist import resolve_device, share_threads
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
-from dflash.model.modeling_dflash import Proposal, TargetSession, parse_proposal, plain_generate
-from dflash.serve.evaluation import (HELDOUT, EvalResult, PartialResults, PromptResult, check_drafter_export,
-                                     decode_prompt, drafter_identity, load_drafter, load_prompts, mark_code, plot,
-                                     print_report, summarize, timed, warm_up, write_json)
-from dflash.serve.turns import DeviceTurns, start_loading
+from dflash.model.modeling_dflash import Proposal, TargetSession, graph_capacity, parse_proposal, plain_generate
+from dflash.outputs import write_text_atomic
+from dflash.serve.evaluation import (ALONE, DEFERRED, HELDOUT, INLINE, EvalResult, PartialResults, PromptResult,
+                                     check_drafter_export, decode_prompt, drafter_identity, load_drafter, load_prompts,
+                                     mark_code, plot, print_report, summarize, timed, warm_up, write_json)
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,12 @@ class EvalOptions:
     workers: int = 1  # processes side by side, each serving a contiguous share of the prompts (`run_sharded`)
     shard: str = ""  # "I/K": this process serves share I of K (a worker of `run_sharded`)
     timed_prompts: int = 0  # > 0: only N prompts' times (spread over the set) make the speed figures (0: all)
-    device_lock: str = ""  # a lock file shared by evals side by side: timed prompts decode alone (`DeviceTurns`)
+    defer_timing: bool = False  # decode every prompt untimed; `time_alone` (dflash time-evals) times them later
     drafter_graphs: bool = True  # on CUDA the drafter's block replays as a CUDA graph (modeling_dflash.BlockGraph)
 
 
 AUTO_PROPOSAL = "auto"
-AUTO_TREE, AUTO_SAMPLED_TREE, AUTO_CHAIN = "tree:64x16", "stree:256", "sample"
+AUTO_TREE, AUTO_SAMPLED_TREE, AUTO_CHAIN = "tree:64x16", "stree:256x32", "sample"
 
 
 @torch.inference_mode()
@@ -82,7 +83,7 @@ def target_takes_trees(target, device: torch.device) -> bool:
 
 def served_proposals(options: EvalOptions, takes_trees: bool = False, report: bool = True) -> list[Proposal]:
     """The policies to serve, parsed (a bad one is a ConfigError naming it); `auto` is, for a target that can
-    verify trees (`takes_trees`), `tree:64x16` at temperature 0 and `stree:256` above it (a deterministic tree keeps
+    verify trees (`takes_trees`), `tree:64x16` at temperature 0 and `stree:256x32` above it (a deterministic tree keeps
     little of a sampled target's mass), and `sample` otherwise. At temperature 0 every chain policy (argmax,
     sample, sample:F) is the same greedy verification, so the first of them stands for all; each tree size
     serves its own tokens' tree and stays."""
@@ -131,20 +132,68 @@ def run(config: Config, options: EvalOptions, config_args=()) -> list[EvalResult
         check_drafter_export(path)
     served_proposals(options, report=False)  # a bad policy fails before anything loads
     if options.workers > 1 and not options.shard:
-        return run_sharded(options, list(config_args))
-    turns = DeviceTurns(options.device_lock)
-    with contextlib.ExitStack() as timed_ahead, contextlib.ExitStack() as loading:
-        timed_ahead.enter_context(turns.timed_ahead())  # this process's timed prompts go before any untimed ones
-        loading.enter_context(turns.loading())  # and no process's timed prompts while this one loads
-        return serve(config, options, turns, timed_ahead, loading)
+        return run_sharded(config, options, list(config_args))
+    return serve(config, options)
 
 
-def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead: contextlib.ExitStack,
-          loading: contextlib.ExitStack) -> list[EvalResult]:
-    """`run` in one process: load and warm up beside the others, close `loading`, decode the timed prompts in
-    one turn alone (once no process is loading), close `timed_ahead` (this process has no timed work left),
-    wait until no process has any, then decode the rest beside the others. The results keep the prompts'
-    order."""
+class Server:
+    """The target, the drafters and their policies of one process, and how it decodes one prompt: plainly (the
+    baseline, a timed prompt only) and speculatively with every drafter and policy, each random stream restarted
+    from the seed plus the prompt's index."""
+
+    def __init__(self, target, device: torch.device, stops, options: EvalOptions,
+                 served: list[tuple[object, Proposal]], graphs: bool):
+        self.target, self.device, self.stops, self.options, self.graphs = target, device, stops, options, graphs
+        self.served = [(draft, proposal, torch.Generator(device=device)) for draft, proposal in served]
+        self.baseline_generator = torch.Generator(device=device)
+
+    def warm_up(self, prompts, warmed: set | None = None) -> None:
+        """`warm_up` with every drafter and policy served here, once per drafter cache capacity among `prompts` (the
+        drafter's block graph is captured per capacity, `graph_capacity`); `warmed`: what this process warmed
+        already (the plain decoding per temperature kind; each drafter's chain or tree shape at 0, each policy
+        above, per capacity), left out and added to."""
+        warmed = set() if warmed is None else warmed
+        sampled, new_tokens = self.options.temperature > 0, self.options.max_new_tokens
+        for prompt in prompts:
+            plain = ("plain", sampled) not in warmed
+            for draft in dict.fromkeys(draft for draft, _, _ in self.served):
+                capacity = graph_capacity(draft.block_size, len(prompt.ids) + new_tokens + draft.block_size)
+                shapes = {}  # the first policy of each shape stands for it
+                for served, proposal, _ in self.served:
+                    if served is draft:
+                        shapes.setdefault((id(draft), proposal if sampled else proposal.greedy_key(), sampled,
+                                           capacity), proposal)
+                fresh = [proposal for key, proposal in shapes.items() if key not in warmed]
+                if fresh or plain:
+                    warm_up([draft] if fresh else [], self.target, prompt.ids, new_tokens, self.stops, self.device,
+                            fresh, self.graphs, self.options.temperature)
+                    plain = False
+                warmed.update(shapes)
+            warmed.add(("plain", sampled))
+
+    def decode(self, index: int, prompt, timed_prompt: bool) -> list[PromptResult]:
+        options = self.options
+        for generator in [self.baseline_generator, *(generator for _, _, generator in self.served)]:
+            generator.manual_seed(options.seed + index)
+        input_ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=self.device)[None]
+        # the plain baseline is only a speed figure (at temperature 0 the output is checked against the
+        # target's greedy choices in one forward): an untimed prompt skips it
+        baseline = None if not timed_prompt else timed(
+            self.device, lambda: plain_generate(self.target, input_ids, options.max_new_tokens, self.stops,
+                                                options.temperature, self.baseline_generator))
+        checks = {}  # the greedy check once per distinct output (the policies' outputs are mostly one)
+        decoded = [decode_prompt(draft, self.target, prompt.label, input_ids, baseline, options.max_new_tokens,
+                                 options.temperature, self.stops, generator, self.device, proposal, self.graphs, checks)
+                   for draft, proposal, generator in self.served]
+        for one in decoded:
+            one.kind, one.timed = prompt.kind, timed_prompt
+        return decoded
+
+
+def serve(config: Config, options: EvalOptions) -> list[EvalResult]:
+    """`run` in one process: load, warm up, decode every prompt (a killed run's partial file continues), the
+    timed ones with their baseline, unless the timing is deferred (`--defer-timing`: `time_alone` decodes them
+    again later, alone on the device). The results keep the prompts' order."""
     device = resolve_device(options.device)
     dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
@@ -154,27 +203,26 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
     proposals = served_proposals(options, AUTO_PROPOSAL in options.proposals and target_takes_trees(target, device))
     prompts = load_prompts(config, options.prompts, options.num_prompts, tokenizer, options.match, options.exclude)
     start, end = shard_bounds(options.shard, len(prompts)) if options.shard else (0, len(prompts))
-    timed_indices = spread(options.timed_prompts, len(prompts))
+    timed_indices = set() if options.defer_timing else spread(options.timed_prompts, len(prompts))
     prompts = prompts[start:end]
     if options.shard:
         if not prompts:  # more workers than prompts
             if options.out:
                 write_json([], options.out)
             return []
-    source = options.prompts + "".join(f" ({flag} {pattern!r})" for flag, pattern in
-                                       (("--match", options.match), ("--exclude", options.exclude)) if pattern)
+    source = prompts_source(options)
     # one result, and one random stream, per drafter and policy; every stream restarts at each prompt from
     # the seed plus the prompt's index, so a prompt's draws do not depend on the prompts before it (nor on
     # how --workers shares them out)
-    served = [(draft, proposal, torch.Generator(device=device)) for draft in drafts for proposal in proposals]
     graphs = options.drafter_graphs and device.type == "cuda"  # off CUDA the drafter runs eagerly
+    server = Server(target, device, stop_token_ids(tokenizer, target), options,
+                    [(draft, proposal) for draft in drafts for proposal in proposals], graphs)
     results = [EvalResult(drafter=path, target=config.target.path, prompts_source=source, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
                           temperature=options.temperature, max_new_tokens=options.max_new_tokens,
-                          proposal=proposal.name, drafter_graphs=graphs, cpu_threads=torch.get_num_threads())
+                          proposal=proposal.name, drafter_graphs=graphs, cpu_threads=torch.get_num_threads(),
+                          timing=DEFERRED if options.defer_timing else INLINE)
                for path, draft in zip(options.drafters, drafts) for proposal in proposals]
-    stops = stop_token_ids(tokenizer, target)
-    baseline_generator = torch.Generator(device=device)
     partial = PartialResults(options.out, run_identity(options, device))
     decoded_by_index = partial.load()  # the prompts a killed run of these options and drafters served
     bar = tqdm(total=len(prompts), unit="prompt", desc=f"eval {options.shard}".strip(), dynamic_ncols=True)
@@ -182,47 +230,18 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
         for result, decoded in zip(results, decoded_by_index[index]):
             result.per_prompt.append(decoded)
         bar.update()
-    if len(decoded_by_index) < len(prompts):
-        with turns.beside():  # never beside a prompt timed alone
-            warm_up(drafts, target, prompts[0].ids, options.max_new_tokens, stops, device, proposals, graphs)
-    loading.close()
-
-    def serve_prompt(index: int, prompt) -> None:
-        for generator in [baseline_generator, *(generator for _, _, generator in served)]:
-            generator.manual_seed(options.seed + index)
-        input_ids = torch.as_tensor(prompt.ids, dtype=torch.long, device=device)[None]
-        timed_prompt = index in timed_indices
-        # the plain baseline is only a speed figure (at temperature 0 the output is checked against the
-        # target's greedy choices in one forward): an untimed prompt skips it
-        baseline = None if not timed_prompt else timed(
-            device, lambda: plain_generate(target, input_ids, options.max_new_tokens, stops,
-                                           options.temperature, baseline_generator))
-        checks = {}  # the greedy check once per distinct output (the policies' outputs are mostly one)
-        decoded_by_index[index] = [decode_prompt(draft, target, prompt.label, input_ids, baseline,
-                                                 options.max_new_tokens, options.temperature, stops, generator,
-                                                 device, proposal, graphs, checks)
-                                   for draft, proposal, generator in served]
-        for decoded in decoded_by_index[index]:
-            decoded.kind, decoded.timed = prompt.kind, timed_prompt
+    numbered = list(enumerate(prompts, start))
+    todo = [(index, prompt) for index, prompt in numbered if index not in decoded_by_index]
+    if todo:  # every capacity the timed prompts need (untimed ones capture theirs as they come)
+        server.warm_up([prompt for index, prompt in todo if index in timed_indices] or [prompts[0]])
+    # the timed prompts first, so that a prompt's time never waits behind work of this process's own
+    for index, prompt in sorted(todo, key=lambda item: item[0] not in timed_indices):
+        decoded_by_index[index] = server.decode(index, prompt, index in timed_indices)
         partial.add(index, decoded_by_index[index])
         for result, decoded in zip(results, decoded_by_index[index]):  # the running tau: the prompts so far
             result.per_prompt.append(decoded)
         bar.update()
         bar.set_postfix(tau="/".join(f"{summarize(result).tau:.2f}" for result in results))
-
-    numbered = list(enumerate(prompts, start))
-    todo = [(index, prompt) for index, prompt in numbered if index not in decoded_by_index]
-    timed_here = [(index, prompt) for index, prompt in todo if index in timed_indices]
-    if timed_here:
-        with turns.alone():  # one turn for all of them: one wait for the prompts the others have in hand
-            for index, prompt in timed_here:
-                serve_prompt(index, prompt)
-    timed_ahead.close()
-    turns.after_timed()
-    for index, prompt in todo:
-        if index not in timed_indices:
-            with turns.beside():
-                serve_prompt(index, prompt)
     bar.close()
     for result, in_order in zip(results, zip(*(decoded_by_index[index] for index, _ in numbered))):
         result.per_prompt = [mark_code(decoded, tokenizer) for decoded in in_order]
@@ -234,6 +253,92 @@ def serve(config: Config, options: EvalOptions, turns: DeviceTurns, timed_ahead:
     return results
 
 
+def prompts_source(options: EvalOptions) -> str:
+    """The prompts as the report names them: the source, and its --match / --exclude."""
+    return options.prompts + "".join(f" ({flag} {pattern!r})" for flag, pattern in
+                                     (("--match", options.match), ("--exclude", options.exclude)) if pattern)
+
+
+def time_alone(config: Config, jobs: list[tuple[EvalOptions, list[EvalResult]]], device: str = "auto") -> None:
+    """Decode each job's timed prompts (`options.timed_prompts`, spread over its set; 0: every prompt) again, with
+    their plain baseline, in this one process, and put them in place of their untimed decodes; every result's
+    speed figures then come from them (`timing` "alone"). Run it where no other process uses the device: timed
+    beside other processes, even ones waiting on a lock, a step of the recipe of 12-06 took 45-50 ms where one
+    process alone takes 21-26 (H100). The target is loaded once for every job (each must serve config's)."""
+    for options, results in jobs:
+        for result in results:
+            if result.target != config.target.path:
+                raise ConfigError(f"target.path is {config.target.path!r} but {options.out or 'an eval'} served "
+                                  f"{result.target!r}: time it with the config it was served with")
+    device = resolve_device(device)
+    dtype = target_dtype(config.target.dtype, device)
+    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
+    tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
+    target = load_causal_lm(str(checkpoint), dtype, device)
+    stops = stop_token_ids(tokenizer, target)
+    drafts, warmed = {}, set()
+    for options, results in jobs:
+        for result in results:
+            if result.drafter not in drafts:
+                drafts[result.drafter] = load_drafter(result.drafter, target, dtype, device)
+        prompts = load_prompts(config, options.prompts, options.num_prompts, tokenizer, options.match,
+                               options.exclude)
+        if len(prompts) != results[0].num_prompts:
+            raise ConfigError(f"{options.out or 'an eval'}: {results[0].num_prompts} prompts were served, but "
+                              f"{options.prompts} gives {len(prompts)} now: the prompts changed since")
+        indices = sorted(spread(options.timed_prompts, len(prompts)))
+        graphs = options.drafter_graphs and device.type == "cuda"
+        server = Server(target, device, stops, options,
+                        [(drafts[result.drafter], parse_proposal(result.proposal)) for result in results], graphs)
+        server.warm_up([prompts[index] for index in indices], warmed)
+        for index in tqdm(indices, unit="prompt", desc=f"time {Path(options.out).stem if options.out else ''}".strip(),
+                          dynamic_ncols=True):
+            for result, decoded in zip(results, server.decode(index, prompts[index], True)):
+                decoded = mark_code(decoded, tokenizer)
+                if decoded.generated_ids != result.per_prompt[index].generated_ids:
+                    result.retimed_differing += 1  # the device's nondeterminism: the timed decode's tau is kept
+                result.per_prompt[index] = decoded
+        for result in results:
+            for index, prompt in enumerate(result.per_prompt):
+                prompt.timed = index in indices
+            result.timing = ALONE
+            summarize(result)
+
+
+def time_evals(config: Config, paths: list[str], device: str = "auto", summary: str = "") -> list[str]:
+    """`dflash time-evals`: `time_alone` for the eval JSONs whose timing was deferred (`--defer-timing`), each
+    written back with its speed figures and its report printed; JSONs timed already are left as they are. Returns
+    the paths timed. `summary`: a JSON naming each path and what was done with it."""
+    jobs, done = [], []
+    for path in paths:
+        try:
+            written = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            raise ConfigError(f"{path}: not a dflash eval JSON ({error})") from None
+        results = [EvalResult(**{**result, "per_prompt": [PromptResult(**p) for p in result["per_prompt"]]})
+                   for result in written.get("results", [])]
+        if not results or "options" not in written:
+            raise ConfigError(f"{path}: no results or no options: write it with dflash eval --out")
+        if any(result.timing != DEFERRED for result in results):
+            print(f"{path}: timed already ({results[0].timing}), left as it is")
+            done.append({"path": path, "timed": False, "timing": results[0].timing})
+            continue
+        options = EvalOptions(**{key: tuple(value) if isinstance(value, list) else value
+                                 for key, value in written["options"].items()
+                                 if key in {f.name for f in dataclasses.fields(EvalOptions)}})
+        jobs.append((dataclasses.replace(options, out=path, defer_timing=False), results))
+    if jobs:
+        time_alone(config, jobs, device)
+    for options, results in jobs:
+        reported(results, options)
+        done.append({"path": options.out, "timed": True, "timing": ALONE, "timed_prompts": results[0].timed_prompts,
+                     "speedups": [{"drafter": result.drafter, "proposal": result.proposal, "speedup": result.speedup}
+                                  for result in results]})
+    if summary:
+        write_text_atomic(Path(summary), json.dumps({"evals": done}, indent=1) + "\n")
+    return [options.out for options, _ in jobs]
+
+
 def run_identity(options: EvalOptions, device: torch.device) -> dict:
     """What decides an eval's outputs, as its partial file names it: its options but where it writes and how many
     processes share the work, the device and each drafter's weights (`drafter_identity`)."""
@@ -242,36 +347,35 @@ def run_identity(options: EvalOptions, device: torch.device) -> dict:
     return json.loads(json.dumps(identity))  # as the partial file's first line reads back (tuples as lists)
 
 
-NOT_IDENTITY = ("out", "plot", "workers", "device_lock", "device")  # options that leave a prompt's outputs alone
+NOT_IDENTITY = ("out", "plot", "workers", "device")  # options that leave a prompt's outputs alone
 
 
 def reported(results: list[EvalResult], options: EvalOptions) -> list[EvalResult]:
     """Print the report; write the JSON and the plot where asked."""
     print_report(results)
     if options.out:
-        write_json(results, options.out)
+        write_json(results, options.out, dataclasses.asdict(options))
     if options.plot:
         plot(results, options.plot)
     return results
 
 
-def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult]:
-    """`options.workers` processes of `dflash eval --shard I/K` side by side, each on a contiguous share of the
-    prompts with its own target and baseline; their JSONs merged in prompt order and summarised as one run.
-    A worker that fails stops the others, and its log's tail names it."""
+def run_sharded(config: Config, options: EvalOptions, config_args: list[str]) -> list[EvalResult]:
+    """`options.workers` processes of `dflash eval --shard I/K --defer-timing` side by side, each on a contiguous
+    share of the prompts with its own target; their JSONs merged in prompt order and summarised as one run. Once
+    they have ended, this process times the timed prompts alone (`time_alone`), unless the timing is deferred
+    further (`--defer-timing`: `dflash time-evals`). A worker that fails stops the others, and its log's tail
+    names it."""
     total = options.workers
     print(f"eval: {total} workers side by side, each serving a contiguous share of the prompts")
-    turns = DeviceTurns(options.device_lock)
     with shard_folder(options.out) as folder:
         workers = []
         try:
-            with turns.loading():  # until each worker holds its own (`start_loading`)
-                for index in range(total):
-                    out, log = (Path(folder) / f"shard-{index}of{total}.{kind}" for kind in ("json", "log"))
-                    command = worker_command(options, config_args, f"{index}/{total}", out)
-                    with open(log, "w") as stream:  # each worker its share of this eval's CPU threads
-                        workers.append((start_loading(command, options.device_lock, share_threads(total),
-                                                      stdout=stream), out, log))
+            for index in range(total):
+                out, log = (Path(folder) / f"shard-{index}of{total}.{kind}" for kind in ("json", "log"))
+                command = worker_command(options, config_args, f"{index}/{total}", out)
+                with open(log, "w") as stream:  # each worker its share of this eval's CPU threads
+                    workers.append((subprocess.Popen(command, env=share_threads(total), stdout=stream), out, log))
             for index, (worker, out, log) in enumerate(workers):
                 if worker.wait() != 0:
                     tail = "".join(log.read_text().splitlines(keepends=True)[-20:])
@@ -283,7 +387,11 @@ def run_sharded(options: EvalOptions, config_args: list[str]) -> list[EvalResult
                     worker.terminate()
                     worker.wait()
         shards = [json.loads(out.read_text())["results"] for _, out, _ in workers]
-        return reported(merge_shards([shard for shard in shards if shard]), options)
+        merged = merge_shards([shard for shard in shards if shard])
+        if not options.defer_timing:
+            print(f"eval: the workers have ended; timing {options.timed_prompts or 'every'} prompt(s) alone")
+            time_alone(config, [(options, merged)], options.device)
+        return reported(merged, options)
 
 
 def worker_command(options: EvalOptions, config_args: list[str], shard: str, out: Path) -> list[str]:
@@ -297,8 +405,7 @@ def worker_command(options: EvalOptions, config_args: list[str], shard: str, out
             "--max-new-tokens", str(options.max_new_tokens), "--temperature", f"{options.temperature!r}",
             "--proposal", ",".join(options.proposals), "--seed", str(options.seed),
             "--device", options.device, "--out", str(out), "--shard", shard,
-            "--timed-prompts", str(options.timed_prompts),
-            *(["--device-lock", options.device_lock] if options.device_lock else []),
+            "--timed-prompts", str(options.timed_prompts), "--defer-timing",
             "--drafter-graphs" if options.drafter_graphs else "--no-drafter-graphs"]
 
 

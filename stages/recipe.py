@@ -3,7 +3,8 @@
 generate (every source of `recipe.sources`, side by side with `recipe.parallel_generates`) -> stage
 one -> stage two -> export (the last checkpoint, and every earlier one with `recipe.curve`) -> eval
 (every set of `recipe.evals` at each of its temperatures, side by side with `recipe.parallel_evals`)
--> the teacher-forced walk of the temperature-0 held-out evals. Each part is a `python -m stages.cli`
+-> the teacher-forced walk of the temperature-0 held-out evals -> the evals served side by side timed last, in
+one process alone on the GPU (`dflash time-evals`). Each part is a `python -m stages.cli`
 subprocess; its completion record (run_dir/results/PART.json) is written after it succeeded, and a
 rerun skips the complete parts and continues a killed one the way that stage resumes (generate's and
 stage one's shards, stage two's checkpoints, evals rerun). The library is dflash/pipeline/.
@@ -69,7 +70,7 @@ def run(config: Config, config_path: str | None, overrides: tuple[str, ...], sta
     run_recipe(recipe_run, start_phase(recipe_run, start_from), last)
     if last != PHASES[-1]:
         say(f"stopped after {last} (--until): a rerun without --until continues from "
-            f"{PHASES[PHASES.index(last) + 1]}; the report is written once the walk has run")
+            f"{PHASES[PHASES.index(last) + 1]}; the report is written once the last phase has run")
         return {}
     return report.write_report(recipe_run.layout)
 

@@ -310,7 +310,7 @@ def test_spec_generate_equals_greedy_on_llama_and_qwen35(tmp_path, tiny_target_d
 
 def test_the_auto_proposal_is_a_tree_where_the_target_can_verify_one(tiny_target_dir):
     """`--proposal auto` (the default): on a full-attention target (Llama) tree:64x16 (64 nodes, up to 16
-    children a node) at temperature 0 and the sampled tree stree:256 above it; sample on a target with linear-attention layers (Qwen3.5), whose cache
+    children a node) at temperature 0 and the sampled tree stree:256x32 above it; sample on a target with linear-attention layers (Qwen3.5), whose cache
     cannot hold a tree's branches apart, at any temperature."""
     from dflash.extract.target import load_causal_lm
     from stages import evaluate
@@ -323,10 +323,10 @@ def test_the_auto_proposal_is_a_tree_where_the_target_can_verify_one(tiny_target
     assert [p.name for p in evaluate.served_proposals(options, takes_trees=True)] == ["tree:64x16"]
     assert [p.name for p in evaluate.served_proposals(options, takes_trees=False)] == ["sample"]
     mixed = evaluate.EvalOptions(drafters=("export",), proposals=("auto", "argmax"), temperature=1.0)
-    assert [p.name for p in evaluate.served_proposals(mixed, takes_trees=True)] == ["stree:256", "argmax"]
+    assert [p.name for p in evaluate.served_proposals(mixed, takes_trees=True)] == ["stree:256x32", "argmax"]
     assert [p.name for p in evaluate.served_proposals(mixed, takes_trees=False)] == ["sample", "argmax"]
     sampled = evaluate.EvalOptions(drafters=("export",), temperature=0.7)
-    assert [p.name for p in evaluate.served_proposals(sampled, takes_trees=True)] == ["stree:256"]
+    assert [p.name for p in evaluate.served_proposals(sampled, takes_trees=True)] == ["stree:256x32"]
 
 
 @pytest.mark.slow
@@ -406,24 +406,27 @@ def test_workers_share_the_prompts_in_contiguous_near_equal_parts():
 
 
 def test_eval_workers_share_the_cpu_threads(tmp_path, monkeypatch):
-    """`--workers K`: each worker process gets 1/K of the eval's OMP_NUM_THREADS (at least 1), not every CPU."""
+    """`--workers K`: each worker process gets 1/K of the eval's OMP_NUM_THREADS (at least 1), not every CPU, and
+    serves its share untimed (`--defer-timing`: the parent times alone once they have ended)."""
     import subprocess
     import sys
 
     from stages import evaluate
 
-    given = []
+    given, commands, popen = [], [], subprocess.Popen
 
-    def start(command, lock, env=None, **popen_args):
+    def start(command, env=None, **popen_args):
         given.append(env["OMP_NUM_THREADS"])
-        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"], **popen_args)
+        commands.append(command)
+        return popen([sys.executable, "-c", "raise SystemExit(1)"], **popen_args)
 
-    monkeypatch.setattr(evaluate, "start_loading", start)
+    monkeypatch.setattr(evaluate.subprocess, "Popen", start)
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     options = evaluate.EvalOptions(drafters=("d",), workers=3, out=str(tmp_path / "eval.json"))
     with pytest.raises(RuntimeError, match="eval worker 0/3 exited with status 1"):
-        evaluate.run_sharded(options, [])
+        evaluate.run_sharded(None, options, [])
     assert given == ["2", "2", "2"]
+    assert all("--defer-timing" in command and "--shard" in command for command in commands)
 
 
 def block_pieces(seed: int, features: torch.Tensor, vocab: int):
@@ -503,3 +506,52 @@ def test_the_captured_block_graph_replays_the_eager_step(tmp_path):
             torch.testing.assert_close(graphed.block_logits(features_piece, anchor), expected)  # the replay
             growing = draft.block_logits(features_piece, anchor, cache, embed, head)  # the eager drafter
             torch.testing.assert_close(expected, growing, atol=1e-4, rtol=1e-4)
+
+
+def test_a_timing_process_warms_each_shape_and_capacity_once():
+    """`Server.warm_up`: the plain decoding once per temperature kind; at T=0 one chain per drafter (every chain
+    policy is greedy verification) and each tree shape, above it every policy; once per drafter cache capacity
+    among the prompts (a block graph is captured per capacity); nothing twice in one process."""
+    from types import SimpleNamespace
+
+    from dflash.model.modeling_dflash import parse_proposal
+    from stages import evaluate
+
+    calls = []
+    original = evaluate.warm_up
+    evaluate.warm_up = lambda drafts, target, ids, new_tokens, stops, device, proposals, graphs, temperature: \
+        calls.append(([id(d) for d in drafts], len(ids), [p.name for p in proposals], temperature))
+    try:
+        class Draft:  # a drafter as warm_up sees it (hashable by identity, as a module is)
+            block_size = 16
+
+        one, two = Draft(), Draft()
+        policies = [parse_proposal(name) for name in ("sample", "argmax", "tree:64x16", "stree:64x16")]
+        served = [(draft, proposal) for draft in (one, two) for proposal in policies]
+        short, long_ = SimpleNamespace(ids=[1] * 40), SimpleNamespace(ids=[1] * 600)  # capacities 512 and 1024
+        warmed = set()
+        greedy = evaluate.Server(None, torch.device("cpu"), [], evaluate.EvalOptions(drafters=(), max_new_tokens=128),
+                                 served, False)
+        greedy.warm_up([short, short], warmed)
+        assert calls == [([id(one)], 40, ["sample", "tree:64x16"], 0.0), ([id(two)], 40, ["sample", "tree:64x16"], 0.0)]
+        calls.clear()
+        greedy.warm_up([short], warmed)
+        assert calls == []  # warmed already in this process
+        greedy.warm_up([long_], warmed)
+        assert [call[:3] for call in calls] == [([id(one)], 600, ["sample", "tree:64x16"]),
+                                                ([id(two)], 600, ["sample", "tree:64x16"])]
+        calls.clear()
+        sampled = evaluate.Server(None, torch.device("cpu"), [],
+                                  evaluate.EvalOptions(drafters=(), max_new_tokens=128, temperature=1.0),
+                                  served[4:], False)
+        sampled.warm_up([short], warmed)
+        assert calls == [([id(two)], 40, ["sample", "argmax", "tree:64x16", "stree:64x16"], 1.0)]
+        calls.clear()
+        plain_only = evaluate.Server(None, torch.device("cpu"), [],
+                                     evaluate.EvalOptions(drafters=(), max_new_tokens=128, temperature=0.7),
+                                     served[:1], False)
+        plain_only.warm_up([short], {key for key in warmed if key != ("plain", True)} | {
+            (id(one), parse_proposal("sample"), True, 512)})
+        assert calls == [([], 40, [], 0.7)]  # the drafter's policy warmed, the plain decoding at T > 0 not yet
+    finally:
+        evaluate.warm_up = original

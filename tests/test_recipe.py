@@ -1,7 +1,7 @@
 """`dflash recipe` end to end on the CPU with its tiny default (configs/tiny-recipe.toml): every part runs and
 the report is written; a recipe killed (SIGKILL of its process group) inside generate, stage one, stage two
-and an eval, then rerun (its evals side by side, timed prompts first, the walk beside them), serves the same
-numbers as one never interrupted."""
+and an eval, then rerun (its evals side by side and untimed, the walk beside them, then every eval's timed prompt
+decoded again alone by `dflash time-evals`), serves the same numbers as one never interrupted."""
 
 import json
 import os
@@ -84,13 +84,18 @@ def test_the_tiny_recipe_reports_and_resumes_after_kills_with_the_same_served_nu
                lambda root: any((root / "store" / "shards").glob("*")),  # stage one's first shard
                lambda root: (root / "drafter" / "checkpoints" / "step-00000002" / "state.json").exists(),
                lambda root: older_than(root / "results" / "export-00000002.json", 5.0)]  # inside the first eval
-    # the killed run serves its evals side by side, each timing its first prompt alone (timed prompts first, the
-    # device lock), the walk starting beside the temperature-1 eval once the temperature-0 one is written
+    # the killed run serves its evals side by side, untimed, the walk starting beside the temperature-1 eval once the
+    # temperature-0 one is written; the last phase times each eval's first prompt in one process alone
     side_by_side = ("recipe.parallel_evals=true", "recipe.timed_prompts=1")
     for moment in moments:
         kill_when(killed, cache, moment, *side_by_side)
     output = run_to_end(killed, cache, *side_by_side)
     assert "(continuing: --resume)" in output or "train: complete" in output
     assert served(killed) == served(whole)
+    for path in sorted((killed / "evals").glob("eval-*.json")):
+        assert {(result["timing"], result["timed_prompts"])
+                for result in json.loads(path.read_text())["results"]} == {("alone", 1)}, path.name
+    report_md = (killed / "report.md").read_text()
+    assert "(1 alone) |" in report_md and "not timed yet" not in report_md
     assert "recipe: walk: what it reads is written (eval-heldout-t0): beside the rest" in output or \
         "eval-heldout-t0: complete" in output

@@ -294,17 +294,33 @@ def test_the_report_times_the_run_end_to_end_where_parts_overlap():
     assert report.took({"seconds": 240.0, "wall_seconds": None}) == "240.0 s summed over the parts."
 
 
-def test_evals_side_by_side_time_their_first_prompts_alone_through_one_lock(tmp_path):
+def test_evals_side_by_side_serve_untimed_and_are_timed_alone_at_the_end(tmp_path):
+    """Side by side every eval defers its timing, and the last phase's one part (`dflash time-evals`) times them all
+    in one process; it runs again when an eval it times was served again since (its JSON deferred)."""
+    from dflash.pipeline.parts import time_parts
+
     evals = ('recipe.evals=[{name = "a", prompts = "embedded:humaneval", temperatures = [0.0, 1.0]}, '
              '{name = "b", prompts = "embedded:chat-heldout", workers = 2}]')
     (checkpoint := tmp_path / "run" / "drafter" / "checkpoints" / "step-00000002").mkdir(parents=True)
     (checkpoint / "state.pt").write_bytes(b"")
-    lock = str(tmp_path / "run" / "evals" / "device.lock")
-    parts = eval_parts(recipe_run(tmp_path, evals, "recipe.parallel_evals=true", "recipe.timed_prompts=3"))
+    run = recipe_run(tmp_path, evals, "recipe.parallel_evals=true", "recipe.timed_prompts=3")
+    parts = eval_parts(run)
     assert len(parts) == 3
     for part in parts:
-        assert option(part.command, "--timed-prompts") == "3" and option(part.command, "--device-lock") == lock
-    in_turn = eval_parts(recipe_run(tmp_path, evals, "recipe.parallel_evals=false"))
-    assert ["--device-lock" in part.command for part in in_turn] == [False, False, True]  # workers share the GPU
+        assert option(part.command, "--timed-prompts") == "3" and "--defer-timing" in part.command
+    (timing,) = time_parts(run)
+    jsons = [str(run.layout.eval_json(part.name)) for part in parts]
+    assert timing.phase == "time" and timing.command[3] == "time-evals"
+    assert all(path in timing.command for path in jsons)
+    assert option(timing.command, "--summary") == str(run.layout.timing_json) and timing.stale  # nothing served yet
+    for path in jsons:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"results": [{"timing": "alone"}]}))
+    assert not time_parts(run)[0].stale
+    Path(jsons[1]).write_text(json.dumps({"results": [{"timing": "deferred"}]}))  # served again since
+    assert time_parts(run)[0].stale
+    in_turn = recipe_run(tmp_path, evals, "recipe.parallel_evals=false")
+    assert ["--timed-prompts" in part.command for part in eval_parts(in_turn)] == [False, False, True]  # its workers
+    assert not any("--defer-timing" in part.command for part in eval_parts(in_turn)) and time_parts(in_turn) == []
     assert not any("--timed-prompts" in part.command
                    for part in eval_parts(recipe_run(tmp_path, evals, "recipe.timed_prompts=0")))

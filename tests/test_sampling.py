@@ -236,7 +236,7 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
     import json
     from pathlib import Path
 
-    from dflash.config import load_config
+    from dflash.config import ConfigError, load_config
     from dflash.extract.target import load_causal_lm, prepare_checkpoint
     from stages import evaluate
 
@@ -263,13 +263,13 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
         assert [prompt["kind"] for prompt in result["per_prompt"]] == ["writing", "code"]
     with pytest.raises(ValueError, match="--proposal: proposal 'top-k'"):
         evaluate.run(config, evaluate.EvalOptions(drafters=options.drafters, proposals=("argmax", "top-k")))
-    # --workers 2: two processes each serve a contiguous share; the merged JSON is this run's, prompt for prompt
-    # (every random stream restarts at each prompt from the seed plus the prompt's index); the workers hand the
-    # device lock on, and only the first prompt's times make the speed figures: at temperature > 0 the untimed
-    # prompt skips the plain baseline, which serves nothing else
-    sharded = dataclasses.replace(options, workers=2, out=str(tmp_path / "eval-2.json"), timed_prompts=1,
-                                  device_lock=str(tmp_path / "evals" / "device.lock"))
+    # --workers 2: two processes each serve a contiguous share, untimed; the merged JSON is this run's, prompt for
+    # prompt (every random stream restarts at each prompt from the seed plus the prompt's index); once they have
+    # ended this process decodes the first prompt again alone, and only its times make the speed figures: at
+    # temperature > 0 the untimed prompt skips the plain baseline, which serves nothing else
+    sharded = dataclasses.replace(options, workers=2, out=str(tmp_path / "eval-2.json"), timed_prompts=1)
     evaluate.run(config, sharded, ["-c", str(config_path)])
+    assert "decoded again in one process alone on the device" in capsys.readouterr().out
     for one, two in zip(results, json.loads((tmp_path / "eval-2.json").read_text())["results"], strict=True):
         for key in ("prompt_id", "acceptance_lengths", "generated_ids"):
             assert [p[key] for p in two["per_prompt"]] == [p[key] for p in one["per_prompt"]], key
@@ -278,12 +278,45 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
         for key in ("proposal", "num_prompts", "generated_tokens", "verifications", "tau", "histogram", "tau_by_kind"):
             assert two[key] == one[key], key
         assert [p["timed"] for p in two["per_prompt"]] == [True, False] and two["timed_prompts"] == 1
+        assert two["timing"] == "alone" and two["retimed_differing"] == 0 and one["timing"] == "inline"
         timed = two["per_prompt"][0]
         assert two["speedup"] == pytest.approx(timed["baseline_seconds"] / timed["spec_seconds"]
                                                * timed["generated_tokens"] / timed["baseline_tokens"])
-    assert (tmp_path / "evals" / "device.lock").exists() and not (tmp_path / "eval-2.json.shards").exists()
+    assert not (tmp_path / "eval-2.json.shards").exists()
+    # --defer-timing: every prompt served untimed, no speed figures, the options written beside the results; `dflash
+    # time-evals` then decodes the timed prompt again alone and writes the JSON back; a second call leaves it
+    deferred = dataclasses.replace(options, out=str(tmp_path / "eval-deferred.json"), timed_prompts=1,
+                                   defer_timing=True)
+    evaluate.run(config, deferred)
+    assert "not yet timed" in capsys.readouterr().out
+    written = json.loads(Path(deferred.out).read_text())
+    assert written["options"]["defer_timing"] is True and written["options"]["timed_prompts"] == 1
+    for one, late in zip(results, written["results"], strict=True):
+        assert late["timing"] == "deferred" and late["timed_prompts"] == 0 and late["speedup"] == 0
+        assert [p["baseline_tokens"] for p in late["per_prompt"]] == [0, 0]
+        assert [p["generated_ids"] for p in late["per_prompt"]] == [p["generated_ids"] for p in one["per_prompt"]]
+    summary = tmp_path / "timing.json"
+    assert evaluate.time_evals(config, [deferred.out], "cpu", str(summary)) == [deferred.out]
+    assert "decoded again in one process alone" in capsys.readouterr().out
+    timed_late = json.loads(Path(deferred.out).read_text())
+    for one, late in zip(results, timed_late["results"], strict=True):
+        assert late["timing"] == "alone" and late["timed_prompts"] == 1 and late["retimed_differing"] == 0
+        assert [p["timed"] for p in late["per_prompt"]] == [True, False] and late["speedup"] > 0
+        assert late["per_prompt"][0]["baseline_tokens"] == one["per_prompt"][0]["baseline_tokens"]
+        for key in ("acceptance_lengths", "generated_ids", "kind"):
+            assert [p[key] for p in late["per_prompt"]] == [p[key] for p in one["per_prompt"]], key
+        assert late["tau"] == one["tau"] and late["tau_by_kind"] == one["tau_by_kind"]
+    assert json.loads(summary.read_text())["evals"][0]["timed"] is True
+    assert evaluate.time_evals(config, [deferred.out], "cpu") == []  # timed already: left as it is
+    assert "timed already (alone), left as it is" in capsys.readouterr().out
+    assert json.loads(Path(deferred.out).read_text()) == timed_late
+    other = dataclasses.replace(config, target=dataclasses.replace(config.target, path="embedded:other"))
+    evaluate.run(config, dataclasses.replace(deferred, out=str(tmp_path / "eval-deferred-2.json")))
+    with pytest.raises(ConfigError, match="target.path is 'embedded:other' but .* served"):
+        evaluate.time_evals(other, [str(tmp_path / "eval-deferred-2.json")], "cpu")
     monkeypatch.setattr(evaluate, "spread", lambda chosen, count: {1})  # the last prompt timed: decoded first
     second_timed = dataclasses.replace(sharded, workers=1, out=str(tmp_path / "eval-last-timed.json"))
+    capsys.readouterr()
     evaluate.run(config, second_timed)
     for one, last in zip(results, json.loads((tmp_path / "eval-last-timed.json").read_text())["results"], strict=True):
         for key in ("prompt_id", "acceptance_lengths", "generated_ids", "kind"):

@@ -367,11 +367,17 @@ class BlockGraph:
 GRAPH_CAPACITY_MIN = 512  # the draft cache's capacity rounds up to a power of two from here: few captures
 
 
+def graph_capacity(block_size: int, context: int) -> int:
+    """The draft cache's capacity for sequences of up to `context` tokens: a power of two from GRAPH_CAPACITY_MIN
+    (one BlockGraph, one capture, per capacity)."""
+    return max(GRAPH_CAPACITY_MIN, 1 << (context + 2 * block_size - 1).bit_length())
+
+
 def block_graph(draft: "DFlashDraftModel", embed_VH: torch.Tensor, lm_head: nn.Module, context: int,
                 graph: bool) -> BlockGraph:
     """The drafter's BlockGraph for sequences of up to `context` tokens, captured once per capacity and
     kept on the drafter (`draft.block_graphs`), reset for a new sequence."""
-    capacity = max(GRAPH_CAPACITY_MIN, 1 << (context + 2 * draft.block_size - 1).bit_length())
+    capacity = graph_capacity(draft.block_size, context)
     graphs = draft.__dict__.setdefault("block_graphs", {})
     key = (capacity, graph, embed_VH.data_ptr(), lm_head.weight.data_ptr())
     if key not in graphs:

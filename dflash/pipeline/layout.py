@@ -49,6 +49,11 @@ class RunLayout:
         return self.evals / "walk.json"
 
     @property
+    def timing_json(self) -> Path:
+        """`dflash time-evals --summary`: which evals were timed alone at the end."""
+        return self.evals / "timing.json"
+
+    @property
     def records(self) -> Path:
         """Completion records, one JSON per part (`records.py`)."""
         return self.root / "results"

@@ -14,9 +14,8 @@ from dflash.config import Config, ConfigError, RecipeEval, RecipeSource
 from dflash.pipeline.layout import RunLayout
 from dflash.train.checkpoint import STEP_PREFIX, complete_checkpoints, latest_checkpoint
 
-PHASES = ("generate", "extract", "train", "export", "eval", "walk")
+PHASES = ("generate", "extract", "train", "export", "eval", "walk", "time")
 HELDOUT = "heldout"  # `dflash eval --prompts heldout[:SOURCE]`: the store's held-out prompts, walkable
-DEVICE_LOCK = "device.lock"  # under evals/: evals side by side take turns through it to time prompts alone
 
 
 @dataclass(frozen=True)
@@ -27,6 +26,7 @@ class Part:
     outputs: tuple[Path, ...]  # what must exist for its record to stay valid
     resume_args: list[str] = field(default_factory=list)  # added when it continues a killed run (stage two)
     info: dict = field(default_factory=dict)  # planned facts its record keeps (a source's weight, an export's step)
+    stale: bool = False  # what it wrote was since replaced (an eval served again): it runs even with a valid record
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,9 @@ def eval_parts(run: RecipeRun) -> list[Part]:
             if item.workers > 1:
                 args += ["--workers", str(item.workers)]
             if (many or item.workers > 1) and run.config.recipe.timed_prompts:
-                args += ["--timed-prompts", str(run.config.recipe.timed_prompts),
-                         "--device-lock", str(run.layout.evals / DEVICE_LOCK)]
+                args += ["--timed-prompts", str(run.config.recipe.timed_prompts)]
+            if many and run.config.recipe.timed_prompts:  # side by side: timed alone at the end (`time_parts`)
+                args += ["--defer-timing"]
             parts.append(Part(name, "eval", stage(run, "eval", *args), (run.layout.eval_json(name),),
                               info={"eval_set": item.name, "prompts": item.prompts, "temperature": temperature}))
     return parts
@@ -205,8 +206,30 @@ def walk_parts(run: RecipeRun) -> list[Part]:
     return [Part("walk", "walk", command, (run.layout.walk_json,))]
 
 
+def time_parts(run: RecipeRun) -> list[Part]:
+    """The evals served side by side (`--defer-timing`) timed last, in one process alone on the GPU (`dflash
+    time-evals`): beside other processes a step's waits queue behind their kernels. Stale when an eval it times
+    was served again since (its JSON says deferred)."""
+    deferred = [run.layout.eval_json(part.name) for part in eval_parts(run) if "--defer-timing" in part.command]
+    if not deferred:
+        return []
+    command = stage(run, "time-evals", *map(str, deferred), "--summary", str(run.layout.timing_json))
+    return [Part("time-evals", "time", command, (run.layout.timing_json,), stale=any(map(still_deferred, deferred)))]
+
+
+def still_deferred(path: Path) -> bool:
+    """Whether an eval JSON's speed figures are still to be timed (missing or unreadable: to be served)."""
+    import json
+
+    try:
+        results = json.loads(path.read_text())["results"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return True
+    return any(result.get("timing") == "deferred" for result in results)
+
+
 PLANNERS = {"generate": generate_parts, "extract": extract_parts, "train": train_parts, "export": export_parts,
-            "eval": eval_parts, "walk": walk_parts}
+            "eval": eval_parts, "walk": walk_parts, "time": time_parts}
 
 
 def side_by_side(config: Config, phase: str) -> bool:

@@ -13,7 +13,7 @@ from dflash.pipeline.layout import RunLayout
 RESULT_KEYS = ("drafter", "proposal", "temperature", "num_prompts", "max_new_tokens", "generated_tokens",
                "verifications", "tau", "speedup", "spec_tokens_per_s", "baseline_tokens_per_s", "tau_in_code",
                "verifications_in_code", "tau_outside_code", "verifications_outside_code", "tau_by_kind",
-               "histogram", "slot_acceptance", "mismatched_prompts", "timed_prompts")
+               "histogram", "slot_acceptance", "mismatched_prompts", "timed_prompts", "timing")
 RATES = {"generate": ("answers", "answers/s"), "extract": ("tokens", "tokens/s"), "train": ("tokens_seen", "tokens/s"),
          "eval": ("generated_tokens", "tokens/s")}
 
@@ -213,10 +213,14 @@ def sampling_table(evals: list[dict]) -> list[str]:
 
 
 def speedup_cell(row: dict) -> str:
-    """The speedup, and over how many prompts decoded alone when not every prompt's time counts."""
-    timed = row.get("timed_prompts")
-    alone = f" ({timed} alone)" if timed and row.get("num_prompts") and timed < row["num_prompts"] else ""
-    return number(row["speedup"], 2) + alone
+    """The speedup, and over how many prompts when not every prompt's time counts: "alone" where they were decoded
+    again in one process alone on the GPU after the rest (`dflash time-evals`); none yet where that is still to run."""
+    timing, timed = row.get("timing", "alone"), row.get("timed_prompts")
+    if timing == "deferred":
+        return "not timed yet"
+    if timed and (timing == "alone" or (row.get("num_prompts") and timed < row["num_prompts"])):
+        return number(row["speedup"], 2) + f" ({timed} {'alone' if timing == 'alone' else 'timed'})"
+    return number(row["speedup"], 2)
 
 
 def draw_plots(report: dict, folder: Path) -> list[Path]:

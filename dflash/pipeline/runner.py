@@ -18,7 +18,6 @@ from dflash.dist import share_threads
 from dflash.errors import DflashError
 from dflash.pipeline import records
 from dflash.pipeline.parts import PHASES, PLANNERS, Part, RecipeRun, side_by_side, walk_parts, walked_evals
-from dflash.serve.turns import start_loading
 
 POLL_SECONDS = 1.0  # side by side: how often the parts' processes are looked at
 
@@ -55,7 +54,7 @@ def followers(run: RecipeRun, phase: str, todo: list[Part]) -> list[tuple[Part, 
 
 
 def skipped(run: RecipeRun, part: Part) -> bool:
-    if not records.is_complete(run.layout, part):
+    if part.stale or not records.is_complete(run.layout, part):
         return False
     record = records.read_record(run.layout, part.name)
     say(f"{part.name}: complete ({record['seconds']:.1f} s, {record['finished']}), skipped")
@@ -104,10 +103,7 @@ def start(part: Part, side_by_side: int = 1) -> tuple[subprocess.Popen, float, l
         env = share_threads(side_by_side, env)
     if part.phase == "train":  # stage two names every recompile's failed guard (TORCH_LOGS= turns it off)
         env.setdefault("TORCH_LOGS", "recompiles")
-    # an eval taking turns on the device starts as one still loading: no eval beside it times its prompts while
-    # this one imports and loads
-    lock = command[command.index("--device-lock") + 1] if "--device-lock" in command else ""
-    return start_loading(command, lock, env), time.monotonic(), command
+    return subprocess.Popen(command, env=env), time.monotonic(), command
 
 
 def finish(run: RecipeRun, part: Part, process: subprocess.Popen, began: float, command: list[str]) -> None:

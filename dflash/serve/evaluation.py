@@ -31,9 +31,14 @@ from dflash.data.tokenizer import tokenizer_identity
 from dflash.extract.target import find_decoder_layers
 from dflash.model.export import CONFIG_NAME, WEIGHTS_NAME
 from dflash.model.modeling_dflash import DFlashDraftModel, Proposal, plain_generate, speculative_generate
+from dflash.outputs import write_text_atomic
 
 HELDOUT = "heldout"  # --prompts: the samples stage two holds out of the config's store ("heldout:NAME": one source's)
 TIE_ULPS = 4  # a logit gap within this many rounding steps of the dtype is a near-tie
+# an eval's timing: its timed prompts' times taken as they were served (INLINE), not yet (DEFERRED: `dflash eval
+# --defer-timing`), or from decoding them again in one process alone on the device once the rest was served
+# (ALONE: `dflash time-evals`, `--workers`)
+INLINE, DEFERRED, ALONE = "inline", "deferred", "alone"
 CODE_FENCE = "```"  # the served text's code blocks: tau inside them and outside (prose) is reported apart
 
 
@@ -93,6 +98,8 @@ class EvalResult:
     baseline_tokens_per_s: float = 0.0
     speedup: float = 0.0
     timed_prompts: int = 0  # the prompts whose times make the three figures above
+    timing: str = "inline"  # INLINE, DEFERRED or ALONE: when and how those prompts were timed
+    retimed_differing: int = 0  # ALONE: timed decodes whose tokens differ from the untimed ones (device nondeterminism)
     mismatched_prompts: int = 0  # near-ties included
     near_tie_prompts: int = 0
     tau_in_code: float = 0.0  # verifications whose first token lies inside a ``` code block of the output
@@ -234,8 +241,9 @@ def source_prompts(source: str, split: str, tokenizer, num_prompts: int, keep=No
 class HostLoad(NamedTuple):
     """The machine's CPUs over an interval, from /proc/stat: `busy`, the share of all cores' time spent working
     (user, system and interrupts; every process's, this one's too), and `steal`, the share a hypervisor gave to
-    other machines. A turn alone with a busy or stolen host times the host, not the decoding (12-06: plain
-    decoding of one prompt ran 19-44 ms a token in turns alone)."""
+    other machines. A timed prompt with a busy or stolen host times the host, not the decoding (12-06: plain
+    decoding of one prompt ran 19-44 ms a token in turns alone, though the host was 6% busy then: other
+    processes on the GPU, `time_alone`)."""
     busy: float
     steal: float
 
@@ -285,19 +293,23 @@ def timed(device: torch.device, fn) -> Timed:
 
 
 def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, device: torch.device,
-            proposals=(Proposal(sample=True),), graphs: bool | None = None) -> None:
+            proposals=(Proposal(sample=True),), graphs: bool | None = None, temperature: float = 0.0) -> None:
     """On CUDA, one untimed run of the first prompt by the baseline and every drafter with every
-    proposal policy (a tree's verification has its own shapes and mask), so that kernel selection,
-    lazy module loading and allocator growth are timed by none of them (CPU timings are not served
-    speedups anyway, and the CPU decodes slowly: no warm-up there)."""
+    proposal policy at the served temperature (a tree's verification has its own shapes and mask; above 0 a
+    sampled tree's verdicts are captured per shape), so that kernel selection, lazy module loading, graph
+    captures and allocator growth are timed by none of them (CPU timings are not served speedups anyway, and the
+    CPU decodes slowly: no warm-up there). Its draws come from a stream of its own."""
     if device.type != "cuda":
         return
     input_ids = torch.as_tensor(prompt_ids, device=device)[None]
-    plain_generate(target, input_ids, max_new_tokens, stops)
-    shapes = {proposal.greedy_key(): proposal for proposal in proposals}  # one chain, each tree size
+    generator = torch.Generator(device=device).manual_seed(0) if temperature > 0 else None
+    plain_generate(target, input_ids, max_new_tokens, stops, temperature, generator)
+    # at temperature 0 one chain stands for every chain policy, and each tree size for its kinds
+    shapes = list(proposals) if temperature > 0 else list({p.greedy_key(): p for p in proposals}.values())
     for draft in drafts:
-        for proposal in shapes.values():
-            speculative_generate(draft, target, input_ids, max_new_tokens, stops, 0.0, None, proposal, graphs)
+        for proposal in shapes:
+            speculative_generate(draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal,
+                                 graphs)
 
 
 def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
@@ -452,9 +464,18 @@ def print_report(results: list[EvalResult]) -> None:
                 if prompt.first_mismatch is not None:
                     print(f"    {prompt.prompt_id}: first non-greedy generated token {prompt.first_mismatch}"
                           + mismatch_detail(prompt))
-    if first.timed_prompts < first.num_prompts:
-        print(f"(tokens/s and speedup over {first.timed_prompts} prompts spread over the set, each decoded alone on "
-              f"the device with --device-lock; tau over all {first.num_prompts})")
+    if first.timing == DEFERRED:
+        print(f"(tokens/s and speedup: not yet timed; `dflash time-evals` decodes the timed prompts again, alone on "
+              f"the device; tau over all {first.num_prompts})")
+    elif first.timing == ALONE:
+        differing = sum(result.retimed_differing for result in results)
+        print(f"(tokens/s and speedup over {first.timed_prompts} prompt(s) spread over the set, decoded again in one "
+              f"process alone on the device once every prompt was served; tau over all {first.num_prompts}"
+              + (f"; {differing} timed decode(s) differ from the untimed ones, nondeterminism of the device: their "
+                 "timed decodes are the ones kept" if differing else "") + ")")
+    elif first.timed_prompts < first.num_prompts:
+        print(f"(tokens/s and speedup over {first.timed_prompts} prompt(s) spread over the set; tau over all "
+              f"{first.num_prompts})")
     loads = [load for result in results for prompt in result.per_prompt if prompt.timed for load in
              ((prompt.spec_host_busy, prompt.spec_host_steal), (prompt.baseline_host_busy, prompt.baseline_host_steal))
              if load[0] is not None]
@@ -484,9 +505,11 @@ def mismatch_detail(prompt: PromptResult) -> str:
     return f"; target logit gap {prompt.mismatch_gap:+.4f}, tolerance {prompt.tie_tolerance:.4f}: {kind}"
 
 
-def write_json(results: list[EvalResult], path: str) -> None:
+def write_json(results: list[EvalResult], path: str, options: dict | None = None) -> None:
+    """The results, and the options that served them (what `dflash time-evals` decodes again)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps({"results": [asdict(result) for result in results]}, indent=1) + "\n")
+    written = {"results": [asdict(result) for result in results], **({"options": options} if options else {})}
+    write_text_atomic(Path(path), json.dumps(written, indent=1) + "\n")
     print(f"wrote {path}")
 
 
