@@ -282,6 +282,8 @@ def test_eval_serves_every_listed_policy_with_tau_by_kind(tmp_path, pipeline_con
         timed = two["per_prompt"][0]
         assert two["speedup"] == pytest.approx(timed["baseline_seconds"] / timed["spec_seconds"]
                                                * timed["generated_tokens"] / timed["baseline_tokens"])
+        assert two["ms_per_verification"] == pytest.approx(1e3 * timed["spec_seconds"] / timed["target_forwards"])
+        assert two["baseline_ms_per_token"] == pytest.approx(1e3 * timed["baseline_seconds"] / timed["baseline_tokens"])
     assert not (tmp_path / "eval-2.json.shards").exists()
     # --defer-timing: every prompt served untimed, no speed figures, the options written beside the results; `dflash
     # time-evals` then decodes the timed prompt again alone and writes the JSON back; a second call leaves it

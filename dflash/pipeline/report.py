@@ -13,7 +13,8 @@ from dflash.pipeline.layout import RunLayout
 RESULT_KEYS = ("drafter", "proposal", "temperature", "num_prompts", "max_new_tokens", "generated_tokens",
                "verifications", "tau", "speedup", "spec_tokens_per_s", "baseline_tokens_per_s", "tau_in_code",
                "verifications_in_code", "tau_outside_code", "verifications_outside_code", "tau_by_kind",
-               "histogram", "slot_acceptance", "mismatched_prompts", "timed_prompts", "timing")
+               "histogram", "slot_acceptance", "mismatched_prompts", "timed_prompts", "timing", "ms_per_verification",
+               "baseline_ms_per_token")
 RATES = {"generate": ("answers", "answers/s"), "extract": ("tokens", "tokens/s"), "train": ("tokens_seen", "tokens/s"),
          "eval": ("generated_tokens", "tokens/s")}
 

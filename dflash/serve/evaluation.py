@@ -98,6 +98,8 @@ class EvalResult:
     baseline_tokens_per_s: float = 0.0
     speedup: float = 0.0
     timed_prompts: int = 0  # the prompts whose times make the three figures above
+    ms_per_verification: float = 0.0  # over those prompts: a speculative step's wall time (prefill included)
+    baseline_ms_per_token: float = 0.0  # ... and a plain decoding token's
     timing: str = "inline"  # INLINE, DEFERRED or ALONE: when and how those prompts were timed
     retimed_differing: int = 0  # ALONE: timed decodes whose tokens differ from the untimed ones (device nondeterminism)
     mismatched_prompts: int = 0  # near-ties included
@@ -407,6 +409,9 @@ def summarize(result: EvalResult) -> EvalResult:
     result.spec_tokens_per_s = spec_tokens / spec_seconds if spec_seconds else 0.0
     result.baseline_tokens_per_s = baseline_tokens / baseline_seconds if baseline_seconds else 0.0
     result.speedup = result.spec_tokens_per_s / result.baseline_tokens_per_s if result.baseline_tokens_per_s else 0.0
+    forwards = sum(prompt.target_forwards for prompt in timed_prompts)
+    result.ms_per_verification = 1e3 * spec_seconds / forwards if forwards else 0.0
+    result.baseline_ms_per_token = 1e3 * baseline_seconds / baseline_tokens if baseline_tokens else 0.0
     result.mismatched_prompts = sum(prompt.first_mismatch is not None for prompt in result.per_prompt)
     result.near_tie_prompts = sum(prompt.near_tie for prompt in result.per_prompt)
     marked = [(length, code) for prompt in result.per_prompt if len(prompt.in_code) == len(prompt.acceptance_lengths)
@@ -476,6 +481,11 @@ def print_report(results: list[EvalResult]) -> None:
     elif first.timed_prompts < first.num_prompts:
         print(f"(tokens/s and speedup over {first.timed_prompts} prompt(s) spread over the set; tau over all "
               f"{first.num_prompts})")
+    steps = [result for result in results if result.ms_per_verification]
+    if steps:
+        print("(timed: " + ", ".join(f"{result.proposal} {result.ms_per_verification:.1f} ms a verification"
+                                     for result in steps)
+              + f"; plain decoding {first.baseline_ms_per_token:.1f} ms a token)")
     loads = [load for result in results for prompt in result.per_prompt if prompt.timed for load in
              ((prompt.spec_host_busy, prompt.spec_host_steal), (prompt.baseline_host_busy, prompt.baseline_host_steal))
              if load[0] is not None]
