@@ -44,7 +44,8 @@ from dflash.model.modeling_dflash import Proposal, TargetSession, graph_capacity
 from dflash.outputs import write_text_atomic
 from dflash.serve.evaluation import (ALONE, DEFERRED, HELDOUT, INLINE, EvalResult, PartialResults, PromptResult,
                                      check_drafter_export, decode_prompt, drafter_identity, load_drafter, load_prompts,
-                                     mark_code, plot, print_report, summarize, timed, warm_up, write_json)
+                                     mark_code, plot, print_report, result_from_json, summarize, timed, warm_up,
+                                     write_json)
 
 
 @dataclass(frozen=True)
@@ -305,6 +306,9 @@ def time_alone(config: Config, jobs: list[tuple[EvalOptions, list[EvalResult]]],
             summarize(result)
 
 
+OPTION_NAMES = {field.name for field in dataclasses.fields(EvalOptions)}  # what an eval JSON's "options" may name
+
+
 def time_evals(config: Config, paths: list[str], device: str = "auto", summary: str = "") -> list[str]:
     """`dflash time-evals`: `time_alone` for the eval JSONs whose timing was deferred (`--defer-timing`), each
     written back with its speed figures and its report printed; JSONs timed already are left as they are. Returns
@@ -315,8 +319,7 @@ def time_evals(config: Config, paths: list[str], device: str = "auto", summary: 
             written = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as error:
             raise ConfigError(f"{path}: not a dflash eval JSON ({error})") from None
-        results = [EvalResult(**{**result, "per_prompt": [PromptResult(**p) for p in result["per_prompt"]]})
-                   for result in written.get("results", [])]
+        results = [result_from_json(result) for result in written.get("results", [])]
         if not results or "options" not in written:
             raise ConfigError(f"{path}: no results or no options: write it with dflash eval --out")
         if any(result.timing != DEFERRED for result in results):
@@ -324,8 +327,7 @@ def time_evals(config: Config, paths: list[str], device: str = "auto", summary: 
             done.append({"path": path, "timed": False, "timing": results[0].timing})
             continue
         options = EvalOptions(**{key: tuple(value) if isinstance(value, list) else value
-                                 for key, value in written["options"].items()
-                                 if key in {f.name for f in dataclasses.fields(EvalOptions)}})
+                                 for key, value in written["options"].items() if key in OPTION_NAMES})
         jobs.append((dataclasses.replace(options, out=path, defer_timing=False), results))
     if jobs:
         time_alone(config, jobs, device)
@@ -429,7 +431,7 @@ def merge_shards(shards: list[list[dict]]) -> list[EvalResult]:
     prompts in shard order, every number recomputed from the prompts (`summarize`)."""
     merged = []
     for results in zip(*shards):
-        fields = {key: value for key, value in results[0].items() if key != "per_prompt"}
-        prompts = [PromptResult(**prompt) for result in results for prompt in result["per_prompt"]]
-        merged.append(summarize(EvalResult(**fields, per_prompt=prompts)))
+        result = result_from_json(results[0])
+        result.per_prompt = [prompt for shard in results for prompt in result_from_json(shard).per_prompt]
+        merged.append(summarize(result))
     return merged

@@ -331,15 +331,7 @@ class BlockGraph:
         return self.draft.block_logits(self.features, self.anchor, self.cache, self.embed_VH, self.lm_head)
 
     def capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture (cuBLAS workspaces, lazy kernels)
-            for _ in range(2):
-                self.step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self.step()
+        self.graph, self.logits = capture_graph(self.step, warm_ups=2)
 
     def reset(self) -> None:
         self.length = 0
@@ -362,6 +354,21 @@ class BlockGraph:
                 self.logits = self.step()
             self.length += rows.shape[1]
         return self.logits
+
+
+def capture_graph(step, warm_ups: int = 1):
+    """`(graph, output)`: `step()` (static buffers in, a tensor out) captured as a CUDA graph after `warm_ups` runs
+    on a side stream (cuBLAS workspaces, lazy kernels: off the capture); `graph.replay()` rewrites `output`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warm_ups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph, output
 
 
 GRAPH_CAPACITY_MIN = 512  # the draft cache's capacity rounds up to a power of two from here: few captures
@@ -821,14 +828,7 @@ class VerdictTries:
         return kept
 
     def capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up off the capture
-            self.step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.kept = self.step()
+        self.graph, self.kept = capture_graph(self.step)
 
     def __call__(self, p: torch.Tensor, q_KV: torch.Tensor, inner: torch.Tensor, slots: torch.Tensor,
                  children: torch.Tensor, counts: torch.Tensor, tried: torch.Tensor):

@@ -6,6 +6,7 @@ paths (store.path, train.out_dir, data.source or data.mix), so each stage reads 
 recipe. Flags of features that are off (`--turns 1`, no `--proposal`) are left out.
 """
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -219,8 +220,6 @@ def time_parts(run: RecipeRun) -> list[Part]:
 
 def still_deferred(path: Path) -> bool:
     """Whether an eval JSON's speed figures are still to be timed (missing or unreadable: to be served)."""
-    import json
-
     try:
         results = json.loads(path.read_text())["results"]
     except (OSError, ValueError, KeyError, TypeError):

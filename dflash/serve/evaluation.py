@@ -515,6 +515,11 @@ def mismatch_detail(prompt: PromptResult) -> str:
     return f"; target logit gap {prompt.mismatch_gap:+.4f}, tolerance {prompt.tie_tolerance:.4f}: {kind}"
 
 
+def result_from_json(result: dict) -> EvalResult:
+    """An `EvalResult` as `write_json` wrote it."""
+    return EvalResult(**{**result, "per_prompt": [PromptResult(**prompt) for prompt in result["per_prompt"]]})
+
+
 def write_json(results: list[EvalResult], path: str, options: dict | None = None) -> None:
     """The results, and the options that served them (what `dflash time-evals` decodes again)."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
