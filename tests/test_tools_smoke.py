@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -183,3 +185,44 @@ def test_bench_stage2_times_each_triton_kernel_it_compiles():
     assert summary["kernels"] == 1 and summary["seconds_by_phase"]["compile"] >= 0.02
     assert summary["slowest"][0] == {"kernel": "compile: triton_tem_fused_flex_attention_backward_1",
                                      "seconds": summary["seconds_by_phase"]["compile"], "calls": 2}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bench_attention_work_counts_the_dense_masks_pairs_and_the_listed_tiles(seed):
+    """bench_stage2's attention work on fresh random packed batches: the visible pairs equal the dense
+    masks' (every layer, every query head), the listed pairs are the tiles create_block_mask lists."""
+    from types import SimpleNamespace
+
+    from test_masks import tiled_packed_meta
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.model.masks import build_masks, layer_windows, make_mask_mod
+    from dflash.model.tiles import TILE, tile_layout, tiles_key
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_stage2 import attention_pairs, attention_work
+
+    rng = np.random.default_rng(300 + seed)
+    block = 16
+    layer_types = ("sliding_attention", "sliding_attention", "full_attention")
+    args = SimpleNamespace(block_size=block, layer_types=layer_types, sliding_window=int(rng.integers(block, 200)),
+                           num_attention_heads=3, head_dim=8)
+    meta = tiled_packed_meta(rng, block)
+    arrays = [meta[k].numpy() for k in ("doc_ids", "position_ids", "anchor_doc", "anchor_pos")]
+    windows = layer_windows(layer_types, args.sliding_window)
+    batch = dict(meta, **{tiles_key(t): torch.from_numpy(tile_layout(*arrays, block, w)) for t, w in windows.items()})
+    dense = build_masks(meta, layer_types, args.sliding_window, block_size=block, backend="dense", device="cpu")
+    num_queries, num_keys = len(arrays[2]) * block, len(arrays[0]) + len(arrays[2]) * block
+    visible = listed = 0
+    for layer_type in layer_types:
+        visible += int(dense[layer_type].sum())
+        rule = create_block_mask(make_mask_mod(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"],
+                                               meta["anchor_pos"], block, windows[layer_type]),
+                                 1, 1, num_queries, num_keys, device="cpu", BLOCK_SIZE=TILE)
+        listed += int(rule.kv_num_blocks.sum() + rule.full_kv_num_blocks.sum()) * TILE * TILE
+    pairs = attention_pairs(batch, args)
+    assert pairs == {"visible": visible * 3, "listed": listed * 3}
+    work = attention_work([[batch, batch]], args, 3)
+    assert work["visible_pairs_per_step"] == 2 * visible * 3 and 0 < work["listed_visible_fraction"] <= 1
+    assert work["tflop_per_step_listed"] == pytest.approx(2 * listed * 3 * 14 * 8 / 1e12)
+    assert attention_pairs(dict(meta), args) is None  # no tiles (the rule's masks): not counted

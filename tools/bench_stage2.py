@@ -278,6 +278,55 @@ def step_flops(args_drafter, source_tokens: int, anchors: int) -> float:
             + 4 * args_drafter.hidden_size * args_drafter.vocab_size * slots)
 
 
+ATTENTION_FLOPS_PER_PAIR_DIM = 14  # per (query, key) pair and head dimension: forward QK and PV (4), backward 10
+
+
+def attention_pairs(batch: dict, args_drafter) -> dict:
+    """A micro-batch's attention work over every layer and query head: `visible` (query, key) pairs, the
+    rule's (the work an exact kernel would do), and `listed` pairs, those of the tiles its block masks list
+    (partial and full: the work flex attention does). None where the batch has no tile layout (the rule's masks)."""
+    from dflash.model.masks import layer_windows
+    from dflash.model.tiles import tiles_key
+
+    block = args_drafter.block_size
+    pos_A = np.asarray(batch["anchor_pos"], dtype=np.int64)
+    real_A = np.asarray(batch["anchor_doc"]) >= 0
+    slot_S = np.arange(block)
+    visible = listed = 0
+    windows = layer_windows(args_drafter.layer_types, args_drafter.sliding_window)
+    for layer_type in args_drafter.layer_types:
+        key = tiles_key(layer_type)
+        if key not in batch:
+            return None
+        layout = np.asarray(batch[key])
+        tile = len(pos_A) * block // layout.shape[1]
+        listed += int(layout[0, :, 0].sum() + layout[1, :, 0].sum()) * tile * tile
+        window = windows[layer_type]
+        pos_AS = pos_A[real_A][:, None]
+        if window is None:  # the whole prefix and the whole block
+            visible += int(pos_AS.sum()) * block + int(real_A.sum()) * block * block
+        else:  # the prefix within the window, the block up to the row's own slot
+            first_AS = np.maximum(0, pos_AS + slot_S[None] - window + 1)
+            visible += int((pos_AS - first_AS).clip(min=0).sum()) + int(real_A.sum()) * block * (block + 1) // 2
+        visible += int((~real_A).sum()) * (block * block if window is None else block * (block + 1) // 2)
+    heads = args_drafter.num_attention_heads
+    return {"visible": visible * heads, "listed": listed * heads}
+
+
+def attention_work(steps: list[list[dict]], args_drafter, num_steps: int) -> dict | None:
+    """`attention_pairs` per optimizer step over the first `num_steps` steps (cycling) and the TFLOP of the
+    listed pairs (forward and backward); None without tile layouts."""
+    pairs = [attention_pairs(batch, args_drafter) for index in range(num_steps)
+             for batch in steps[index % len(steps)]]
+    if not pairs or any(p is None for p in pairs):
+        return None
+    visible, listed = (sum(p[key] for p in pairs) / num_steps for key in ("visible", "listed"))
+    flops = ATTENTION_FLOPS_PER_PAIR_DIM * args_drafter.head_dim
+    return {"visible_pairs_per_step": visible, "listed_pairs_per_step": listed,
+            "listed_visible_fraction": visible / listed if listed else 0.0,
+            "tflop_per_step_listed": listed * flops / 1e12, "tflop_per_step_visible": visible * flops / 1e12}
+
+
 def run_step(wrapped, ctx, optimizer, step: list[dict], config):
     from dflash.train.step import to_device, train_step
 
@@ -414,6 +463,7 @@ def summarize_mode(name, ctx, steps, times_ms, num_steps: int, warmup_s: list, c
         "peak_allocated_gib": torch.cuda.max_memory_allocated(ctx.device) / 2**30 if cuda else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(ctx.device) / 2**30 if cuda else None,
         "distinct_shapes": len({(int(b["num_tokens"]), len(b["anchor_pos"])) for s in steps for b in s}),
+        "attention": attention_work(steps, ctx.args, num_steps),
     }
 
 
@@ -809,8 +859,14 @@ def run(args, argv, dist) -> int:
     if args.profile and dist.is_main:
         write_results(args.out, results)
         steps = profiled_steps or pin(default_steps(pool, config, ctx.args, 1, seed, options, args.lengths))
-        results["profile"] = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
-                                           1 if args.quick else 2)
+        num_profiled = 1 if args.quick else 2
+        results["profile"] = profile = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
+                                                     num_profiled)
+        attention = attention_work(steps, ctx.args, num_profiled)
+        flex_ms = profile["kernel_time"]["ms_per_step_by_class"].get("flex attention (Triton templates)")
+        if attention and flex_ms:  # what flex attention achieves on the pairs it computes, and on the visible ones
+            profile["flex_tflop_per_s_listed"] = attention["tflop_per_step_listed"] / flex_ms * 1e3
+            profile["flex_tflop_per_s_visible"] = attention["tflop_per_step_visible"] / flex_ms * 1e3
     if dist.is_main:
         report(args, results)
     return 0
@@ -874,6 +930,13 @@ def report(args, results: dict) -> None:
                                             "ms/step (median)", "tokens/s", "anchor-slots/s", "TFLOP/step", "MFU",
                                             "peak GiB", "host ms/step"], rows)
     for mode, numbers in results["modes"].items():
+        attention = numbers.get("attention")
+        if attention:
+            print(f"{mode}: attention {attention['visible_pairs_per_step'] / 1e9:.2f}G visible (query, key) pairs a step "
+                  f"over every layer and head, {attention['listed_pairs_per_step'] / 1e9:.2f}G in the block masks' "
+                  f"tiles ({attention['listed_visible_fraction']:.0%} of them visible): "
+                  f"{attention['tflop_per_step_listed']:.2f} TFLOP forward and backward")
+    for mode, numbers in results["modes"].items():
         compiled = numbers.get("warmup_compile") or {}
         kernels = compiled.get("triton_kernels") or {}
         print(f"\n{mode}: first optimizer step after {numbers['warmup_seconds'][0]:.1f} s; warm-up steps "
@@ -893,6 +956,9 @@ def report(args, results: dict) -> None:
                     [[kind, ms, ms / max(kernels["total_ms_per_step"], 1e-9)]
                      for kind, ms in kernels["ms_per_step_by_class"].items()])
         print_table("longest kernels", ["kernel", "ms/step"], list(kernels["longest_kernels_ms_per_step"].items()))
+        if profile.get("flex_tflop_per_s_listed"):
+            print(f"flex attention: {profile['flex_tflop_per_s_listed']:.0f} TFLOP/s on the pairs of its tiles, "
+                  f"{profile['flex_tflop_per_s_visible']:.0f} on the visible ones")
         print_table(f"host self time per step ({profile['kernel_launches_per_step']:.0f} kernel launches per step)",
                     ["op", "ms/step", "calls/step"],
                     [[op, ms, profile["host_calls_per_step"][op]] for op, ms in profile["host_self_ms_per_step"].items()])
