@@ -84,6 +84,10 @@ def test_training_runs_logs_evaluates_and_checkpoints(config_path, tmp_path):
     assert all(torch.isfinite(torch.tensor(result.losses)))
     assert set(logged_losses(tmp_path / "run")) == set(range(1, 9))
     assert {"loss", "tau", "acc_slot1", "lr", "tokens_per_s", "data_wait", "padding_efficiency"} <= set(result.last_metrics)
+    metrics = result.last_metrics  # anchors come from supervised tokens: at most one a token, 16 block rows each
+    assert 0 < metrics["anchors_per_token"] <= 1
+    assert metrics["anchor_slots_per_s"] == pytest.approx(
+        metrics["tokens_per_s"] * metrics["anchors_per_token"] * 16, rel=1e-6)
     assert result.eval_metrics["tau"] >= 1.0
     checkpoint = load_checkpoint(latest_checkpoint(tmp_path / "run"))
     assert checkpoint.step == 8

@@ -932,8 +932,8 @@ def report(args, results: dict) -> None:
     for mode, numbers in results["modes"].items():
         attention = numbers.get("attention")
         if attention:
-            print(f"{mode}: attention {attention['visible_pairs_per_step'] / 1e9:.2f}G visible (query, key) pairs a step "
-                  f"over every layer and head, {attention['listed_pairs_per_step'] / 1e9:.2f}G in the block masks' "
+            print(f"{mode}: attention {attention['visible_pairs_per_step'] / 1e9:.2f}G visible (query, key) pairs "
+                  f"a step over every layer and head, {attention['listed_pairs_per_step'] / 1e9:.2f}G in the block masks' "
                   f"tiles ({attention['listed_visible_fraction']:.0%} of them visible): "
                   f"{attention['tflop_per_step_listed']:.2f} TFLOP forward and backward")
     for mode, numbers in results["modes"].items():

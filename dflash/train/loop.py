@@ -314,6 +314,9 @@ def log_window(config, dist, window: StepStats, lr, timer, logger, step, bar, re
     metrics.update({
         "lr": lr,
         "tokens_per_s": host["real_tokens"] * dist.world_size / max(elapsed, 1e-9),
+        # a small drafter's step costs by its block rows (anchors x block size) more than by its context tokens
+        "anchor_slots_per_s": host["real_anchors"] * window.block_size * dist.world_size / max(elapsed, 1e-9),
+        "anchors_per_token": host["real_anchors"] / max(host["real_tokens"], 1),
         "data_wait": timer["wait"] / max(elapsed, 1e-9),
         "avg_seq_len": host["len_sum"] / max(host["num_seqs"], 1),
         "max_seq_len": host["max_len"],

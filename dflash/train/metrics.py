@@ -133,7 +133,7 @@ class StepStats:
         self.block_size = block_size
         self.micro_batches = 0
         self.grad_norm = None
-        self.host = {"real_tokens": 0, "padded_tokens": 0, "max_len": 0, "num_seqs": 0, "len_sum": 0}
+        self.host = {"real_tokens": 0, "padded_tokens": 0, "real_anchors": 0, "max_len": 0, "num_seqs": 0, "len_sum": 0}
         self.buckets: dict[int, int] = {}
         self.micro_batch_rows: list[np.ndarray] = []  # host: source row ids of each micro-batch
         self.micro_batch_losses: list[torch.Tensor] = []
@@ -163,6 +163,7 @@ class StepStats:
         lengths = batch["lengths"]
         self.host["real_tokens"] += int(batch["num_real_tokens"])
         self.host["padded_tokens"] += int(batch["num_tokens"])
+        self.host["real_anchors"] += int(batch["num_real_anchors"])
         self.host["max_len"] = max(self.host["max_len"], int(max(lengths)))
         self.host["num_seqs"] += len(lengths)
         self.host["len_sum"] += int(sum(lengths))
@@ -172,7 +173,7 @@ class StepStats:
     def merge(self, other: "StepStats") -> None:
         self.values += other.values
         self.micro_batches += other.micro_batches
-        for key in ("real_tokens", "padded_tokens", "num_seqs", "len_sum"):
+        for key in ("real_tokens", "padded_tokens", "real_anchors", "num_seqs", "len_sum"):
             self.host[key] += other.host[key]
         self.host["max_len"] = max(self.host["max_len"], other.host["max_len"])
         for bucket, count in other.buckets.items():
