@@ -14,7 +14,7 @@ import torch
 from dflash.model.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
 from dflash.model.loss import block_labels, dflash_loss, gamma_weights
 from dflash.model.masks import build_masks
-from dflash.model.tiles import PADDING_DOC
+from dflash.model.tiles import PADDING_DOC, TILE
 from dflash.store.plan import ShardPlan
 from dflash.train.sampler import DataCursor, EpochSchedule, build_epoch_schedule
 
@@ -199,3 +199,25 @@ def root_attrs(codec="bf16", plans=(), **changes):
     }
     attrs.update(changes)
     return attrs
+
+
+def tiled_packed_meta(rng: np.random.Generator, block_size: int, tile: int = TILE) -> dict:
+    """A packed micro-batch as the collate lays it out for flex attention: sequences of random
+    lengths (some longer than a tile), sorted random anchors, T and A * B padded to the tile."""
+    lengths = rng.integers(1, 300, size=int(rng.integers(1, 6)))
+    doc_ids = np.repeat(np.arange(len(lengths)), lengths)
+    position_ids = np.concatenate([np.arange(n) for n in lengths])
+    anchor_doc, anchor_pos = [], []
+    for doc, length in enumerate(lengths):
+        count = int(rng.integers(0, min(length, 40) + 1))
+        chosen = np.sort(rng.choice(length, size=count, replace=False))
+        anchor_doc += [doc] * count
+        anchor_pos += chosen.tolist()
+    num_tokens = -(-len(doc_ids) // tile) * tile
+    anchors_per_tile = tile // np.gcd(tile, block_size)
+    num_anchors = max(anchors_per_tile, -(-len(anchor_doc) // anchors_per_tile) * anchors_per_tile)
+    pad = num_tokens - len(doc_ids)
+    return {"doc_ids": torch.tensor(np.r_[doc_ids, [-1] * pad]),
+            "position_ids": torch.tensor(np.r_[position_ids, [0] * pad]),
+            "anchor_doc": torch.tensor(anchor_doc + [-1] * (num_anchors - len(anchor_doc)), dtype=torch.long),
+            "anchor_pos": torch.tensor(anchor_pos + [0] * (num_anchors - len(anchor_pos)), dtype=torch.long)}

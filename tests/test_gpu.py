@@ -115,8 +115,8 @@ def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks, kern
 
 @pytest.mark.parametrize("seed", range(2))
 def test_small_heads_over_64_key_mask_tiles_equal_dense_sdpa(seed):
-    """64-dim heads under the small heads' kernel tiles over 64 x 64 mask tiles (`bench_stage2 --mask-tile
-    64`; torch's backward lowering needs `masks.backward_configs_follow_options` for them): the dense mask's
+    """64-dim heads under the small heads' kernel tiles over 64 x 64 mask tiles (their default since 12-06;
+    torch's backward lowering needs `masks.backward_configs_follow_options` for them): the dense mask's
     loss and gradients, compiled flex forward and backward."""
     device = torch.device("cuda")
     batch = micro_batch(seed, device, tile=64)

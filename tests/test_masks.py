@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from support import reference_dense_mask
+from support import reference_dense_mask, tiled_packed_meta
 from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from dflash.model.masks import (GatheredMask, attend, block_mask_from_layout, build_masks, default_backend, gather_keys,
@@ -112,28 +112,6 @@ def test_bad_inputs_are_named():
         build_masks(meta, ["linear_attention"], 8, block_size=4, backend="dense", device="cpu")
     with pytest.raises(KeyError, match="anchor_pos"):
         build_masks({k: v for k, v in meta.items() if k != "anchor_pos"}, LAYER_TYPES, 8, block_size=4, device="cpu")
-
-
-def tiled_packed_meta(rng: np.random.Generator, block_size: int, tile: int = TILE) -> dict:
-    """A packed micro-batch as the collate lays it out for flex attention: sequences of random
-    lengths (some longer than a tile), sorted random anchors, T and A * B padded to the tile."""
-    lengths = rng.integers(1, 300, size=int(rng.integers(1, 6)))
-    doc_ids = np.repeat(np.arange(len(lengths)), lengths)
-    position_ids = np.concatenate([np.arange(n) for n in lengths])
-    anchor_doc, anchor_pos = [], []
-    for doc, length in enumerate(lengths):
-        count = int(rng.integers(0, min(length, 40) + 1))
-        chosen = np.sort(rng.choice(length, size=count, replace=False))
-        anchor_doc += [doc] * count
-        anchor_pos += chosen.tolist()
-    num_tokens = -(-len(doc_ids) // tile) * tile
-    anchors_per_tile = tile // np.gcd(tile, block_size)
-    num_anchors = max(anchors_per_tile, -(-len(anchor_doc) // anchors_per_tile) * anchors_per_tile)
-    pad = num_tokens - len(doc_ids)
-    return {"doc_ids": torch.tensor(np.r_[doc_ids, [-1] * pad]),
-            "position_ids": torch.tensor(np.r_[position_ids, [0] * pad]),
-            "anchor_doc": torch.tensor(anchor_doc + [-1] * (num_anchors - len(anchor_doc)), dtype=torch.long),
-            "anchor_pos": torch.tensor(anchor_pos + [0] * (num_anchors - len(anchor_pos)), dtype=torch.long)}
 
 
 def layout_of(meta: dict, block_size: int, window, tile: int = TILE):
@@ -392,20 +370,39 @@ def test_flex_kernel_options_small_heads_and_the_benchmarks_override(monkeypatch
 
 
 def test_mask_tile_is_the_default_or_the_override_and_holds_every_kernel_tile(monkeypatch):
-    """The block masks' tile is TILE unless the benchmark overrides it; a tile that some kernel tile does
-    not divide is an error naming the option; the trainer's collate lays out tiles of that size."""
+    """The block masks' tile is 64 for small heads (their kernel tiles divide it), TILE for larger ones,
+    unless the benchmark overrides it; kernel options that 64 cannot hold keep TILE; a tile that some kernel
+    tile does not divide is an error naming the option; the trainer's collate lays out tiles of that size."""
     from dflash.model import masks
     from dflash.model.drafter import drafter_args
     from dflash.train.batch import collate_options
 
-    assert masks.mask_tile(64) == masks.mask_tile(128) == TILE
-    monkeypatch.setattr(masks, "MASK_TILE_OVERRIDE", 64)
-    assert masks.mask_tile(64) == 64
+    assert masks.mask_tile(64) == masks.mask_tile(16) == masks.SMALL_HEAD_TILE == 64
+    assert masks.mask_tile(128) == masks.mask_tile(256) == TILE
     assert collate_options("flex", drafter_args("tiny", head_dim=64))["mask_tile"] == 64
+    assert collate_options("flex", drafter_args("tiny", head_dim=128))["mask_tile"] == TILE
     assert collate_options("dense", drafter_args("tiny", head_dim=64))["mask_tile"] == TILE
+    monkeypatch.setattr(masks, "MASK_TILE_OVERRIDE", 128)
+    assert masks.mask_tile(64) == 128
+    monkeypatch.setattr(masks, "MASK_TILE_OVERRIDE", 0)
     monkeypatch.setattr(masks, "FLEX_OPTIONS_OVERRIDE", {"BLOCK_M": 128, "BLOCK_N": 64})
+    assert masks.mask_tile(64) == TILE  # a 128-row kernel tile does not fit a 64-row mask tile
+    monkeypatch.setattr(masks, "MASK_TILE_OVERRIDE", 64)
     with pytest.raises(ValueError, match="BLOCK_M=128"):
         masks.mask_tile(64)
+
+
+def test_the_backward_choices_pickle_into_inductors_cache_keys():
+    """Inductor pickles its config, the choices class included, into each FX graph cache key: the class
+    `backward_configs_follow_options` installs pickles by reference (a class made inside a function did
+    not, and every graph under 64-key tiles compiled from scratch)."""
+    import pickle
+
+    from dflash.model import masks
+
+    choices = masks._choices_with_options_blocks()
+    assert pickle.loads(pickle.dumps(choices)) is choices
+    assert pickle.loads(pickle.dumps(choices())).__class__ is choices
 
 
 def test_backward_configs_carry_the_kernel_options_blocks(monkeypatch):

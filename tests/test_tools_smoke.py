@@ -193,7 +193,7 @@ def test_bench_attention_work_counts_the_dense_masks_pairs_and_the_listed_tiles(
     masks' (every layer, every query head), the listed pairs are the tiles create_block_mask lists."""
     from types import SimpleNamespace
 
-    from test_masks import tiled_packed_meta
+    from support import tiled_packed_meta
     from torch.nn.attention.flex_attention import create_block_mask
 
     from dflash.model.masks import build_masks, layer_windows, make_mask_mod

@@ -727,8 +727,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="train.gather_context_keys: each query tile its own copy of the context keys it reads, "
                              "so no key tile is read by two query tiles in flex's backward")
     parser.add_argument("--mask-tile", type=int, default=0,
-                        help="the block masks' tile (rows and keys) in place of dflash's 128 (masks.mask_tile), "
-                             "a multiple of every kernel tile: 64 under the small heads' kernel tiles")
+                        help="the block masks' tile (rows and keys) in place of dflash's (masks.mask_tile: 64 for heads of "
+                             "up to 64 dims, else 128), a multiple of every kernel tile")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")

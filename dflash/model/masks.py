@@ -11,7 +11,7 @@ The same `mask_mod` builds a flex-attention `BlockMask` (CUDA) or a dense boolea
 SDPA (CPU, where flex has no backward), so CPU tests check the real mask logic against a
 loop-by-loop statement of the rule (tests/support.py).
 
-Which tiles of a `BlockMask` (`mask_tile`: 128 x 128) hold visible pairs is
+Which tiles of a `BlockMask` (`mask_tile`: 128 x 128, 64 x 64 for heads of up to 64 dims) hold visible pairs is
 laid out on the host by dflash/model/tiles.py (the collate, in the loader's workers); `build_masks`
 builds the `BlockMask` from that layout, and the `mask_mod` runs only inside partial tiles. Without a
 layout it falls back to `create_block_mask`, which evaluates the rule on every (query, key) pair.
@@ -254,14 +254,21 @@ FLEX_OPTIONS_OVERRIDE: dict = {}  # non-empty: the kernel options for every head
 MASK_TILE_OVERRIDE = 0  # non-zero: the block masks' tile in place of TILE (bench_stage2 --mask-tile)
 
 
+SMALL_HEAD_TILE = 64  # the block masks' tile for heads of at most SMALL_HEAD_DIM dims
+
+
 def mask_tile(head_dim: int) -> int:
-    """The block masks' tile (rows and keys) for heads of `head_dim`: `TILE`, or the benchmark's override.
-    Every kernel tile (`flex_kernel_options`) must lie inside one mask tile. Under the small heads' kernel
-    tiles a 64 x 64 mask lists fewer keys no row sees (at the SmolLM2-sized drafter's budget, two 16K-token
-    buckets of 4,096 anchors, the listed tiles hold 63-86% visible pairs instead of 43-74%), but it stays
-    the benchmark's until measured faster on a GPU."""
-    tile = MASK_TILE_OVERRIDE or TILE
-    for key, value in flex_kernel_options(head_dim).items():
+    """The block masks' tile (rows and keys) for heads of `head_dim`: the benchmark's override, else
+    `SMALL_HEAD_TILE` for small heads (when every kernel tile of theirs divides it), else `TILE`. Every kernel
+    tile (`flex_kernel_options`) must lie inside one mask tile. Under the small heads' kernel tiles a 64 x 64
+    mask lists fewer keys no row sees: at the SmolLM2-sized drafter's budget (two 16K-token buckets of 4,096
+    anchors) its tiles hold 80% visible pairs instead of 65%, and the step took 121.6 ms instead of 134.8 on
+    an H100 (12-06, `tools/bench_stage2.py --mask-tile`)."""
+    options = flex_kernel_options(head_dim)
+    blocks = [value for key, value in options.items() if key.startswith("BLOCK_")]
+    small = head_dim <= SMALL_HEAD_DIM and all(SMALL_HEAD_TILE % value == 0 for value in blocks)
+    tile = MASK_TILE_OVERRIDE or (SMALL_HEAD_TILE if small else TILE)
+    for key, value in options.items():
         if key.startswith("BLOCK_") and tile % value:
             raise ValueError(f"masks: the block masks' tile {tile} is not a multiple of the kernel option "
                              f"{key}={value} (heads of {head_dim} dims)")
@@ -287,24 +294,10 @@ def backward_configs_follow_options() -> None:
     V.set_choices_handler(inductor_config.inductor_choices_class())
 
 
-@cache
 def _choices_with_options_blocks():
-    import dataclasses
+    from dflash.model.flex_choices import ChoicesWithOptionsBlocks  # imports inductor: only when needed
 
-    from torch._inductor.choices import InductorChoices
-
-    class ChoicesWithOptionsBlocks(InductorChoices):
-        """Inductor's choices; flex attention's backward configs take the block sizes of the kernel
-        options (`flex_kernel_options`) where those set all four."""
-
-        def get_flex_attention_bwd_configs(self, head_dim, dtype, device_type="cuda"):
-            configs = super().get_flex_attention_bwd_configs(head_dim, dtype, device_type)
-            options = flex_kernel_options(head_dim)
-            blocks = {name: options.get(name.upper()) for name in ("block_m1", "block_n1", "block_m2", "block_n2")}
-            if None in blocks.values() or not configs:
-                return configs
-            return [dataclasses.replace(configs[-1], **blocks)]
-
+    ChoicesWithOptionsBlocks.kernel_options = staticmethod(flex_kernel_options)
     return ChoicesWithOptionsBlocks
 
 

@@ -1,9 +1,9 @@
 """The tiles of a packed stage-two micro-batch's block masks, laid out on the host.
 
 Flex attention skips every (query, key) tile that its `BlockMask` does not list and evaluates the
-`mask_mod` only inside partial tiles; the tiles are 128 x 128 (`masks.mask_tile`), or smaller where every
-kernel tile fits (`bench_stage2 --mask-tile 64` under the small heads' kernel tiles: a 64-row query tile
-holds 4 anchors' blocks instead of 8 and so lists fewer keys no row of it sees). Which tiles those are
+`mask_mod` only inside partial tiles; the tiles are 128 x 128 (`masks.mask_tile`), 64 x 64 under the small
+heads' kernel tiles (a 64-row query tile holds 4 anchors' blocks instead of 8 and so lists fewer keys no row
+of it sees; `bench_stage2 --mask-tile` sets either). Which tiles those are
 follows from each query row's visible keys, two index ranges (dflash/model/masks.py states the rule):
 its sequence's context before the anchor, inside the sliding window, and its own block. `tile_layout`
 computes them with a few numpy passes over the anchors (the collate does, in the loader's workers), and
