@@ -219,7 +219,9 @@ class TrainConfig:
     save_every: int = setting(1000, "steps between checkpoints", positive=True)
     keep_last: int = setting(3, "checkpoints kept", positive=True)
     num_workers: int = setting(4, "DataLoader worker processes per rank (0: in this process)", minimum=0)
-    attention: str = setting("auto", "attention backend: auto (flex on CUDA, dense SDPA on CPU), flex or dense",
+    attention: str = setting("auto", "attention backend: auto (flex on CUDA, dense SDPA on CPU), flex, dense or "
+                             "blockwise (dflash's own Triton kernels over each row's key ranges; CUDA; not yet "
+                             "measured)",
                              choices=("auto", *ATTENTION_BACKENDS))
     compile: bool = setting(True, "torch.compile the drafter layers on CUDA, ignored on the CPU: faster steps "
                             "(BENCHMARKS.md), minutes added to the first step on a cold compile cache")

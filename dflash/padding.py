@@ -19,5 +19,6 @@ def target_batch_multiple(device) -> int:
 
 def micro_batch_multiple(backend: str) -> int:
     """Stage two's token and anchor axes: flex attention compiles per shape, so pad to 128 (a few
-    shapes bound the recompiles); the dense backend needs no padding beyond 16."""
-    return 128 if backend == "flex" else 16
+    shapes bound the recompiles; the same for the blockwise kernels' compiled layers); the dense backend
+    needs no padding beyond 16."""
+    return 128 if backend in ("flex", "blockwise") else 16

@@ -85,17 +85,18 @@ def fresh_drafter(args, device) -> DFlashDrafter:
     return DFlashDrafter(args).to(device)
 
 
-def assert_flex_step_equals_dense(batch: dict, device, **overrides) -> None:
-    """The training step's loss and gradients under flex attention equal the dense mask's (SDPA)."""
+def assert_flex_step_equals_dense(batch: dict, device, backend_under_test: str = "flex", **overrides) -> None:
+    """The training step's loss and gradients under flex attention (or `backend_under_test`) equal the dense
+    mask's (SDPA)."""
     results = {}
-    for backend in ("dense", "flex"):
+    for backend in ("dense", backend_under_test):
         ctx = context(backend, device, **overrides)
         model = fresh_drafter(ctx.args, device)
         out, _ = forward_loss(model, ctx, batch)
         out.loss.backward()
         results[backend] = (out.loss.detach().float(), [p.grad.float() for p in model.parameters()])
-    torch.testing.assert_close(results["flex"][0], results["dense"][0], rtol=2e-3, atol=2e-3)
-    for flex_grad, dense_grad in zip(results["flex"][1], results["dense"][1]):
+    torch.testing.assert_close(results[backend_under_test][0], results["dense"][0], rtol=2e-3, atol=2e-3)
+    for flex_grad, dense_grad in zip(results[backend_under_test][1], results["dense"][1]):
         torch.testing.assert_close(flex_grad, dense_grad, rtol=5e-2, atol=5e-3)
 
 
@@ -111,6 +112,16 @@ def test_flex_attention_equals_dense_sdpa_in_the_training_step(seed, masks, kern
     device = torch.device("cuda")
     batch = micro_batch(seed, device, masks)
     assert_flex_step_equals_dense(batch, device)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("seed", range(2))
+def test_blockwise_kernels_equal_dense_sdpa_in_the_training_step(seed, head_dim):
+    """dflash's own kernels (`train.attention = "blockwise"`) in the training step, bf16: the dense mask's
+    loss and gradients (tests/test_block_attention.py checks the kernels alone, fp32, on fresh batches)."""
+    device = torch.device("cuda")
+    batch = micro_batch(seed, device, "rule")
+    assert_flex_step_equals_dense(batch, device, backend_under_test="blockwise", head_dim=head_dim)
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -121,7 +121,7 @@ def bench_drafter_args(config, target: str):
     return auto_drafter_args(summary, layer_ids, mask_token_id=0, block_size=config.drafter.block_size)
 
 
-def build_trainer(config, dist, target: str = ""):
+def build_trainer(config, dist, target: str = "", attention: str = ""):
     """Model, optimizer, wrapped model (DDP under torchrun) and TrainContext as stage two builds them."""
     from dflash.model.loss import default_gamma, gamma_weights
     from dflash.model.masks import default_backend
@@ -140,7 +140,7 @@ def build_trainer(config, dist, target: str = ""):
                   * 0.02)
     ctx = TrainContext(args=args, codec="fp8", embed_VH=embed_VH, lm_head_VH=lm_head_VH,
                        weights_B=gamma_weights(args.block_size, default_gamma(args.block_size), device=device),
-                       backend=default_backend(device), loss_chunk=config.train.loss_chunk, device=device)
+                       backend=attention or default_backend(device), loss_chunk=config.train.loss_chunk, device=device)
     return model, optimizer, wrapped, ctx
 
 
@@ -729,6 +729,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--mask-tile", type=int, default=0,
                         help="the block masks' tile (rows and keys) in place of dflash's (masks.mask_tile: 64 for heads of "
                              "up to 64 dims, else 128), a multiple of every kernel tile")
+    parser.add_argument("--attention", choices=("flex", "blockwise"), default="",
+                        help="the attention backend in place of the device's default (train.attention): blockwise, "
+                             "dflash's own Triton kernels over each row's key ranges (dflash/model/block_attention.py)")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
@@ -805,7 +808,7 @@ def run(args, argv, dist) -> int:
 
     masks.FLEX_OPTIONS_OVERRIDE.update(args.flex_options)  # before anything compiles flex
     masks.MASK_TILE_OVERRIDE = args.mask_tile  # the collate options below read it
-    model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target)
+    model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target, args.attention)
     flex_options = flex_kernel_options(ctx.args.head_dim) if device.type == "cuda" else {}  # as masks.attend uses them
     from dflash.model.drafter import count_parameters
 
@@ -933,8 +936,8 @@ def report(args, results: dict) -> None:
         attention = numbers.get("attention")
         if attention:
             print(f"{mode}: attention {attention['visible_pairs_per_step'] / 1e9:.2f}G visible (query, key) pairs "
-                  f"a step over every layer and head, {attention['listed_pairs_per_step'] / 1e9:.2f}G in the block masks' "
-                  f"tiles ({attention['listed_visible_fraction']:.0%} of them visible): "
+                  f"a step over every layer and head, {attention['listed_pairs_per_step'] / 1e9:.2f}G in the block "
+                  f"masks' tiles ({attention['listed_visible_fraction']:.0%} of them visible): "
                   f"{attention['tflop_per_step_listed']:.2f} TFLOP forward and backward")
     for mode, numbers in results["modes"].items():
         compiled = numbers.get("warmup_compile") or {}

@@ -25,10 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask, flex_attention
 
+from dflash.model.block_attention import RowRanges, block_attention, row_ranges
 from dflash.model.tiles import PADDING_DOC, TILE, keys_key, tiles_key, transposed_key
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-BACKENDS = ("flex", "dense")  # flex attention + BlockMask, or a dense boolean mask + SDPA
+# flex attention + BlockMask, a dense boolean mask + SDPA, or dflash's own kernels over each row's key ranges
+# (dflash/model/block_attention.py: CUDA and Triton, or Triton's interpreter)
+BACKENDS = ("flex", "dense", "blockwise")
 # Heads of at most 64 dims (the SmolLM2-sized drafter's 9 x 64): 64 x 64 tiles instead of inductor's default
 # (128 x 64 on an H200). The small drafter's step on an H200 (12-03): 88.3K -> 96.4K tokens/s at 4,096 anchors
 # per micro-batch; the backward's tiles (12-06, the fused step of `bench_stage2.py --target smollm2-135m`):
@@ -200,7 +203,8 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
     `batch_meta` holds (as keys or attributes) `doc_ids (T,)`, `position_ids (T,)`,
     `anchor_doc (A,)`, `anchor_pos (A,)`, and may hold a layer type's `tile_layout` under
     `tiles_key(layer_type)`. The mask is a `BlockMask` for backend "flex" (from the layout when
-    there is one, else from `create_block_mask`) and a boolean `(1, 1, A*B, T + A*B)` tensor for "dense".
+    there is one, else from `create_block_mask`), a boolean `(1, 1, A*B, T + A*B)` tensor for "dense" and
+    each row's key ranges (`block_attention.RowRanges`, the collate's packed layout) for "blockwise".
     """
     device = torch.device(device) if device is not None else _meta_field(batch_meta, "doc_ids").device
     backend = backend or default_backend(device)
@@ -211,6 +215,9 @@ def build_masks(batch_meta, layer_types, window: int, *, block_size: int, backen
     num_keys = tensors[0].shape[0] + num_queries
     masks = {}
     for layer_type, layer_window in layer_windows(layer_types, window).items():
+        if backend == "blockwise":
+            masks[layer_type] = row_ranges(*tensors, block_size, layer_window)
+            continue
         mask_mod = make_mask_mod(*tensors, block_size, layer_window)
         layout = _optional_field(batch_meta, tiles_key(layer_type))
         keys = _optional_field(batch_meta, keys_key(layer_type))
@@ -311,7 +318,9 @@ def flex_kernel_options(head_dim: int) -> dict:
 
 def attend(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor, mask) -> torch.Tensor:
     """Attention with grouped KV heads; the backend follows the mask (BlockMask -> flex, GatheredMask ->
-    flex over gathered keys, tensor -> SDPA)."""
+    flex over gathered keys, RowRanges -> dflash's kernels, tensor -> SDPA)."""
+    if isinstance(mask, RowRanges):
+        return block_attention(q_1NQD, k_1MKD, v_1MKD, mask)
     if not isinstance(mask, (BlockMask, GatheredMask)):
         return F.scaled_dot_product_attention(q_1NQD, k_1MKD, v_1MKD, attn_mask=mask, enable_gqa=True)
     attention = _compiled_flex_attention() if q_1NQD.is_cuda else flex_attention

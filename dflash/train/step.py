@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as torch_dist
 
-from dflash.config import Config
+from dflash.config import Config, ConfigError
 from dflash.dist import DistState
 from dflash.model.drafter import (DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers,
                                   is_compiled)
+from dflash.model.block_attention import blockwise_refusal
 from dflash.model.export import load_exported
 from dflash.model.loss import block_labels, block_soft_targets, default_gamma, dflash_loss, gamma_weights
 from dflash.model.masks import build_masks, default_backend
@@ -79,6 +80,8 @@ def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) ->
     embed, lm_head = reader.read_frozen_weights()
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
     backend = default_backend(dist.device) if config.train.attention == "auto" else config.train.attention
+    if backend == "blockwise" and (reason := blockwise_refusal(dist.device)):
+        raise ConfigError(f"train.attention = \"blockwise\": {reason}")
     gamma = config.train.gamma or default_gamma(args.block_size)
     return TrainContext(args=args, codec=reader.attrs["codec"], embed_VH=embed.to(dist.device, dtype),
                         lm_head_VH=lm_head.to(dist.device, dtype),

@@ -1,0 +1,192 @@
+"""Stage two's attention as Triton kernels of its own: every query row sees two contiguous key ranges.
+
+Under the visibility rule (dflash/model/masks.py) the block row of anchor a, slot s sees its sequence's
+context `[start + max(0, p + s - W + 1), start + p)` (p the anchor's position, W the window; the whole prefix
+in full-attention layers) and its own block's keys `[T + a*B, T + a*B + reach)` (the whole block, or up to its
+own slot in sliding layers), the context packed sequence after sequence as the collate lays it out. So a
+tile of rows reads one range of context keys and one of block keys, and a kernel can loop over exactly
+those, comparing each key with its row's two ranges, instead of flex attention's tile lists and `mask_mod`
+(which run 64-dim heads at 84 TFLOP/s of listed pairs on an H100, 12-06). `row_ranges` computes the four
+bounds per row on the device; `block_attention` is the attention (forward: `_forward_kernel`, backward:
+`_dq_kernel` per row tile, `_dkdv_kernel` per key tile over the rows that can see it), a `torch.library`
+custom op, so compiled layers keep it whole. Key heads are read by their query heads (grouped-query
+attention), never repeated.
+
+`train.attention = "blockwise"` trains with it (CUDA, Triton); the default stays flex attention until it is
+measured faster there. Exactness: tests/test_block_attention.py (output and gradients against the dense
+mask's SDPA on fresh random batches; on the CPU through Triton's interpreter, `TRITON_INTERPRET=1`).
+"""
+
+import os
+from typing import NamedTuple
+
+import torch
+
+BLOCK_ROWS = 64  # rows (query tile) per program
+BLOCK_KEYS = 64  # keys per inner step
+
+
+class RowRanges(NamedTuple):
+    """Per query row, the context keys `[lo, hi)` and the block keys `[block_lo, block_hi)` it sees
+    (int32 `(A*B,)`; the keys are the T context tokens, then the A*B block rows). Tensors only: a compiled
+    layer that takes it guards on no length."""
+    lo: torch.Tensor
+    hi: torch.Tensor
+    block_lo: torch.Tensor
+    block_hi: torch.Tensor
+
+
+def row_ranges(doc_T: torch.Tensor, pos_T: torch.Tensor, anchor_doc_A: torch.Tensor, anchor_pos_A: torch.Tensor,
+               block_size: int, window: int | None) -> RowRanges:
+    """The two key ranges of every block row, on the device of the inputs, with no host sync. Needs the
+    collate's layout: each sequence's context tokens contiguous at positions 0, 1, ... (doc -1: padding);
+    a padded anchor (doc -1) sees no context, only its own block, as the rule says."""
+    num_tokens, num_anchors = doc_T.shape[0], anchor_doc_A.shape[0]
+    device = doc_T.device
+    index_T = torch.arange(num_tokens, device=device)
+    real_T = doc_T >= 0
+    # each sequence's first context index: token i of sequence d at position p starts it at i - p
+    starts = torch.full((num_tokens + 1,), num_tokens, dtype=torch.long, device=device)
+    starts.scatter_reduce_(0, torch.where(real_T, doc_T.long(), num_tokens), index_T - pos_T.long(), "amin")
+    real_A = anchor_doc_A >= 0
+    start_A = starts[torch.where(real_A, anchor_doc_A.long(), num_tokens)]
+    slot_S = torch.arange(block_size, device=device)
+    pos_A1 = anchor_pos_A.long()[:, None]
+    hi = (start_A[:, None] + pos_A1).expand(-1, block_size)
+    lo = start_A[:, None] + (torch.clamp(pos_A1 + slot_S - window + 1, min=0) if window is not None else 0)
+    lo = torch.minimum(lo.expand(-1, block_size), hi)
+    hi = torch.where(real_A[:, None], hi, num_tokens)
+    lo = torch.where(real_A[:, None], lo, num_tokens)
+    block_lo = (num_tokens + torch.arange(num_anchors, device=device) * block_size)[:, None].expand(-1, block_size)
+    reach = block_size if window is None else slot_S + 1
+    block_hi = block_lo + reach
+    as_rows = [x.reshape(-1).to(torch.int32).contiguous() for x in (lo, hi, block_lo, block_hi)]
+    return RowRanges(*as_rows)
+
+
+def key_tile_rows(ranges: RowRanges, num_keys: int,
+                  block_keys: int = BLOCK_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each tile of `block_keys` keys, a range of rows `[start, end)` holding every row that sees one
+    of its keys (a superset: the kernel masks the rest). Over the rows the running maximum of each range's
+    end and the minimum of its start over the rows after grow, so the rows that can see keys `[k0, k1]`
+    are those whose running end passes k0 and whose later-minimum start is at most k1: one interval."""
+    num_tiles = -(-num_keys // block_keys)
+    first = torch.arange(num_tiles, device=ranges.lo.device, dtype=torch.long) * block_keys
+    last = first + block_keys - 1
+    bounds = []
+    for lo, hi in ((ranges.lo, ranges.hi), (ranges.block_lo, ranges.block_hi)):
+        hi_max = torch.cummax(hi.long(), 0).values
+        lo_min = torch.flip(torch.cummin(torch.flip(lo.long(), (0,)), 0).values, (0,))
+        start = torch.searchsorted(hi_max, first, right=True)
+        end = torch.searchsorted(lo_min, last, right=True)
+        bounds.append((start, end))
+    (start_c, end_c), (start_b, end_b) = bounds
+    empty_c, empty_b = start_c >= end_c, start_b >= end_b
+    start = torch.where(empty_c, start_b, torch.where(empty_b, start_c, torch.minimum(start_c, start_b)))
+    end = torch.where(empty_c, end_b, torch.where(empty_b, end_c, torch.maximum(end_c, end_b)))
+    end = torch.where(empty_c & empty_b, start, end)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+
+
+def blockwise_refusal(device: torch.device) -> str | None:
+    """Why these kernels cannot run on `device`, or None: they need Triton, and a CUDA device unless
+    Triton's interpreter runs them (`TRITON_INTERPRET=1`)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "needs Triton (`pip install triton`, part of a GPU install: `pip install -e '.[gpu]'`)"
+    if device.type != "cuda" and not _interpreted():
+        return f"runs on a CUDA device (got {device}), or on the CPU under TRITON_INTERPRET=1 (slow: tests only)"
+    return None
+
+
+def _kernels() -> dict:
+    """The Triton kernels, imported on first use."""
+    from dflash.model import block_attention_kernels as kernels
+
+    return {"forward": kernels.forward_kernel, "dq": kernels.dq_kernel, "dkdv": kernels.dkdv_kernel}
+
+
+def _interpreted() -> bool:
+    """Triton's interpreter (`TRITON_INTERPRET=1`, the CPU tests) runs the loops as `while` loops."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _shapes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
+    if q.ndim != 4 or k.ndim != 4 or q.shape[0] != 1 or k.shape[0] != 1:
+        raise ValueError(f"block_attention: q (1, Hq, rows, D) and k, v (1, Hkv, keys, D), got {tuple(q.shape)} "
+                         f"and {tuple(k.shape)}")
+    heads, rows, dim = q.shape[1:]
+    key_heads, keys = k.shape[1], k.shape[2]
+    if heads % key_heads or k.shape[3] != dim or dim & (dim - 1) or dim < 16:
+        raise ValueError(f"block_attention: {heads} query heads over {key_heads} key heads of {dim} dims "
+                         f"(head dims a power of two >= 16, query heads a multiple of key heads)")
+    return heads, key_heads, rows, keys, dim
+
+
+@torch.library.custom_op("dflash::block_attention_forward", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+             block_lo: torch.Tensor, block_hi: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    heads, key_heads, rows, keys, dim = _shapes(q, k)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty_like(q)
+    lse = torch.empty((1, heads, rows), dtype=torch.float32, device=q.device)
+    grid = (-(-rows // BLOCK_ROWS), heads)
+    _kernels()["forward"][grid](q, k, v, out, lse, lo, hi, block_lo, block_hi, scale, rows, keys,
+                                GROUP=heads // key_heads, D=dim, BM=BLOCK_ROWS, BN=BLOCK_KEYS,
+                                WHILE=_interpreted())
+    return out, lse
+
+
+@_forward.register_fake
+def _(q, k, v, lo, hi, block_lo, block_hi, scale):
+    return torch.empty_like(q), q.new_empty((1, q.shape[1], q.shape[2]), dtype=torch.float32)
+
+
+@torch.library.custom_op("dflash::block_attention_backward", mutates_args=())
+def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, block_lo: torch.Tensor, block_hi: torch.Tensor,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    heads, key_heads, rows, keys, dim = _shapes(q, k)
+    q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1).contiguous()
+    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    row_start, row_end = key_tile_rows(RowRanges(lo, hi, block_lo, block_hi), keys, BLOCK_KEYS)
+    kernels, group = _kernels(), heads // key_heads
+    kernels["dq"][(-(-rows // BLOCK_ROWS), heads)](q, k, v, grad_out, lse, delta, grad_q, lo, hi, block_lo, block_hi,
+                                                   scale, rows, keys, GROUP=group, D=dim, BM=BLOCK_ROWS, BN=BLOCK_KEYS,
+                                                   WHILE=_interpreted())
+    kernels["dkdv"][(-(-keys // BLOCK_KEYS), key_heads)](q, k, v, grad_out, lse, delta, grad_k, grad_v, lo, hi,
+                                                         block_lo, block_hi, row_start, row_end, scale, rows, keys,
+                                                         GROUP=group, D=dim, BM=BLOCK_ROWS, BN=BLOCK_KEYS,
+                                                         WHILE=_interpreted())
+    return grad_q, grad_k, grad_v
+
+
+@_backward.register_fake
+def _(grad_out, q, k, v, out, lse, lo, hi, block_lo, block_hi, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, lo, hi, block_lo, block_hi, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, lo, hi, block_lo, block_hi)
+    ctx.scale = scale
+
+
+def _backward_rule(ctx, grad_out, grad_lse):
+    q, k, v, out, lse, lo, hi, block_lo, block_hi = ctx.saved_tensors
+    grad_q, grad_k, grad_v = _backward(grad_out, q, k, v, out, lse, lo, hi, block_lo, block_hi, ctx.scale)
+    return grad_q, grad_k, grad_v, None, None, None, None, None
+
+
+_forward.register_autograd(_backward_rule, setup_context=_setup_context)
+
+
+def block_attention(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor,
+                    ranges: RowRanges) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v over each row's two key ranges; grouped key heads (N a multiple of M)."""
+    out, _ = _forward(q_1NQD, k_1MKD, v_1MKD, ranges.lo, ranges.hi, ranges.block_lo, ranges.block_hi,
+                      q_1NQD.shape[-1] ** -0.5)
+    return out

@@ -1,0 +1,129 @@
+"""dflash's own attention kernels (dflash/model/block_attention.py) against the dense mask's SDPA, on fresh
+random packed batches: each row's two key ranges are exactly the rule's visible keys, each key tile's row
+range holds every row that sees one of its keys, and the kernels' output and gradients (query, key, value;
+grouped key heads) equal the reference. The kernels run where Triton is installed: on a GPU, or on the CPU
+through Triton's interpreter (a GPU install's package; the CPU install has none, so those tests skip there
+and `tests/test_gpu.py` runs them compiled)."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support import tiled_packed_meta
+
+from dflash.config import ConfigError
+from dflash.model.block_attention import key_tile_rows, row_ranges
+from dflash.model.masks import attend, build_masks, layer_windows
+
+LAYER_TYPES = ["sliding_attention", "full_attention"]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def visible_from(ranges, num_keys: int) -> torch.Tensor:
+    cols = torch.arange(num_keys)[None]
+    lo, hi, block_lo, block_hi = (x.long()[:, None] for x in ranges)
+    return ((cols >= lo) & (cols < hi)) | ((cols >= block_lo) & (cols < block_hi))
+
+
+def random_case(seed: int):
+    rng = np.random.default_rng(900 + seed)
+    block = 16
+    meta = tiled_packed_meta(rng, block)
+    window = int(rng.integers(block, 120))
+    return meta, block, window
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_row_ranges_are_the_rules_visible_keys(seed):
+    meta, block, window = random_case(seed)
+    dense = build_masks(meta, LAYER_TYPES, window, block_size=block, backend="dense", device="cpu")
+    blockwise = build_masks(meta, LAYER_TYPES, window, block_size=block, backend="blockwise", device="cpu")
+    num_keys = len(meta["doc_ids"]) + len(meta["anchor_doc"]) * block
+    for layer_type in LAYER_TYPES:
+        assert torch.equal(visible_from(blockwise[layer_type], num_keys), dense[layer_type][0, 0]), layer_type
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("tile", [64, 32])
+def test_each_key_tiles_rows_hold_every_row_that_sees_it(seed, tile):
+    meta, block, window = random_case(seed)
+    num_keys = len(meta["doc_ids"]) + len(meta["anchor_doc"]) * block
+    for layer_type, layer_window in layer_windows(LAYER_TYPES, window).items():
+        ranges = row_ranges(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"], block,
+                            layer_window)
+        visible = visible_from(ranges, num_keys)
+        start, end = key_tile_rows(ranges, num_keys, tile)
+        assert len(start) == -(-num_keys // tile)
+        spans = []
+        for index in range(len(start)):
+            rows = visible[:, index * tile:(index + 1) * tile].any(1).nonzero().flatten()
+            if len(rows):
+                assert start[index] <= rows.min() and rows.max() < end[index], (layer_type, index)
+            spans.append(int(end[index] - start[index]))
+        assert sum(spans) < len(start) * visible.shape[0]  # not every row for every tile
+
+
+def test_blockwise_needs_triton_and_a_device_it_runs_on(monkeypatch):
+    from dflash.model import block_attention
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reason = block_attention.blockwise_refusal(torch.device("cpu"))
+    assert reason and ("Triton" in reason or "CUDA" in reason)
+    from dflash.config import load_config
+    from dflash.train.step import build_context
+
+    class Reader:
+        attrs = {"codec": "fp8"}
+
+        def read_frozen_weights(self):
+            return torch.zeros(8, 4), torch.zeros(8, 4)
+
+    from dflash.dist import DistState
+    from dflash.model.drafter import drafter_args
+
+    config = load_config(None, ["train.attention=blockwise"])
+    with pytest.raises(ConfigError, match="train.attention"):
+        build_context(config, drafter_args("tiny"), Reader(), DistState(0, 1, 0, torch.device("cpu")))
+
+
+def check_kernels(seed: int, device: str) -> None:
+    """The kernels' attention and gradients against the dense mask's SDPA, both layer types."""
+    meta, block, window = random_case(seed)
+    device = torch.device(device)
+    meta = {k: v.to(device) for k, v in meta.items()}
+    dense = build_masks(meta, LAYER_TYPES, window, block_size=block, backend="dense", device=device)
+    blockwise = build_masks(meta, LAYER_TYPES, window, block_size=block, backend="blockwise", device=device)
+    num_rows = len(meta["anchor_doc"]) * block
+    num_keys = len(meta["doc_ids"]) + num_rows
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for layer_type in LAYER_TYPES:
+        q = torch.randn(1, 4, num_rows, 16, device=device, generator=generator, requires_grad=True)
+        k, v = (torch.randn(1, 2, num_keys, 16, device=device, generator=generator, requires_grad=True)
+                for _ in range(2))
+        expected = attend(q, k, v, dense[layer_type])
+        grad = torch.randn_like(expected)
+        expected_grads = torch.autograd.grad(expected, (q, k, v), grad)
+        out = attend(q, k, v, blockwise[layer_type])
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+        for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), expected_grads):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (a GPU install's package)")
+@pytest.mark.parametrize("seed", range(3))
+def test_kernels_equal_the_dense_masks_attention_and_gradients(seed):
+    """On a GPU in this process; without one through Triton's interpreter, in a process that has
+    TRITON_INTERPRET=1 from its start (Triton reads it when it is imported)."""
+    if torch.cuda.is_available():
+        check_kernels(seed, "cuda")
+        return
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", f"import test_block_attention as t; t.check_kernels({seed}, 'cpu')"],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
