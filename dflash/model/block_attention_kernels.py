@@ -20,6 +20,36 @@ def sees(cols, lo, hi, block_lo, block_hi):
 
 
 @triton.jit
+def row_tile(num_rows, GROUP: tl.constexpr, BM: tl.constexpr):
+    """This program's query head, its key head, and its tile of rows (grid: row tiles x query heads)."""
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    return head, head // GROUP, rows, rows < num_rows
+
+
+@triton.jit
+def load_ranges(rows, row_ok, LO, HI, BLO, BHI):
+    """The two key ranges of `rows`."""
+    lo = tl.load(LO + rows, mask=row_ok, other=0)
+    hi = tl.load(HI + rows, mask=row_ok, other=0)
+    block_lo = tl.load(BLO + rows, mask=row_ok, other=0)
+    block_hi = tl.load(BHI + rows, mask=row_ok, other=0)
+    return lo, hi, block_lo, block_hi
+
+
+@triton.jit
+def load_backward_rows(rows, row_ok, head, Q, DO, LSE, DELTA, num_rows, D: tl.constexpr):
+    """What the backward reads of `rows` of one query head: q, the output's gradient, the logsumexp, delta."""
+    dims = tl.arange(0, D)
+    offsets = head * num_rows * D + rows[:, None] * D + dims[None, :]
+    q = tl.load(Q + offsets, mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + offsets, mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + head * num_rows + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + head * num_rows + rows, mask=row_ok, other=0.0)
+    return q, do, lse, delta
+
+
+@triton.jit
 def span(lo, hi, num_keys, BN: tl.constexpr):
     """The key tiles a row tile reads for one of its ranges: `[first, end)`, `first` on a tile's edge."""
     nonempty = lo < hi
@@ -67,16 +97,10 @@ def forward_range(first, end, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i
 @triton.jit
 def forward_kernel(Q, K, V, O, LSE, LO, HI, BLO, BHI, scale, num_rows, num_keys, GROUP: tl.constexpr,
                    D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr):
-    tile, head = tl.program_id(0), tl.program_id(1)
-    key_head = head // GROUP
-    rows = tile * BM + tl.arange(0, BM)
+    head, key_head, rows, row_ok = row_tile(num_rows, GROUP, BM)
     dims = tl.arange(0, D)
-    row_ok = rows < num_rows
     q = tl.load(Q + head * num_rows * D + rows[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
-    lo = tl.load(LO + rows, mask=row_ok, other=0)
-    hi = tl.load(HI + rows, mask=row_ok, other=0)
-    block_lo = tl.load(BLO + rows, mask=row_ok, other=0)
-    block_hi = tl.load(BHI + rows, mask=row_ok, other=0)
+    lo, hi, block_lo, block_hi = load_ranges(rows, row_ok, LO, HI, BLO, BHI)
     k_base = K + key_head * num_keys * D
     v_base = V + key_head * num_keys * D
     m_i = tl.full([BM], -1e30, tl.float32)
@@ -128,20 +152,11 @@ def dq_range(first, end, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, bl
 @triton.jit
 def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, BLO, BHI, scale, num_rows, num_keys, GROUP: tl.constexpr,
               D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr):
-    tile, head = tl.program_id(0), tl.program_id(1)
-    key_head = head // GROUP
-    rows = tile * BM + tl.arange(0, BM)
+    head, key_head, rows, row_ok = row_tile(num_rows, GROUP, BM)
     dims = tl.arange(0, D)
-    row_ok = rows < num_rows
     offsets = head * num_rows * D + rows[:, None] * D + dims[None, :]
-    q = tl.load(Q + offsets, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + offsets, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + head * num_rows + rows, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + head * num_rows + rows, mask=row_ok, other=0.0)
-    lo = tl.load(LO + rows, mask=row_ok, other=0)
-    hi = tl.load(HI + rows, mask=row_ok, other=0)
-    block_lo = tl.load(BLO + rows, mask=row_ok, other=0)
-    block_hi = tl.load(BHI + rows, mask=row_ok, other=0)
+    q, do, lse, delta = load_backward_rows(rows, row_ok, head, Q, DO, LSE, DELTA, num_rows, D)
+    lo, hi, block_lo, block_hi = load_ranges(rows, row_ok, LO, HI, BLO, BHI)
     k_base = K + key_head * num_keys * D
     v_base = V + key_head * num_keys * D
     dq = tl.zeros([BM, D], tl.float32)
@@ -159,17 +174,9 @@ def dkdv_step(m, head, cols, k_ND, v_ND, dk, dv, Q, DO, LSE, DELTA, LO, HI, BLO,
               D: tl.constexpr, BM: tl.constexpr):
     """One row tile of one query head into a key tile's key and value gradients."""
     rows = m + tl.arange(0, BM)
-    dims = tl.arange(0, D)
     row_ok = rows < num_rows
-    offsets = head * num_rows * D + rows[:, None] * D + dims[None, :]
-    q = tl.load(Q + offsets, mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + offsets, mask=row_ok[:, None], other=0.0)
-    lse = tl.load(LSE + head * num_rows + rows, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + head * num_rows + rows, mask=row_ok, other=0.0)
-    lo = tl.load(LO + rows, mask=row_ok, other=0)
-    hi = tl.load(HI + rows, mask=row_ok, other=0)
-    block_lo = tl.load(BLO + rows, mask=row_ok, other=0)
-    block_hi = tl.load(BHI + rows, mask=row_ok, other=0)
+    q, do, lse, delta = load_backward_rows(rows, row_ok, head, Q, DO, LSE, DELTA, num_rows, D)
+    lo, hi, block_lo, block_hi = load_ranges(rows, row_ok, LO, HI, BLO, BHI)
     s = tl.dot(q, tl.trans(k_ND)) * scale
     visible = sees(cols, lo, hi, block_lo, block_hi) & row_ok[:, None]
     p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
