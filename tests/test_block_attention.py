@@ -127,3 +127,20 @@ def test_kernels_equal_the_dense_masks_attention_and_gradients(seed):
     result = subprocess.run([sys.executable, "-c", f"import test_block_attention as t; t.check_kernels({seed}, 'cpu')"],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_ops_fake_outputs_have_the_layout_the_kernels_write():
+    """Under torch.compile the op's fake outputs stand for the real ones: contiguous, as the kernels write
+    them, also for transposed inputs (the drafter's heads come as a transposed view)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dflash.model import block_attention
+
+    with FakeTensorMode():
+        q = torch.empty(1, 5, 4, 16).transpose(1, 2)  # (1, 4 heads, 5 rows, 16), not contiguous
+        k = torch.empty(1, 7, 2, 16).transpose(1, 2)
+        ranges = [torch.empty(5, dtype=torch.int32) for _ in range(4)]
+        out, lse = block_attention._forward(q, k, k, *ranges, 0.25)
+        assert out.shape == q.shape and out.is_contiguous() and lse.shape == (1, 4, 5)
+        grads = block_attention._backward(out, q, k, k, out, lse, *ranges, 0.25)
+        assert [g.shape for g in grads] == [q.shape, k.shape, k.shape] and all(g.is_contiguous() for g in grads)

@@ -124,12 +124,19 @@ def _shapes(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
     return heads, key_heads, rows, keys, dim
 
 
+def _dense_like(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of `x`'s shape: what the kernels write, in the real op and its fake alike
+    (`empty_like` keeps a transposed input's strides, so the fake would promise a layout the kernels do
+    not write)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
 @torch.library.custom_op("dflash::block_attention_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
              block_lo: torch.Tensor, block_hi: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out = torch.empty_like(q)
+    out = _dense_like(q)
     lse = torch.empty((1, heads, rows), dtype=torch.float32, device=q.device)
     grid = (-(-rows // BLOCK_ROWS), heads)
     _kernels()["forward"][grid](q, k, v, out, lse, lo, hi, block_lo, block_hi, scale, rows, keys,
@@ -140,7 +147,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor
 
 @_forward.register_fake
 def _(q, k, v, lo, hi, block_lo, block_hi, scale):
-    return torch.empty_like(q), q.new_empty((1, q.shape[1], q.shape[2]), dtype=torch.float32)
+    return _dense_like(q), q.new_empty((1, q.shape[1], q.shape[2]), dtype=torch.float32)
 
 
 @torch.library.custom_op("dflash::block_attention_backward", mutates_args=())
@@ -150,7 +157,7 @@ def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
-    grad_q, grad_k, grad_v = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    grad_q, grad_k, grad_v = _dense_like(q), _dense_like(k), _dense_like(v)
     row_start, row_end = key_tile_rows(RowRanges(lo, hi, block_lo, block_hi), keys, BLOCK_KEYS)
     kernels, group = _kernels(), heads // key_heads
     kernels["dq"][(-(-rows // BLOCK_ROWS), heads)](q, k, v, grad_out, lse, delta, grad_q, lo, hi, block_lo, block_hi,
@@ -165,7 +172,7 @@ def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 @_backward.register_fake
 def _(grad_out, q, k, v, out, lse, lo, hi, block_lo, block_hi, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _dense_like(q), _dense_like(k), _dense_like(v)
 
 
 def _setup_context(ctx, inputs, output):
