@@ -225,4 +225,5 @@ def test_bench_attention_work_counts_the_dense_masks_pairs_and_the_listed_tiles(
     work = attention_work([[batch, batch]], args, 3)
     assert work["visible_pairs_per_step"] == 2 * visible * 3 and 0 < work["listed_visible_fraction"] <= 1
     assert work["tflop_per_step_listed"] == pytest.approx(2 * listed * 3 * 14 * 8 / 1e12)
-    assert attention_pairs(dict(meta), args) is None  # no tiles (the rule's masks): not counted
+    assert attention_pairs(dict(meta), args) == {"visible": visible * 3, "listed": None}  # no tiles: none listed
+    assert attention_work([[dict(meta)]], args, 1)["tflop_per_step_listed"] is None

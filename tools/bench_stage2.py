@@ -284,7 +284,8 @@ ATTENTION_FLOPS_PER_PAIR_DIM = 14  # per (query, key) pair and head dimension: f
 def attention_pairs(batch: dict, args_drafter) -> dict:
     """A micro-batch's attention work over every layer and query head: `visible` (query, key) pairs, the
     rule's (the work an exact kernel would do), and `listed` pairs, those of the tiles its block masks list
-    (partial and full: the work flex attention does). None where the batch has no tile layout (the rule's masks)."""
+    (partial and full: the work flex attention does; None where the batch has no tile layout: the rule's masks,
+    or the blockwise kernels')."""
     from dflash.model.masks import layer_windows
     from dflash.model.tiles import tiles_key
 
@@ -292,15 +293,16 @@ def attention_pairs(batch: dict, args_drafter) -> dict:
     pos_A = np.asarray(batch["anchor_pos"], dtype=np.int64)
     real_A = np.asarray(batch["anchor_doc"]) >= 0
     slot_S = np.arange(block)
-    visible = listed = 0
+    visible, listed = 0, 0
     windows = layer_windows(args_drafter.layer_types, args_drafter.sliding_window)
     for layer_type in args_drafter.layer_types:
         key = tiles_key(layer_type)
         if key not in batch:
-            return None
-        layout = np.asarray(batch[key])
-        tile = len(pos_A) * block // layout.shape[1]
-        listed += int(layout[0, :, 0].sum() + layout[1, :, 0].sum()) * tile * tile
+            listed = None
+        elif listed is not None:
+            layout = np.asarray(batch[key])
+            tile = len(pos_A) * block // layout.shape[1]
+            listed += int(layout[0, :, 0].sum() + layout[1, :, 0].sum()) * tile * tile
         window = windows[layer_type]
         pos_AS = pos_A[real_A][:, None]
         if window is None:  # the whole prefix and the whole block
@@ -310,21 +312,25 @@ def attention_pairs(batch: dict, args_drafter) -> dict:
             visible += int((pos_AS - first_AS).clip(min=0).sum()) + int(real_A.sum()) * block * (block + 1) // 2
         visible += int((~real_A).sum()) * (block * block if window is None else block * (block + 1) // 2)
     heads = args_drafter.num_attention_heads
-    return {"visible": visible * heads, "listed": listed * heads}
+    return {"visible": visible * heads, "listed": listed * heads if listed is not None else None}
 
 
 def attention_work(steps: list[list[dict]], args_drafter, num_steps: int) -> dict | None:
     """`attention_pairs` per optimizer step over the first `num_steps` steps (cycling) and the TFLOP of the
-    listed pairs (forward and backward); None without tile layouts."""
+    visible and the listed pairs (forward and backward; the listed ones None without tile layouts)."""
     pairs = [attention_pairs(batch, args_drafter) for index in range(num_steps)
              for batch in steps[index % len(steps)]]
-    if not pairs or any(p is None for p in pairs):
+    if not pairs:
         return None
-    visible, listed = (sum(p[key] for p in pairs) / num_steps for key in ("visible", "listed"))
     flops = ATTENTION_FLOPS_PER_PAIR_DIM * args_drafter.head_dim
-    return {"visible_pairs_per_step": visible, "listed_pairs_per_step": listed,
-            "listed_visible_fraction": visible / listed if listed else 0.0,
-            "tflop_per_step_listed": listed * flops / 1e12, "tflop_per_step_visible": visible * flops / 1e12}
+    visible = sum(p["visible"] for p in pairs) / num_steps
+    work = {"visible_pairs_per_step": visible, "tflop_per_step_visible": visible * flops / 1e12,
+            "listed_pairs_per_step": None, "listed_visible_fraction": None, "tflop_per_step_listed": None}
+    if all(p["listed"] is not None for p in pairs):
+        listed = sum(p["listed"] for p in pairs) / num_steps
+        work.update(listed_pairs_per_step=listed, listed_visible_fraction=visible / listed if listed else 0.0,
+                    tflop_per_step_listed=listed * flops / 1e12)
+    return work
 
 
 def run_step(wrapped, ctx, optimizer, step: list[dict], config):
@@ -501,10 +507,13 @@ def profile_steps(wrapped, ctx, optimizer, steps, config, out_dir: Path, num_ste
 
 STEP_LABEL = "bench_stage2: profiled step"
 
+ATTENTION_CLASSES = ("flex attention (Triton templates)", "dflash block attention (Triton)")
+
 KERNEL_CLASSES = (  # (class, substrings of the kernel name), first match wins
     ("matmul (cuBLAS / CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
     ("optimizer (multi-tensor apply)", ("multi_tensor_apply",)),
     ("flex attention (Triton templates)", ("flex", "triton_tem")),
+    ("dflash block attention (Triton)", ("forward_kernel", "dq_kernel", "dkdv_kernel")),
     ("compiled fused (Triton)", ("triton_",)),
     ("NCCL", ("nccl",)),
     ("ATen elementwise / reduce", ("elementwise", "reduce", "vectorized", "softmax", "index", "scatter", "gather")),
@@ -866,10 +875,13 @@ def run(args, argv, dist) -> int:
         results["profile"] = profile = profile_steps(wrapped, ctx, optimizer, steps, config, Path(args.profile),
                                                      num_profiled)
         attention = attention_work(steps, ctx.args, num_profiled)
-        flex_ms = profile["kernel_time"]["ms_per_step_by_class"].get("flex attention (Triton templates)")
-        if attention and flex_ms:  # what flex attention achieves on the pairs it computes, and on the visible ones
-            profile["flex_tflop_per_s_listed"] = attention["tflop_per_step_listed"] / flex_ms * 1e3
-            profile["flex_tflop_per_s_visible"] = attention["tflop_per_step_visible"] / flex_ms * 1e3
+        by_class = profile["kernel_time"]["ms_per_step_by_class"]
+        attention_ms = sum(by_class.get(kind, 0.0) for kind in ATTENTION_CLASSES)
+        if attention and attention_ms:  # what the attention achieves on the visible pairs (and flex on its tiles')
+            profile["attention_ms_per_step"] = attention_ms
+            profile["attention_tflop_per_s_visible"] = attention["tflop_per_step_visible"] / attention_ms * 1e3
+            if attention["tflop_per_step_listed"] is not None:
+                profile["flex_tflop_per_s_listed"] = attention["tflop_per_step_listed"] / attention_ms * 1e3
     if dist.is_main:
         report(args, results)
     return 0
@@ -935,10 +947,12 @@ def report(args, results: dict) -> None:
     for mode, numbers in results["modes"].items():
         attention = numbers.get("attention")
         if attention:
+            listed = (f", {attention['listed_pairs_per_step'] / 1e9:.2f}G in the block masks' tiles "
+                      f"({attention['listed_visible_fraction']:.0%} of them visible, "
+                      f"{attention['tflop_per_step_listed']:.2f} TFLOP)" if attention["listed_pairs_per_step"] else "")
             print(f"{mode}: attention {attention['visible_pairs_per_step'] / 1e9:.2f}G visible (query, key) pairs "
-                  f"a step over every layer and head, {attention['listed_pairs_per_step'] / 1e9:.2f}G in the block "
-                  f"masks' tiles ({attention['listed_visible_fraction']:.0%} of them visible): "
-                  f"{attention['tflop_per_step_listed']:.2f} TFLOP forward and backward")
+                  f"a step over every layer and head ({attention['tflop_per_step_visible']:.2f} TFLOP forward and "
+                  f"backward){listed}")
     for mode, numbers in results["modes"].items():
         compiled = numbers.get("warmup_compile") or {}
         kernels = compiled.get("triton_kernels") or {}
@@ -959,9 +973,11 @@ def report(args, results: dict) -> None:
                     [[kind, ms, ms / max(kernels["total_ms_per_step"], 1e-9)]
                      for kind, ms in kernels["ms_per_step_by_class"].items()])
         print_table("longest kernels", ["kernel", "ms/step"], list(kernels["longest_kernels_ms_per_step"].items()))
-        if profile.get("flex_tflop_per_s_listed"):
-            print(f"flex attention: {profile['flex_tflop_per_s_listed']:.0f} TFLOP/s on the pairs of its tiles, "
-                  f"{profile['flex_tflop_per_s_visible']:.0f} on the visible ones")
+        if profile.get("attention_tflop_per_s_visible"):
+            print(f"attention: {profile['attention_ms_per_step']:.1f} ms a step, "
+                  f"{profile['attention_tflop_per_s_visible']:.0f} TFLOP/s on the visible pairs"
+                  + (f", {profile['flex_tflop_per_s_listed']:.0f} on the pairs of flex's tiles"
+                     if profile.get("flex_tflop_per_s_listed") else ""))
         print_table(f"host self time per step ({profile['kernel_launches_per_step']:.0f} kernel launches per step)",
                     ["op", "ms/step", "calls/step"],
                     [[op, ms, profile["host_calls_per_step"][op]] for op, ms in profile["host_self_ms_per_step"].items()])
