@@ -21,8 +21,9 @@ def sees(cols, lo, hi, block_lo, block_hi):
 
 @triton.jit
 def row_tile(num_rows, GROUP: tl.constexpr, BM: tl.constexpr):
-    """This program's query head, its key head, and its tile of rows (grid: row tiles x query heads)."""
-    head = tl.program_id(1)
+    """This program's query head, its key head, and its tile of rows (grid: row tiles x query heads); heads in
+    int64, so offsets past 2**31 elements (heads x rows x head dim) do not wrap."""
+    head = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     return head, head // GROUP, rows, rows < num_rows
 
@@ -190,7 +191,7 @@ def dkdv_step(m, head, cols, k_ND, v_ND, dk, dv, Q, DO, LSE, DELTA, LO, HI, BLO,
 @triton.jit
 def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, BLO, BHI, ROW_START, ROW_END, scale, num_rows, num_keys,
                 GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr):
-    tile, key_head = tl.program_id(0), tl.program_id(1)
+    tile, key_head = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols = tile * BN + tl.arange(0, BN)
     dims = tl.arange(0, D)
     col_ok = cols < num_keys
