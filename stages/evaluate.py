@@ -191,15 +191,20 @@ class Server:
         return decoded
 
 
+def load_target(config: Config, device: str):
+    """The config's target on `device` ("auto", "cpu", "cuda:N"): the device, the dtype, its tokenizer, the model."""
+    device = resolve_device(device)
+    dtype = target_dtype(config.target.dtype, device)
+    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
+    tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
+    return device, dtype, tokenizer, load_causal_lm(str(checkpoint), dtype, device)
+
+
 def serve(config: Config, options: EvalOptions) -> list[EvalResult]:
     """`run` in one process: load, warm up, decode every prompt (a killed run's partial file continues), the
     timed ones with their baseline, unless the timing is deferred (`--defer-timing`: `time_alone` decodes them
     again later, alone on the device). The results keep the prompts' order."""
-    device = resolve_device(options.device)
-    dtype = target_dtype(config.target.dtype, device)
-    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
-    tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
-    target = load_causal_lm(str(checkpoint), dtype, device)
+    device, dtype, tokenizer, target = load_target(config, options.device)
     drafts = [load_drafter(path, target, dtype, device) for path in options.drafters]
     proposals = served_proposals(options, AUTO_PROPOSAL in options.proposals and target_takes_trees(target, device))
     prompts = load_prompts(config, options.prompts, options.num_prompts, tokenizer, options.match, options.exclude)
@@ -271,11 +276,7 @@ def time_alone(config: Config, jobs: list[tuple[EvalOptions, list[EvalResult]]],
             if result.target != config.target.path:
                 raise ConfigError(f"target.path is {config.target.path!r} but {options.out or 'an eval'} served "
                                   f"{result.target!r}: time it with the config it was served with")
-    device = resolve_device(device)
-    dtype = target_dtype(config.target.dtype, device)
-    checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)
-    tokenizer = load_target_tokenizer(checkpoint, config.target.chat_template)
-    target = load_causal_lm(str(checkpoint), dtype, device)
+    device, dtype, tokenizer, target = load_target(config, device)
     stops = stop_token_ids(tokenizer, target)
     drafts, warmed = {}, set()
     for options, results in jobs:

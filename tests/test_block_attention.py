@@ -26,7 +26,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 def visible_from(ranges, num_keys: int) -> torch.Tensor:
     cols = torch.arange(num_keys)[None]
-    lo, hi, block_lo, block_hi = (x.long()[:, None] for x in ranges)
+    lo, hi, block_lo, block_hi = (x.long()[:, None] for x in ranges[:4])
     return ((cols >= lo) & (cols < hi)) | ((cols >= block_lo) & (cols < block_hi))
 
 
@@ -139,7 +139,7 @@ def test_the_ops_fake_outputs_have_the_layout_the_kernels_write():
     with FakeTensorMode():
         q = torch.empty(1, 5, 4, 16).transpose(1, 2)  # (1, 4 heads, 5 rows, 16), not contiguous
         k = torch.empty(1, 7, 2, 16).transpose(1, 2)
-        ranges = [torch.empty(5, dtype=torch.int32) for _ in range(4)]
+        ranges = [torch.empty(5, dtype=torch.int32) for _ in range(4)] + [torch.empty(1, dtype=torch.int32)] * 2
         out, lse = block_attention._forward(q, k, k, *ranges, 0.25)
         assert out.shape == q.shape and out.is_contiguous() and lse.shape == (1, 4, 5)
         grads = block_attention._backward(out, q, k, k, out, lse, *ranges, 0.25)

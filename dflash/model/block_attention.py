@@ -28,12 +28,15 @@ BLOCK_KEYS = 64  # keys per inner step
 
 class RowRanges(NamedTuple):
     """Per query row, the context keys `[lo, hi)` and the block keys `[block_lo, block_hi)` it sees
-    (int32 `(A*B,)`; the keys are the T context tokens, then the A*B block rows). Tensors only: a compiled
-    layer that takes it guards on no length."""
+    (int32 `(A*B,)`; the keys are the T context tokens, then the A*B block rows), and per tile of `BLOCK_KEYS`
+    keys the rows `[tile_start, tile_end)` that can see it (`key_tile_rows`: made once per micro-batch, read by
+    every layer's backward). Tensors only: a compiled layer that takes it guards on no length."""
     lo: torch.Tensor
     hi: torch.Tensor
     block_lo: torch.Tensor
     block_hi: torch.Tensor
+    tile_start: torch.Tensor
+    tile_end: torch.Tensor
 
 
 def row_ranges(doc_T: torch.Tensor, pos_T: torch.Tensor, anchor_doc_A: torch.Tensor, anchor_pos_A: torch.Tensor,
@@ -61,20 +64,21 @@ def row_ranges(doc_T: torch.Tensor, pos_T: torch.Tensor, anchor_doc_A: torch.Ten
     reach = block_size if window is None else slot_S + 1
     block_hi = block_lo + reach
     as_rows = [x.reshape(-1).to(torch.int32).contiguous() for x in (lo, hi, block_lo, block_hi)]
-    return RowRanges(*as_rows)
+    return RowRanges(*as_rows, *key_tile_rows(as_rows, num_tokens + num_anchors * block_size))
 
 
-def key_tile_rows(ranges: RowRanges, num_keys: int,
-                  block_keys: int = BLOCK_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each tile of `block_keys` keys, a range of rows `[start, end)` holding every row that sees one
+def key_tile_rows(ranges, num_keys: int, block_keys: int = BLOCK_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each tile of `block_keys` keys of the rows' `ranges` (lo, hi, block_lo, block_hi, as in
+    `RowRanges`), a range of rows `[start, end)` holding every row that sees one
     of its keys (a superset: the kernel masks the rest). Over the rows the running maximum of each range's
     end and the minimum of its start over the rows after grow, so the rows that can see keys `[k0, k1]`
     are those whose running end passes k0 and whose later-minimum start is at most k1: one interval."""
+    lo_c, hi_c, lo_b, hi_b = ranges[:4]
     num_tiles = -(-num_keys // block_keys)
-    first = torch.arange(num_tiles, device=ranges.lo.device, dtype=torch.long) * block_keys
+    first = torch.arange(num_tiles, device=lo_c.device, dtype=torch.long) * block_keys
     last = first + block_keys - 1
     bounds = []
-    for lo, hi in ((ranges.lo, ranges.hi), (ranges.block_lo, ranges.block_hi)):
+    for lo, hi in ((lo_c, hi_c), (lo_b, hi_b)):
         hi_max = torch.cummax(hi.long(), 0).values
         lo_min = torch.flip(torch.cummin(torch.flip(lo.long(), (0,)), 0).values, (0,))
         start = torch.searchsorted(hi_max, first, right=True)
@@ -133,7 +137,8 @@ def _dense_like(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("dflash::block_attention_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-             block_lo: torch.Tensor, block_hi: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+             block_lo: torch.Tensor, block_hi: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = _dense_like(q)
@@ -146,46 +151,46 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor
 
 
 @_forward.register_fake
-def _(q, k, v, lo, hi, block_lo, block_hi, scale):
+def _(q, k, v, lo, hi, block_lo, block_hi, tile_start, tile_end, scale):
     return _dense_like(q), q.new_empty((1, q.shape[1], q.shape[2]), dtype=torch.float32)
 
 
 @torch.library.custom_op("dflash::block_attention_backward", mutates_args=())
 def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, block_lo: torch.Tensor, block_hi: torch.Tensor,
-              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              tile_start: torch.Tensor, tile_end: torch.Tensor, scale: float
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
     grad_q, grad_k, grad_v = _dense_like(q), _dense_like(k), _dense_like(v)
-    row_start, row_end = key_tile_rows(RowRanges(lo, hi, block_lo, block_hi), keys, BLOCK_KEYS)
     kernels, group = _kernels(), heads // key_heads
     kernels["dq"][(-(-rows // BLOCK_ROWS), heads)](q, k, v, grad_out, lse, delta, grad_q, lo, hi, block_lo, block_hi,
                                                    scale, rows, keys, GROUP=group, D=dim, BM=BLOCK_ROWS, BN=BLOCK_KEYS,
                                                    WHILE=_interpreted())
     kernels["dkdv"][(-(-keys // BLOCK_KEYS), key_heads)](q, k, v, grad_out, lse, delta, grad_k, grad_v, lo, hi,
-                                                         block_lo, block_hi, row_start, row_end, scale, rows, keys,
+                                                         block_lo, block_hi, tile_start, tile_end, scale, rows, keys,
                                                          GROUP=group, D=dim, BM=BLOCK_ROWS, BN=BLOCK_KEYS,
                                                          WHILE=_interpreted())
     return grad_q, grad_k, grad_v
 
 
 @_backward.register_fake
-def _(grad_out, q, k, v, out, lse, lo, hi, block_lo, block_hi, scale):
+def _(grad_out, q, k, v, out, lse, lo, hi, block_lo, block_hi, tile_start, tile_end, scale):
     return _dense_like(q), _dense_like(k), _dense_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, lo, hi, block_lo, block_hi, scale = inputs
+    q, k, v, *ranges, scale = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, lo, hi, block_lo, block_hi)
+    ctx.save_for_backward(q, k, v, out, lse, *ranges)
     ctx.scale = scale
 
 
 def _backward_rule(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, lo, hi, block_lo, block_hi = ctx.saved_tensors
-    grad_q, grad_k, grad_v = _backward(grad_out, q, k, v, out, lse, lo, hi, block_lo, block_hi, ctx.scale)
-    return grad_q, grad_k, grad_v, None, None, None, None, None
+    q, k, v, out, lse, *ranges = ctx.saved_tensors
+    grad_q, grad_k, grad_v = _backward(grad_out, q, k, v, out, lse, *ranges, ctx.scale)
+    return grad_q, grad_k, grad_v, *(None,) * (len(ranges) + 1)
 
 
 _forward.register_autograd(_backward_rule, setup_context=_setup_context)
@@ -194,6 +199,5 @@ _forward.register_autograd(_backward_rule, setup_context=_setup_context)
 def block_attention(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor,
                     ranges: RowRanges) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v over each row's two key ranges; grouped key heads (N a multiple of M)."""
-    out, _ = _forward(q_1NQD, k_1MKD, v_1MKD, ranges.lo, ranges.hi, ranges.block_lo, ranges.block_hi,
-                      q_1NQD.shape[-1] ** -0.5)
+    out, _ = _forward(q_1NQD, k_1MKD, v_1MKD, *ranges, q_1NQD.shape[-1] ** -0.5)
     return out

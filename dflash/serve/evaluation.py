@@ -100,7 +100,7 @@ class EvalResult:
     timed_prompts: int = 0  # the prompts whose times make the three figures above
     ms_per_verification: float = 0.0  # over those prompts: a speculative step's wall time (prefill included)
     baseline_ms_per_token: float = 0.0  # ... and a plain decoding token's
-    timing: str = "inline"  # INLINE, DEFERRED or ALONE: when and how those prompts were timed
+    timing: str = INLINE  # INLINE, DEFERRED or ALONE: when and how those prompts were timed
     retimed_differing: int = 0  # ALONE: timed decodes whose tokens differ from the untimed ones (device nondeterminism)
     mismatched_prompts: int = 0  # near-ties included
     near_tie_prompts: int = 0
