@@ -17,6 +17,7 @@ import torch
 from support import tiled_packed_meta
 
 from dflash.config import ConfigError
+from dflash.model import block_attention
 from dflash.model.block_attention import key_tile_rows, row_ranges
 from dflash.model.masks import attend, build_masks, layer_windows
 
@@ -69,8 +70,6 @@ def test_each_key_tiles_rows_hold_every_row_that_sees_it(seed, tile):
 
 
 def test_blockwise_needs_triton_and_a_device_it_runs_on(monkeypatch):
-    from dflash.model import block_attention
-
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     reason = block_attention.blockwise_refusal(torch.device("cpu"))
     assert reason and ("Triton" in reason or "CUDA" in reason)
@@ -91,8 +90,20 @@ def test_blockwise_needs_triton_and_a_device_it_runs_on(monkeypatch):
         build_context(config, drafter_args("tiny"), Reader(), DistState(0, 1, 0, torch.device("cpu")))
 
 
-def check_kernels(seed: int, device: str) -> None:
-    """The kernels' attention and gradients against the dense mask's SDPA, both layer types."""
+OTHER_TILES = {"forward": block_attention.KernelConfig(32, 128, 4, 2), "dq": block_attention.KernelConfig(128, 32, 8, 3),
+               "dkdv": block_attention.KernelConfig(32, 128, 4, 2)}
+
+
+def check_kernels(seed: int, device: str, other_tiles: bool = False) -> None:
+    """The kernels' attention and gradients against the dense mask's SDPA, both layer types; `other_tiles`:
+    at launches other than the committed ones (the key tiles of the dK/dV kernel made to match)."""
+    if other_tiles:
+        committed = dict(block_attention.CONFIGS)
+        block_attention.CONFIGS.update(OTHER_TILES)
+        try:
+            return check_kernels(seed, device)
+        finally:
+            block_attention.CONFIGS.update(committed)
     meta, block, window = random_case(seed)
     device = torch.device(device)
     meta = {k: v.to(device) for k, v in meta.items()}
@@ -115,17 +126,17 @@ def check_kernels(seed: int, device: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (a GPU install's package)")
-@pytest.mark.parametrize("seed", range(3))
-def test_kernels_equal_the_dense_masks_attention_and_gradients(seed):
+@pytest.mark.parametrize("seed,other_tiles", [(0, False), (1, False), (2, False), (3, True)])
+def test_kernels_equal_the_dense_masks_attention_and_gradients(seed, other_tiles):
     """On a GPU in this process; without one through Triton's interpreter, in a process that has
     TRITON_INTERPRET=1 from its start (Triton reads it when it is imported)."""
     if torch.cuda.is_available():
-        check_kernels(seed, "cuda")
+        check_kernels(seed, "cuda", other_tiles)
         return
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
         [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", f"import test_block_attention as t; t.check_kernels({seed}, 'cpu')"],
-                            env=env, capture_output=True, text=True, timeout=600)
+    code = f"import test_block_attention as t; t.check_kernels({seed}, 'cpu', {other_tiles})"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -133,8 +144,6 @@ def test_the_ops_fake_outputs_have_the_layout_the_kernels_write():
     """Under torch.compile the op's fake outputs stand for the real ones: contiguous, as the kernels write
     them, also for transposed inputs (the drafter's heads come as a transposed view)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from dflash.model import block_attention
 
     with FakeTensorMode():
         q = torch.empty(1, 5, 4, 16).transpose(1, 2)  # (1, 4 heads, 5 rows, 16), not contiguous

@@ -59,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchlib import log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
 
 from dflash.train.compile_cache import CompileProgress, compile_summary, describe_compile  # noqa: E402
+from dflash.model import block_attention  # noqa: E402
 from dflash.model.masks import flex_kernel_options  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12
@@ -741,6 +742,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--attention", choices=("flex", "blockwise"), default="",
                         help="the attention backend in place of the device's default (train.attention): blockwise, "
                              "dflash's own Triton kernels over each row's key ranges (dflash/model/block_attention.py)")
+    parser.add_argument("--blockwise-configs", default="",
+                        help="a tools/bench_block_attention.py --sweep JSON: its best launch of each blockwise kernel "
+                             "in place of block_attention.CONFIGS (with --attention blockwise)")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
@@ -817,6 +821,14 @@ def run(args, argv, dist) -> int:
 
     masks.FLEX_OPTIONS_OVERRIDE.update(args.flex_options)  # before anything compiles flex
     masks.MASK_TILE_OVERRIDE = args.mask_tile  # the collate options below read it
+    if args.blockwise_configs:
+        swept = json.loads(Path(args.blockwise_configs).read_text())["best"]
+        for kernel, rows in swept.items():
+            best = rows["best"]
+            if best is None:  # no config of this kernel ran: it keeps the committed one
+                continue
+            block_attention.CONFIGS[kernel] = block_attention.KernelConfig(
+                best["rows"], best["keys"], best["warps"], best["stages"])
     model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target, args.attention)
     flex_options = flex_kernel_options(ctx.args.head_dim) if device.type == "cuda" else {}  # as masks.attend uses them
     from dflash.model.drafter import count_parameters
@@ -842,6 +854,7 @@ def run(args, argv, dist) -> int:
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
     options = collate_options(ctx, config, args.mask_rule)
     results["mask_tile"] = options["mask_tile"]
+    results["blockwise_configs"] = {name: config._asdict() for name, config in block_attention.CONFIGS.items()}
     say(f"block masks' tile {options['mask_tile']}")
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode == "peer":

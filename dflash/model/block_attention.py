@@ -26,6 +26,19 @@ BLOCK_ROWS = 64  # rows (query tile) per program
 BLOCK_KEYS = 64  # keys per inner step
 
 
+class KernelConfig(NamedTuple):
+    """One kernel's launch: rows and keys per tile, Triton's warps and pipeline stages."""
+    rows: int = BLOCK_ROWS
+    keys: int = BLOCK_KEYS
+    warps: int = 4
+    stages: int = 3
+
+
+# Each kernel's launch (tools/bench_block_attention.py sweeps them). The dK/dV kernel's `keys` is the key tile
+# of `key_tile_rows`, which `row_ranges` makes for it.
+CONFIGS = {"forward": KernelConfig(), "dq": KernelConfig(), "dkdv": KernelConfig()}
+
+
 class RowRanges(NamedTuple):
     """Per query row, the context keys `[lo, hi)` and the block keys `[block_lo, block_hi)` it sees
     (int32 `(A*B,)`; the keys are the T context tokens, then the A*B block rows), and per tile of `BLOCK_KEYS`
@@ -64,7 +77,7 @@ def row_ranges(doc_T: torch.Tensor, pos_T: torch.Tensor, anchor_doc_A: torch.Ten
     reach = block_size if window is None else slot_S + 1
     block_hi = block_lo + reach
     as_rows = [x.reshape(-1).to(torch.int32).contiguous() for x in (lo, hi, block_lo, block_hi)]
-    return RowRanges(*as_rows, *key_tile_rows(as_rows, num_tokens + num_anchors * block_size))
+    return RowRanges(*as_rows, *key_tile_rows(as_rows, num_tokens + num_anchors * block_size, CONFIGS["dkdv"].keys))
 
 
 def key_tile_rows(ranges, num_keys: int, block_keys: int = BLOCK_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,6 +148,36 @@ def _dense_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def _launch(kernel: str, grid, config: KernelConfig, *args, group: int, dim: int) -> None:
+    options = {} if _interpreted() else {"num_warps": config.warps, "num_stages": config.stages}
+    _kernels()[kernel][grid](*args, GROUP=group, D=dim, BM=config.rows, BN=config.keys, WHILE=_interpreted(),
+                             **options)
+
+
+def launch_forward(q, k, v, out, lse, ranges, scale: float, config: KernelConfig) -> None:
+    """The forward kernel into `out` and `lse` (contiguous q, k, v; `ranges` lo, hi, block_lo, block_hi)."""
+    heads, key_heads, rows, keys, dim = _shapes(q, k)
+    _launch("forward", (-(-rows // config.rows), heads), config, q, k, v, out, lse, *ranges, scale, rows, keys,
+            group=heads // key_heads, dim=dim)
+
+
+def launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale: float, config: KernelConfig) -> None:
+    heads, key_heads, rows, keys, dim = _shapes(q, k)
+    _launch("dq", (-(-rows // config.rows), heads), config, q, k, v, grad_out, lse, delta, grad_q, *ranges, scale,
+            rows, keys, group=heads // key_heads, dim=dim)
+
+
+def launch_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, ranges, tiles, scale: float,
+                config: KernelConfig) -> None:
+    """`tiles` (tile_start, tile_end) must be `key_tile_rows` of `config.keys`-key tiles."""
+    heads, key_heads, rows, keys, dim = _shapes(q, k)
+    if tiles[0].shape[0] != -(-keys // config.keys):
+        raise ValueError(f"block_attention: {tiles[0].shape[0]} key tiles' rows for {keys} keys in tiles of "
+                         f"{config.keys}: make them with key_tile_rows(..., block_keys={config.keys})")
+    _launch("dkdv", (-(-keys // config.keys), key_heads), config, q, k, v, grad_out, lse, delta, grad_k, grad_v,
+            *ranges, *tiles, scale, rows, keys, group=heads // key_heads, dim=dim)
+
+
 @torch.library.custom_op("dflash::block_attention_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
              block_lo: torch.Tensor, block_hi: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
@@ -143,10 +186,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = _dense_like(q)
     lse = torch.empty((1, heads, rows), dtype=torch.float32, device=q.device)
-    grid = (-(-rows // BLOCK_ROWS), heads)
-    _kernels()["forward"][grid](q, k, v, out, lse, lo, hi, block_lo, block_hi, scale, rows, keys,
-                                GROUP=heads // key_heads, D=dim, BM=BLOCK_ROWS, BN=BLOCK_KEYS,
-                                WHILE=_interpreted())
+    launch_forward(q, k, v, out, lse, (lo, hi, block_lo, block_hi), scale, CONFIGS["forward"])
     return out, lse
 
 
@@ -164,14 +204,9 @@ def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
     grad_q, grad_k, grad_v = _dense_like(q), _dense_like(k), _dense_like(v)
-    kernels, group = _kernels(), heads // key_heads
-    kernels["dq"][(-(-rows // BLOCK_ROWS), heads)](q, k, v, grad_out, lse, delta, grad_q, lo, hi, block_lo, block_hi,
-                                                   scale, rows, keys, GROUP=group, D=dim, BM=BLOCK_ROWS, BN=BLOCK_KEYS,
-                                                   WHILE=_interpreted())
-    kernels["dkdv"][(-(-keys // BLOCK_KEYS), key_heads)](q, k, v, grad_out, lse, delta, grad_k, grad_v, lo, hi,
-                                                         block_lo, block_hi, tile_start, tile_end, scale, rows, keys,
-                                                         GROUP=group, D=dim, BM=BLOCK_ROWS, BN=BLOCK_KEYS,
-                                                         WHILE=_interpreted())
+    ranges = (lo, hi, block_lo, block_hi)
+    launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale, CONFIGS["dq"])
+    launch_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, ranges, (tile_start, tile_end), scale, CONFIGS["dkdv"])
     return grad_q, grad_k, grad_v
 
 
