@@ -227,3 +227,28 @@ def test_bench_attention_work_counts_the_dense_masks_pairs_and_the_listed_tiles(
     assert work["tflop_per_step_listed"] == pytest.approx(2 * listed * 3 * 14 * 8 / 1e12)
     assert attention_pairs(dict(meta), args) == {"visible": visible * 3, "listed": None}  # no tiles: none listed
     assert attention_work([[dict(meta)]], args, 1)["tflop_per_step_listed"] is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_bench_block_attention_batches_are_the_collates_layout_and_count_the_dense_masks_pairs(seed):
+    """bench_block_attention's micro-batch: T and A*B padded to the tile, every real anchor inside its
+    sequence, the tile layout made from it, and its visible pairs those of the dense mask."""
+    from dflash.model.masks import build_masks
+    from dflash.model.tiles import tile_layout
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_block_attention import packed_batch, visible_pairs
+
+    rng = np.random.default_rng(seed)
+    block, tile = 16, 64
+    meta = packed_batch(rng, int(rng.integers(200, 2000)), int(rng.integers(8, 120)), (20, 300), block, tile)
+    doc, pos, anchor_doc, anchor_pos = (meta[k] for k in ("doc_ids", "position_ids", "anchor_doc", "anchor_pos"))
+    assert len(doc) % tile == 0 and len(anchor_doc) * block % tile == 0
+    real = anchor_doc >= 0
+    lengths = torch.bincount(doc[doc >= 0])
+    assert bool((anchor_pos[real] < lengths[anchor_doc[real]]).all()) and bool((anchor_pos[real] >= 1).all())
+    assert tile_layout(doc.numpy(), pos.numpy(), anchor_doc.numpy(), anchor_pos.numpy(), block, None, tile) is not None
+    dense = build_masks(meta, ["full_attention"], 0, block_size=block, backend="dense", device="cpu")["full_attention"]
+    ranges = build_masks(meta, ["full_attention"], 0, block_size=block, backend="blockwise",
+                         device="cpu")["full_attention"]
+    assert visible_pairs(ranges) == int(dense.sum())
