@@ -9,7 +9,8 @@ drafter's heads by default (9 query heads over 3 key heads of 64 dims). It times
   these heads), forward and forward + backward;
 - the blockwise op (`block_attention`), forward and forward + backward, at its committed kernel configs;
 - `--sweep`: each blockwise kernel alone (forward, dQ, dK/dV) over tiles, warps and stages; the best of each
-  is printed with the configs to put in `dflash/model/block_attention.py`'s `CONFIGS`.
+  is printed with the launches to put in `dflash/model/block_attention.py`'s `SMALL_HEAD_CONFIGS` /
+  `LARGE_HEAD_CONFIGS`.
 
 Each time is also given as TFLOP/s over the visible query-key pairs (4 * D flops a pair forward, 10 * D
 forward + backward: the convention of FlashAttention's benchmarks). The blockwise output and gradients are
@@ -178,7 +179,8 @@ def main(argv: list[str]) -> int:
     pairs = visible_pairs(ranges)
     results = {"run": run_metadata(sys.argv), "rows": num_rows, "keys": num_keys, "visible_pairs": pairs,
                "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "mask_tile": tile,
-               "configs": {name: config._asdict() for name, config in block_attention.CONFIGS.items()}}
+               "configs": {name: config._asdict() for name, config in
+                           block_attention.kernel_configs(args.head_dim).items()}}
 
     def flex(q_, k_, v_):
         return masks.attend(q_, k_, v_, flex_mask)
@@ -211,7 +213,8 @@ def main(argv: list[str]) -> int:
             out = torch.empty_like(qc)
             lse = torch.empty((1, args.heads, num_rows), dtype=torch.float32, device=device)
             scale = args.head_dim ** -0.5
-            block_attention.launch_forward(qc, kc, vc, out, lse, ranges[:4], scale, block_attention.CONFIGS["forward"])
+            committed_configs = block_attention.kernel_configs(args.head_dim)
+            block_attention.launch_forward(qc, kc, vc, out, lse, ranges[:4], scale, committed_configs["forward"])
             inputs = {"q": qc, "k": kc, "v": vc, "do": do, "out": out, "lse": lse, "ranges": ranges[:4],
                       "scale": scale, "delta": (do.float() * out.float()).sum(-1).contiguous(),
                       "dq": torch.empty_like(qc), "dk": torch.empty_like(kc), "dv": torch.empty_like(vc)}
@@ -220,7 +223,7 @@ def main(argv: list[str]) -> int:
                 rows = sweep(kernel, inputs, configs, args.repeats)
                 results["sweep"] += rows
                 timed = [row for row in rows if "ms" in row]
-                committed = block_attention.CONFIGS[kernel]._asdict()
+                committed = committed_configs[kernel]._asdict()
                 best[kernel] = {"best": min(timed, key=lambda row: row["ms"]) if timed else None,
                                 "committed": next((row for row in timed
                                                    if all(row[key] == committed[key] for key in committed)), None)}

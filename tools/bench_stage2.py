@@ -744,7 +744,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "dflash's own Triton kernels over each row's key ranges (dflash/model/block_attention.py)")
     parser.add_argument("--blockwise-configs", default="",
                         help="a tools/bench_block_attention.py --sweep JSON: its best launch of each blockwise kernel "
-                             "in place of block_attention.CONFIGS (with --attention blockwise)")
+                             "for every head size in place of dflash's (block_attention.kernel_configs; with --attention blockwise)")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")
@@ -827,7 +827,7 @@ def run(args, argv, dist) -> int:
             best = rows["best"]
             if best is None:  # no config of this kernel ran: it keeps the committed one
                 continue
-            block_attention.CONFIGS[kernel] = block_attention.KernelConfig(
+            block_attention.CONFIGS_OVERRIDE[kernel] = block_attention.KernelConfig(
                 best["rows"], best["keys"], best["warps"], best["stages"])
     model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target, args.attention)
     flex_options = flex_kernel_options(ctx.args.head_dim) if device.type == "cuda" else {}  # as masks.attend uses them
@@ -854,7 +854,9 @@ def run(args, argv, dist) -> int:
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler
     options = collate_options(ctx, config, args.mask_rule)
     results["mask_tile"] = options["mask_tile"]
-    results["blockwise_configs"] = {name: config._asdict() for name, config in block_attention.CONFIGS.items()}
+    if ctx.backend == "blockwise":
+        results["blockwise_configs"] = {name: config._asdict()
+                                        for name, config in block_attention.kernel_configs(ctx.args.head_dim).items()}
     say(f"block masks' tile {options['mask_tile']}")
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode == "peer":

@@ -34,9 +34,27 @@ class KernelConfig(NamedTuple):
     stages: int = 3
 
 
-# Each kernel's launch (tools/bench_block_attention.py sweeps them). The dK/dV kernel's `keys` is the key tile
-# of `key_tile_rows`, which `row_ranges` makes for it.
-CONFIGS = {"forward": KernelConfig(), "dq": KernelConfig(), "dkdv": KernelConfig()}
+# Each kernel's launch by head size, the fastest of `tools/bench_block_attention.py --sweep` (one H100, 12-06: the
+# SmolLM2-sized drafter's micro-batch at 64 dims, the peers' step's at 128; 36 launches a kernel). The dK/dV
+# kernel's key tile is `BLOCK_KEYS` for every head size: `row_ranges` makes each tile's rows (`key_tile_rows`) before
+# it knows the heads.
+SMALL_HEAD_CONFIGS = {"forward": KernelConfig(64, 32, 4, 3), "dq": KernelConfig(64, 32, 4, 3),
+                      "dkdv": KernelConfig(64, BLOCK_KEYS, 4, 3)}  # heads of up to 64 dims
+LARGE_HEAD_CONFIGS = {"forward": KernelConfig(64, 32, 4, 3), "dq": KernelConfig(64, 32, 4, 2),
+                      "dkdv": KernelConfig(64, BLOCK_KEYS, 4, 2)}
+CONFIGS_OVERRIDE: dict = {}  # kernel -> KernelConfig for every head size (the sweep's best, tests); its dK/dV keys
+                             # are then the key tile
+
+
+def kernel_configs(head_dim: int) -> dict[str, KernelConfig]:
+    """Each kernel's launch for heads of `head_dim` dims."""
+    base = SMALL_HEAD_CONFIGS if head_dim <= 64 else LARGE_HEAD_CONFIGS
+    return {**base, **CONFIGS_OVERRIDE}
+
+
+def key_tile() -> int:
+    """The dK/dV kernel's key tile, the tile `key_tile_rows` lists rows for."""
+    return CONFIGS_OVERRIDE["dkdv"].keys if "dkdv" in CONFIGS_OVERRIDE else BLOCK_KEYS
 
 
 class RowRanges(NamedTuple):
@@ -77,7 +95,7 @@ def row_ranges(doc_T: torch.Tensor, pos_T: torch.Tensor, anchor_doc_A: torch.Ten
     reach = block_size if window is None else slot_S + 1
     block_hi = block_lo + reach
     as_rows = [x.reshape(-1).to(torch.int32).contiguous() for x in (lo, hi, block_lo, block_hi)]
-    return RowRanges(*as_rows, *key_tile_rows(as_rows, num_tokens + num_anchors * block_size, CONFIGS["dkdv"].keys))
+    return RowRanges(*as_rows, *key_tile_rows(as_rows, num_tokens + num_anchors * block_size, key_tile()))
 
 
 def key_tile_rows(ranges, num_keys: int, block_keys: int = BLOCK_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,8 +168,9 @@ def _dense_like(x: torch.Tensor) -> torch.Tensor:
 
 def _launch(kernel: str, grid, config: KernelConfig, *args, group: int, dim: int) -> None:
     options = {} if _interpreted() else {"num_warps": config.warps, "num_stages": config.stages}
+    precision = "ieee" if args[0].dtype == torch.float32 else "tf32"  # float32: exact dots, not TF32's
     _kernels()[kernel][grid](*args, GROUP=group, D=dim, BM=config.rows, BN=config.keys, WHILE=_interpreted(),
-                             **options)
+                             P=precision, **options)
 
 
 def launch_forward(q, k, v, out, lse, ranges, scale: float, config: KernelConfig) -> None:
@@ -186,7 +205,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = _dense_like(q)
     lse = torch.empty((1, heads, rows), dtype=torch.float32, device=q.device)
-    launch_forward(q, k, v, out, lse, (lo, hi, block_lo, block_hi), scale, CONFIGS["forward"])
+    launch_forward(q, k, v, out, lse, (lo, hi, block_lo, block_hi), scale, kernel_configs(dim)["forward"])
     return out, lse
 
 
@@ -201,12 +220,13 @@ def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
               tile_start: torch.Tensor, tile_end: torch.Tensor, scale: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     heads, key_heads, rows, keys, dim = _shapes(q, k)
-    q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous()
+    q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.to(q.dtype).contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
     grad_q, grad_k, grad_v = _dense_like(q), _dense_like(k), _dense_like(v)
     ranges = (lo, hi, block_lo, block_hi)
-    launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale, CONFIGS["dq"])
-    launch_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, ranges, (tile_start, tile_end), scale, CONFIGS["dkdv"])
+    configs = kernel_configs(dim)
+    launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale, configs["dq"])
+    launch_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, ranges, (tile_start, tile_end), scale, configs["dkdv"])
     return grad_q, grad_k, grad_v
 
 
@@ -234,5 +254,7 @@ _forward.register_autograd(_backward_rule, setup_context=_setup_context)
 def block_attention(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor,
                     ranges: RowRanges) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v over each row's two key ranges; grouped key heads (N a multiple of M)."""
+    # one dtype for the kernels' dots: the values' (q and k may come out of RoPE in float32)
+    q_1NQD, k_1MKD = q_1NQD.to(v_1MKD.dtype), k_1MKD.to(v_1MKD.dtype)
     out, _ = _forward(q_1NQD, k_1MKD, v_1MKD, *ranges, q_1NQD.shape[-1] ** -0.5)
     return out

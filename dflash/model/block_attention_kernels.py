@@ -6,7 +6,8 @@ tile walks the key tiles of the union of its rows' context ranges, then of its b
 gradients of keys and values) walks the row tiles that can see it. Invisible scores are -1e30, finite, so a
 row with no visible key yet never makes a NaN. Loops over a runtime range are `for` loops on a GPU and
 `while` loops under Triton's interpreter (`WHILE`), whose `range` takes no tensor bounds; the loop bodies
-(`*_step`) are the same code either way.
+(`*_step`) are the same code either way. `P` is the dots' input precision: "ieee" for float32 inputs (exact,
+as the dense reference), "tf32" otherwise (bf16 and fp16 dots ignore it).
 """
 
 import triton
@@ -61,13 +62,13 @@ def span(lo, hi, num_keys, BN: tl.constexpr):
 
 @triton.jit
 def forward_step(n, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc, num_keys, scale,
-                 D: tl.constexpr, BN: tl.constexpr):
+                 D: tl.constexpr, BN: tl.constexpr, P: tl.constexpr):
     """One key tile into a row tile's online softmax."""
     dims = tl.arange(0, D)
     cols = n + tl.arange(0, BN)
     col_ok = cols < num_keys
     k_DN = tl.load(k_base + cols[None, :] * D + dims[:, None], mask=col_ok[None, :], other=0.0)
-    s = tl.dot(q, k_DN) * scale
+    s = tl.dot(q, k_DN, input_precision=P) * scale
     visible = sees(cols, lo, hi, block_lo, block_hi)
     s = tl.where(visible, s, -1e30)
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -75,29 +76,29 @@ def forward_step(n, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     v_ND = tl.load(v_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v_ND.dtype), v_ND)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v_ND.dtype), v_ND, input_precision=P)
     return m_new, l_i, acc
 
 
 @triton.jit
 def forward_range(first, end, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc, num_keys, scale,
-                  D: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr):
+                  D: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr):
     if WHILE:
         n = first
         while n < end:
             m_i, l_i, acc = forward_step(n, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
-                                         num_keys, scale, D, BN)
+                                         num_keys, scale, D, BN, P)
             n += BN
     else:
         for n in range(first, end, BN):
             m_i, l_i, acc = forward_step(n, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
-                                         num_keys, scale, D, BN)
+                                         num_keys, scale, D, BN, P)
     return m_i, l_i, acc
 
 
 @triton.jit
 def forward_kernel(Q, K, V, O, LSE, LO, HI, BLO, BHI, scale, num_rows, num_keys, GROUP: tl.constexpr,
-                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr):
+                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr):
     head, key_head, rows, row_ok = row_tile(num_rows, GROUP, BM)
     dims = tl.arange(0, D)
     q = tl.load(Q + head * num_rows * D + rows[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
@@ -109,10 +110,10 @@ def forward_kernel(Q, K, V, O, LSE, LO, HI, BLO, BHI, scale, num_rows, num_keys,
     acc = tl.zeros([BM, D], tl.float32)
     first, end = span(lo, hi, num_keys, BN)
     m_i, l_i, acc = forward_range(first, end, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
-                                  num_keys, scale, D, BN, WHILE)
+                                  num_keys, scale, D, BN, WHILE, P)
     first, end = span(block_lo, block_hi, num_keys, BN)
     m_i, l_i, acc = forward_range(first, end, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
-                                  num_keys, scale, D, BN, WHILE)
+                                  num_keys, scale, D, BN, WHILE, P)
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     tl.store(O + head * num_rows * D + rows[:, None] * D + dims[None, :], out.to(O.dtype.element_ty),
@@ -122,37 +123,37 @@ def forward_kernel(Q, K, V, O, LSE, LO, HI, BLO, BHI, scale, num_rows, num_keys,
 
 @triton.jit
 def dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
-            D: tl.constexpr, BN: tl.constexpr):
+            D: tl.constexpr, BN: tl.constexpr, P: tl.constexpr):
     dims = tl.arange(0, D)
     cols = n + tl.arange(0, BN)
     col_ok = cols < num_keys
     k_ND = tl.load(k_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0)
     v_ND = tl.load(v_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k_ND)) * scale
+    s = tl.dot(q, tl.trans(k_ND), input_precision=P) * scale
     visible = sees(cols, lo, hi, block_lo, block_hi)
     p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-    dp = tl.dot(do, tl.trans(v_ND))
+    dp = tl.dot(do, tl.trans(v_ND), input_precision=P)
     ds = p * (dp - delta[:, None])
-    return dq + tl.dot(ds.to(k_ND.dtype), k_ND)
+    return dq + tl.dot(ds.to(k_ND.dtype), k_ND, input_precision=P)
 
 
 @triton.jit
 def dq_range(first, end, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
-             D: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr):
+             D: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr):
     if WHILE:
         n = first
         while n < end:
-            dq = dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale, D, BN)
+            dq = dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale, D, BN, P)
             n += BN
     else:
         for n in range(first, end, BN):
-            dq = dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale, D, BN)
+            dq = dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale, D, BN, P)
     return dq
 
 
 @triton.jit
 def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, BLO, BHI, scale, num_rows, num_keys, GROUP: tl.constexpr,
-              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr):
+              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr):
     head, key_head, rows, row_ok = row_tile(num_rows, GROUP, BM)
     dims = tl.arange(0, D)
     offsets = head * num_rows * D + rows[:, None] * D + dims[None, :]
@@ -163,34 +164,35 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, BLO, BHI, scale, num_rows, nu
     dq = tl.zeros([BM, D], tl.float32)
     first, end = span(lo, hi, num_keys, BN)
     dq = dq_range(first, end, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
-                  D, BN, WHILE)
+                  D, BN, WHILE, P)
     first, end = span(block_lo, block_hi, num_keys, BN)
     dq = dq_range(first, end, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
-                  D, BN, WHILE)
+                  D, BN, WHILE, P)
     tl.store(DQ + offsets, (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def dkdv_step(m, head, cols, k_ND, v_ND, dk, dv, Q, DO, LSE, DELTA, LO, HI, BLO, BHI, num_rows, scale,
-              D: tl.constexpr, BM: tl.constexpr):
+              D: tl.constexpr, BM: tl.constexpr, P: tl.constexpr):
     """One row tile of one query head into a key tile's key and value gradients."""
     rows = m + tl.arange(0, BM)
     row_ok = rows < num_rows
     q, do, lse, delta = load_backward_rows(rows, row_ok, head, Q, DO, LSE, DELTA, num_rows, D)
     lo, hi, block_lo, block_hi = load_ranges(rows, row_ok, LO, HI, BLO, BHI)
-    s = tl.dot(q, tl.trans(k_ND)) * scale
+    s = tl.dot(q, tl.trans(k_ND), input_precision=P) * scale
     visible = sees(cols, lo, hi, block_lo, block_hi) & row_ok[:, None]
     p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-    dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-    dp = tl.dot(do, tl.trans(v_ND))
+    dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=P)
+    dp = tl.dot(do, tl.trans(v_ND), input_precision=P)
     ds = p * (dp - delta[:, None])
-    dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+    dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=P)
     return dk, dv
 
 
 @triton.jit
 def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, BLO, BHI, ROW_START, ROW_END, scale, num_rows, num_keys,
-                GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr):
+                GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr,
+                P: tl.constexpr):
     tile, key_head = tl.program_id(0), tl.program_id(1).to(tl.int64)
     cols = tile * BN + tl.arange(0, BN)
     dims = tl.arange(0, D)
@@ -208,11 +210,11 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, BLO, BHI, ROW_START, RO
             m = row_start
             while m < row_end:
                 dk, dv = dkdv_step(m, head, cols, k_ND, v_ND, dk, dv, Q, DO, LSE, DELTA, LO, HI, BLO, BHI, num_rows,
-                                   scale, D, BM)
+                                   scale, D, BM, P)
                 m += BM
         else:
             for m in range(row_start, row_end, BM):
                 dk, dv = dkdv_step(m, head, cols, k_ND, v_ND, dk, dv, Q, DO, LSE, DELTA, LO, HI, BLO, BHI, num_rows,
-                                   scale, D, BM)
+                                   scale, D, BM, P)
     tl.store(DK + key_offsets, (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
