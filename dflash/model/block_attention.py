@@ -254,7 +254,7 @@ _forward.register_autograd(_backward_rule, setup_context=_setup_context)
 def block_attention(q_1NQD: torch.Tensor, k_1MKD: torch.Tensor, v_1MKD: torch.Tensor,
                     ranges: RowRanges) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v over each row's two key ranges; grouped key heads (N a multiple of M)."""
-    # one dtype for the kernels' dots: the values' (q and k may come out of RoPE in float32)
+    # one dtype for the kernels' dots: the values' (q and k may come out of their RMSNorm in float32)
     q_1NQD, k_1MKD = q_1NQD.to(v_1MKD.dtype), k_1MKD.to(v_1MKD.dtype)
     out, _ = _forward(q_1NQD, k_1MKD, v_1MKD, *ranges, q_1NQD.shape[-1] ** -0.5)
     return out
