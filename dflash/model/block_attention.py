@@ -12,8 +12,9 @@ bounds per row on the device; `block_attention` is the attention (forward: `_for
 custom op, so compiled layers keep it whole. Key heads are read by their query heads (grouped-query
 attention), never repeated.
 
-`train.attention = "blockwise"` trains with it (CUDA, Triton); the default stays flex attention until it is
-measured faster there. Exactness: tests/test_block_attention.py (output and gradients against the dense
+`train.attention = "blockwise"` trains with it (CUDA, Triton). On one H100 (12-06) it ran the SmolLM2-sized
+drafter's attention in 3.1 ms a micro-batch against flex's 4.2 (`tools/bench_block_attention.py`) and its step
+4% faster; flex stays the default until a recipe has trained with it. Exactness: tests/test_block_attention.py (output and gradients against the dense
 mask's SDPA on fresh random batches; on the CPU through Triton's interpreter, `TRITON_INTERPRET=1`).
 """
 
