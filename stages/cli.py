@@ -259,9 +259,16 @@ def export(checkpoint, out_dir):
                    "few hundred kernel launches become one; the same logits as the eager drafter, tested), and at T > 0 "
                    "a sampled tree's verdicts likewise (one replay per tree shape, the same verdicts as eager, "
                    "tested); off: both run eagerly.")
+@click.option("--target-graphs/--no-target-graphs", default=False, show_default=True,
+              help="Serve the target (plain baseline and verifications alike) over a static KV cache with each "
+                   "forward's shape replayed as a CUDA graph, as serving engines run it, instead of transformers' "
+                   "forward with its dynamic cache (one Python pass over every layer a token: for a small target "
+                   "that pass is the token's whole cost, and it varies). Llama, Mistral, Qwen2, Qwen3 targets; the "
+                   "same features and logits as transformers' forward (tested); others keep transformers'.")
 @click.option("--shard", default="", hidden=True, help="I/K: serve only the I-th of K contiguous shares (--workers).")
 def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, exclude, max_new_tokens, temperature,
-             proposals, seed, device, out, plot, workers, timed_prompts, defer_timing, drafter_graphs, shard):
+             proposals, seed, device, out, plot, workers, timed_prompts, defer_timing, drafter_graphs, target_graphs,
+             shard):
     """Measure an exported drafter as it is served: speculative decoding with the target.
 
     The target is the config's target.path (checkpoint directory, .gguf file or embedded:tiny).
@@ -281,7 +288,7 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
                                          seed=seed, device=device, out=out or "",
                                          plot=plot or "", workers=workers, shard=shard,
                                          timed_prompts=timed_prompts, defer_timing=defer_timing,
-                                         drafter_graphs=drafter_graphs)
+                                         drafter_graphs=drafter_graphs, target_graphs=target_graphs)
     config_args = (["-c", config_path] if config_path else []) + [item for override in overrides
                                                                    for item in ("--set", override)]
     evaluate_stage.run(config, options, config_args)

@@ -42,10 +42,12 @@ from dflash.dist import resolve_device, share_threads
 from dflash.extract.target import load_causal_lm, prepare_checkpoint, stop_token_ids, target_dtype
 from dflash.model.modeling_dflash import Proposal, TargetSession, graph_capacity, parse_proposal, plain_generate
 from dflash.outputs import write_text_atomic
+from dflash.serve.decoding import unsupported_reason
 from dflash.serve.evaluation import (ALONE, DEFERRED, HELDOUT, INLINE, EvalResult, PartialResults, PromptResult,
                                      check_drafter_export, decode_prompt, drafter_identity, load_drafter, load_prompts,
                                      mark_code, plot, print_report, result_from_json, summarize, timed, warm_up,
                                      write_json)
+from dflash.serve.target_graphs import StaticTargetSession
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,8 @@ class EvalOptions:
     timed_prompts: int = 0  # > 0: only N prompts' times (spread over the set) make the speed figures (0: all)
     defer_timing: bool = False  # decode every prompt untimed; `time_alone` (dflash time-evals) times them later
     drafter_graphs: bool = True  # on CUDA the drafter's block replays as a CUDA graph (modeling_dflash.BlockGraph)
+    target_graphs: bool = False  # the target over a static cache, each forward's shape a CUDA graph on CUDA
+                                 # (dflash/serve/target_graphs.py; Llama, Mistral, Qwen2, Qwen3 targets)
 
 
 AUTO_PROPOSAL = "auto"
@@ -143,10 +147,30 @@ class Server:
     from the seed plus the prompt's index."""
 
     def __init__(self, target, device: torch.device, stops, options: EvalOptions,
-                 served: list[tuple[object, Proposal]], graphs: bool):
+                 served: list[tuple[object, Proposal]], graphs: bool, prompts=()):
         self.target, self.device, self.stops, self.options, self.graphs = target, device, stops, options, graphs
         self.served = [(draft, proposal, torch.Generator(device=device)) for draft, proposal in served]
         self.baseline_generator = torch.Generator(device=device)
+        # with options.target_graphs, one static session per distinct feature layers, as long as `prompts` need
+        self.sessions, self.max_context = {}, 0
+        if options.target_graphs and StaticTargetSession.supports(target):
+            widest = max([draft.block_size for draft, _ in served] + [proposal.tree for _, proposal in served])
+            self.max_context = max((len(prompt.ids) for prompt in prompts), default=0) + options.max_new_tokens + widest + 1
+
+    @property
+    def target_graphs(self) -> bool:
+        return self.max_context > 0
+
+    def session_for(self, draft):
+        """The target's static session for `draft`'s feature layers (None: the plain decoding's, any one), or
+        None without target graphs."""
+        if not self.target_graphs:
+            return None
+        layer_ids = tuple(draft.target_layer_ids) if draft is not None else next(iter(self.sessions), None)
+        layer_ids = layer_ids if layer_ids is not None else tuple(self.served[0][0].target_layer_ids)
+        if layer_ids not in self.sessions:
+            self.sessions[layer_ids] = StaticTargetSession(self.target, list(layer_ids), self.max_context)
+        return self.sessions[layer_ids]
 
     def warm_up(self, prompts, warmed: set | None = None) -> None:
         """`warm_up` with every drafter and policy served here, once per drafter cache capacity among `prompts` (the
@@ -167,7 +191,7 @@ class Server:
                 fresh = [proposal for key, proposal in shapes.items() if key not in warmed]
                 if fresh or plain:
                     warm_up([draft] if fresh else [], self.target, prompt.ids, new_tokens, self.stops, self.device,
-                            fresh, self.graphs, self.options.temperature)
+                            fresh, self.graphs, self.options.temperature, self.session_for)
                     plain = False
                 warmed.update(shapes)
             warmed.add(("plain", sampled))
@@ -181,10 +205,11 @@ class Server:
         # target's greedy choices in one forward): an untimed prompt skips it
         baseline = None if not timed_prompt else timed(
             self.device, lambda: plain_generate(self.target, input_ids, options.max_new_tokens, self.stops,
-                                                options.temperature, self.baseline_generator))
+                                                options.temperature, self.baseline_generator, self.session_for(None)))
         checks = {}  # the greedy check once per distinct output (the policies' outputs are mostly one)
         decoded = [decode_prompt(draft, self.target, prompt.label, input_ids, baseline, options.max_new_tokens,
-                                 options.temperature, self.stops, generator, self.device, proposal, self.graphs, checks)
+                                 options.temperature, self.stops, generator, self.device, proposal, self.graphs, checks,
+                                 self.session_for(draft))
                    for draft, proposal, generator in self.served]
         for one in decoded:
             one.kind, one.timed = prompt.kind, timed_prompt
@@ -222,11 +247,14 @@ def serve(config: Config, options: EvalOptions) -> list[EvalResult]:
     # how --workers shares them out)
     graphs = options.drafter_graphs and device.type == "cuda"  # off CUDA the drafter runs eagerly
     server = Server(target, device, stop_token_ids(tokenizer, target), options,
-                    [(draft, proposal) for draft in drafts for proposal in proposals], graphs)
+                    [(draft, proposal) for draft in drafts for proposal in proposals], graphs, prompts)
+    if options.target_graphs and not server.target_graphs:
+        print(f"eval: --target-graphs: {unsupported_reason(target)}; the target runs through transformers' forward")
     results = [EvalResult(drafter=path, target=config.target.path, prompts_source=source, device=str(device),
                           dtype=str(dtype).removeprefix("torch."), block_size=draft.block_size,
                           temperature=options.temperature, max_new_tokens=options.max_new_tokens,
-                          proposal=proposal.name, drafter_graphs=graphs, cpu_threads=torch.get_num_threads(),
+                          proposal=proposal.name, drafter_graphs=graphs, target_graphs=server.target_graphs,
+                          cpu_threads=torch.get_num_threads(),
                           timing=DEFERRED if options.defer_timing else INLINE)
                for path, draft in zip(options.drafters, drafts) for proposal in proposals]
     partial = PartialResults(options.out, run_identity(options, device))
@@ -290,9 +318,11 @@ def time_alone(config: Config, jobs: list[tuple[EvalOptions, list[EvalResult]]],
                               f"{options.prompts} gives {len(prompts)} now: the prompts changed since")
         indices = sorted(spread(options.timed_prompts, len(prompts)))
         graphs = options.drafter_graphs and device.type == "cuda"
+        timed_prompts = [prompts[index] for index in indices]
         server = Server(target, device, stops, options,
-                        [(drafts[result.drafter], parse_proposal(result.proposal)) for result in results], graphs)
-        server.warm_up([prompts[index] for index in indices], warmed)
+                        [(drafts[result.drafter], parse_proposal(result.proposal)) for result in results], graphs,
+                        timed_prompts)
+        server.warm_up(timed_prompts, warmed if not server.target_graphs else set())  # a new server's sessions: warm
         for index in tqdm(indices, unit="prompt", desc=f"time {Path(options.out).stem if options.out else ''}".strip(),
                           dynamic_ncols=True):
             for result, decoded in zip(results, server.decode(index, prompts[index], True)):
@@ -409,7 +439,8 @@ def worker_command(options: EvalOptions, config_args: list[str], shard: str, out
             "--proposal", ",".join(options.proposals), "--seed", str(options.seed),
             "--device", options.device, "--out", str(out), "--shard", shard,
             "--timed-prompts", str(options.timed_prompts), "--defer-timing",
-            "--drafter-graphs" if options.drafter_graphs else "--no-drafter-graphs"]
+            "--drafter-graphs" if options.drafter_graphs else "--no-drafter-graphs",
+            "--target-graphs" if options.target_graphs else "--no-target-graphs"]
 
 
 @contextlib.contextmanager

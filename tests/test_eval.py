@@ -519,7 +519,7 @@ def test_a_timing_process_warms_each_shape_and_capacity_once():
 
     calls = []
     original = evaluate.warm_up
-    evaluate.warm_up = lambda drafts, target, ids, new_tokens, stops, device, proposals, graphs, temperature: \
+    evaluate.warm_up = lambda drafts, target, ids, new_tokens, stops, device, proposals, graphs, temperature, *_: \
         calls.append(([id(d) for d in drafts], len(ids), [p.name for p in proposals], temperature))
     try:
         class Draft:  # a drafter as warm_up sees it (hashable by identity, as a module is)

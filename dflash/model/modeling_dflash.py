@@ -902,7 +902,7 @@ def walk_tree(tree: DraftTree, target_tokens: list[int]) -> tuple[list[int], int
 def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tensor, max_new_tokens: int,
                          stop_token_ids: list[int], temperature: float, generator=None,
                          proposal: Proposal = Proposal(sample=True), graphs: bool | None = None,
-                         observe=None) -> SpecStats:
+                         observe=None, session=None) -> SpecStats:
     """The serving loop: prefill, then per step draft one block from the anchor (the last committed
     token) by the `proposal` policy, verify it in one target forward, commit the accepted drafts
     plus the target's token.
@@ -912,13 +912,18 @@ def speculative_generate(draft: DFlashDraftModel, target, input_ids: torch.Tenso
     tree's verdicts (`VerdictTries`); True off CUDA runs the graph's static step eagerly; False: the drafter
     eagerly with a growing cache, the verdicts eagerly.
     `observe(draft_logits (K, V), target_logits (K + 1, V))`, if given, sees every chain verification: the drafter's
-    slots and the target's logits at the anchor and at each draft (diagnostics: tools/calibration_sampled.py)."""
+    slots and the target's logits at the anchor and at each draft (diagnostics: tools/calibration_sampled.py).
+    `session`: the target's session in place of a `TargetSession` over transformers' forward, with its interface and
+    a `reset()` (dflash's `StaticTargetSession`: a static cache, the forwards as CUDA graphs)."""
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"spec_generate serves one sequence: input_ids must be (1, T), got {tuple(input_ids.shape)}")
     device = input_ids.device
     embed_VH = target.get_input_embeddings().weight
     lm_head = target.get_output_embeddings()
-    session = TargetSession(target, draft.target_layer_ids)
+    if session is None:
+        session = TargetSession(target, draft.target_layer_ids)
+    else:
+        session.reset()
     stats = SpecStats(output_ids=input_ids, num_prompt_tokens=input_ids.shape[1])
     new_features, logits = session.forward(input_ids, logits_to_keep=1)
     generated = [int(choose(logits[0, -1], temperature, generator))]
@@ -987,9 +992,20 @@ def truncate(tokens: list[int], max_new_tokens: int, stops: set[int]) -> list[in
 
 @torch.inference_mode()
 def plain_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=(), temperature: float = 0.0,
-                   generator=None) -> list[int]:
+                   generator=None, session=None) -> list[int]:
     """Plain decoding, one target forward per token, with the KV cache: greedy at temperature 0, else
-    sampled from softmax(logits / temperature) (the baseline of `dflash eval`)."""
+    sampled from softmax(logits / temperature) (the baseline of `dflash eval`); through `session` (as
+    `speculative_generate`'s) where given."""
+    if session is not None:
+        session.reset()
+        _, logits = session.forward(input_ids, logits_to_keep=1)
+        generated, stops = [], set(stop_token_ids)
+        while True:
+            generated.append(int(choose(logits[0, -1], temperature, generator)))  # sync: one per token
+            if len(generated) >= max_new_tokens or generated[-1] in stops:
+                return generated
+            next_ids = torch.tensor([[generated[-1]]], dtype=torch.long, device=input_ids.device)
+            _, logits = session.forward(next_ids, logits_to_keep=1)
     keyword = cache_keyword(target)
     out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1)
     generated, stops = [], set(stop_token_ids)

@@ -212,18 +212,7 @@ class SlotDecoder:
     # ------------------------------------------------------------------ the forward
 
     def _attention_inputs(self, layer, hidden_BTH: torch.Tensor, cos, sin):
-        attention = layer.self_attn
-        B, T, _ = hidden_BTH.shape
-        q = attention.q_proj(hidden_BTH).view(B, T, self.num_heads, self.head_dim)
-        k = attention.k_proj(hidden_BTH).view(B, T, self.num_kv_heads, self.head_dim)
-        v = attention.v_proj(hidden_BTH).view(B, T, self.num_kv_heads, self.head_dim)
-        if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head's dims, before RoPE
-            q, k = attention.q_norm(q), attention.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        return q, k, v, attention.scaling
+        return attention_inputs(layer, hidden_BTH, cos, sin, self.num_heads, self.num_kv_heads, self.head_dim)
 
     def _decode_mask(self, group: int) -> BlockMask:
         """The "flex" mask: each slot sees the keys at positions up to its own, the blocks before
@@ -421,6 +410,23 @@ class SlotDecoder:
             on_finished(Finished(owner[slot].key, tokens if cut else tokens[:-1], cut))
             owner[slot] = None
             free.append(slot)
+
+
+def attention_inputs(layer, hidden_BTH: torch.Tensor, cos, sin, num_heads: int, num_kv_heads: int, head_dim: int):
+    """A full-attention layer's q `(B, heads, T, D)`, k and v `(B, kv heads, T, D)` (RoPE applied) and its
+    scale, from the layer's own modules, for the hidden states `(B, T, H)` after its input norm."""
+    attention = layer.self_attn
+    B, T, _ = hidden_BTH.shape
+    q = attention.q_proj(hidden_BTH).view(B, T, num_heads, head_dim)
+    k = attention.k_proj(hidden_BTH).view(B, T, num_kv_heads, head_dim)
+    v = attention.v_proj(hidden_BTH).view(B, T, num_kv_heads, head_dim)
+    if hasattr(attention, "q_norm"):  # Qwen3: RMSNorm over each head's dims, before RoPE
+        q, k = attention.q_norm(q), attention.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    q = q * cos + _rotate_half(q) * sin
+    k = k * cos + _rotate_half(k) * sin
+    return q, k, v, attention.scaling
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

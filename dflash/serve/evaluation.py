@@ -87,6 +87,7 @@ class EvalResult:
     max_new_tokens: int
     proposal: str = "sample"  # how blocks were drafted at temperature > 0 (modeling_dflash.Proposal)
     drafter_graphs: bool = False  # the drafter's block replayed as a CUDA graph (modeling_dflash.BlockGraph)
+    target_graphs: bool = False  # the target over a static cache, its forwards as CUDA graphs (target_graphs.py)
     cpu_threads: int = 0  # torch's operator threads in the serving process (a worker's: its share, docs/eval.md)
     num_prompts: int = 0
     generated_tokens: int = 0
@@ -295,36 +296,38 @@ def timed(device: torch.device, fn) -> Timed:
 
 
 def warm_up(drafts, target, prompt_ids: np.ndarray, max_new_tokens: int, stops, device: torch.device,
-            proposals=(Proposal(sample=True),), graphs: bool | None = None, temperature: float = 0.0) -> None:
+            proposals=(Proposal(sample=True),), graphs: bool | None = None, temperature: float = 0.0,
+            session_for=lambda draft: None) -> None:
     """On CUDA, one untimed run of the first prompt by the baseline and every drafter with every
     proposal policy at the served temperature (a tree's verification has its own shapes and mask; above 0 a
     sampled tree's verdicts are captured per shape), so that kernel selection, lazy module loading, graph
     captures and allocator growth are timed by none of them (CPU timings are not served speedups anyway, and the
-    CPU decodes slowly: no warm-up there). Its draws come from a stream of its own."""
+    CPU decodes slowly: no warm-up there). Its draws come from a stream of its own. `session_for(draft)`: the target's
+    session for a drafter (None: transformers' forward; `session_for(None)` the plain decoding's)."""
     if device.type != "cuda":
         return
     input_ids = torch.as_tensor(prompt_ids, device=device)[None]
     generator = torch.Generator(device=device).manual_seed(0) if temperature > 0 else None
-    plain_generate(target, input_ids, max_new_tokens, stops, temperature, generator)
+    plain_generate(target, input_ids, max_new_tokens, stops, temperature, generator, session_for(None))
     # at temperature 0 one chain stands for every chain policy, and each tree size for its kinds
     shapes = list(proposals) if temperature > 0 else list({p.greedy_key(): p for p in proposals}.values())
     for draft in drafts:
         for proposal in shapes:
             speculative_generate(draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal,
-                                 graphs)
+                                 graphs, session=session_for(draft))
 
 
 def decode_prompt(draft, target, prompt_id: str, input_ids: torch.Tensor, baseline, max_new_tokens: int,
                   temperature: float, stops, generator, device: torch.device,
                   proposal: Proposal = Proposal(sample=True), graphs: bool | None = None,
-                  checks: dict | None = None) -> PromptResult:
+                  checks: dict | None = None, session=None) -> PromptResult:
     """Speculative decoding of one prompt (blocks drafted by `proposal` at temperature > 0); `baseline`: the
     plain decoding's `Timed` (tokens, seconds, host load: the speed figure; None for a prompt not timed). At temperature
     0 the output is checked against the target's greedy choice at every position (`greedy_check`), once per
     distinct output where the policies of one prompt share `checks`; `graphs`: as `speculative_generate`'s
-    (None: a CUDA graph on CUDA)."""
+    (None: a CUDA graph on CUDA); `session`: the target's (`speculative_generate`'s; None: transformers' forward)."""
     spec, spec_seconds, spec_host = timed(device, lambda: speculative_generate(
-        draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal, graphs))
+        draft, target, input_ids, max_new_tokens, stops, temperature, generator, proposal, graphs, session=session))
     baseline_tokens, baseline_seconds, baseline_host = baseline or ([], 0.0, None)
     result = PromptResult(prompt_id=prompt_id, prompt_tokens=input_ids.shape[1], generated_tokens=len(spec.generated),
                           acceptance_lengths=spec.acceptance_lengths, target_forwards=spec.target_forwards,
@@ -434,7 +437,8 @@ def print_report(results: list[EvalResult]) -> None:
     print(f"\ndflash eval: target {first.target}, {first.device} {first.dtype}{threads}, "
           f"temperature {first.temperature:g}, "
           f"up to {first.max_new_tokens} new tokens, {first.num_prompts} prompts ({first.prompts_source})"
-          + (", the drafter's block as a CUDA graph" if first.drafter_graphs else ""))
+          + (", the drafter's block as a CUDA graph" if first.drafter_graphs else "")
+          + (", the target's forwards as CUDA graphs (static cache)" if first.target_graphs else ""))
     plain = "greedy" if first.temperature <= 0 else "sampled"
     print(f"| drafter | proposal | generated tokens | verifications | tau | spec tokens/s | {plain} tokens/s | speedup "
           "| lossless |")
