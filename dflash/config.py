@@ -258,6 +258,8 @@ class EvalConfig:
     max_new_tokens: int = setting(128, "`dflash recipe`: tokens per prompt at most, for an eval set that sets no "
                                   "new_tokens", positive=True)
     seed: int = setting(0, "`dflash recipe`: the sampling seed of evals at temperature > 0")
+    target_graphs: bool = setting(False, "`dflash recipe`: its evals and their timing serve the target over a static "
+                                  "cache, each forward a CUDA graph (`dflash eval --target-graphs`)")
 
 
 @dataclass(frozen=True)

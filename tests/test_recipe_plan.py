@@ -324,3 +324,6 @@ def test_evals_side_by_side_serve_untimed_and_are_timed_alone_at_the_end(tmp_pat
     assert not any("--defer-timing" in part.command for part in eval_parts(in_turn)) and time_parts(in_turn) == []
     assert not any("--timed-prompts" in part.command
                    for part in eval_parts(recipe_run(tmp_path, evals, "recipe.timed_prompts=0")))
+    assert not any("--target-graphs" in part.command for part in parts)
+    assert all("--target-graphs" in part.command for part in eval_parts(recipe_run(tmp_path, evals,
+                                                                                   "eval.target_graphs=true")))

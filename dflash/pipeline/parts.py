@@ -182,6 +182,8 @@ def eval_parts(run: RecipeRun) -> list[Part]:
                 args += ["--proposal", ",".join(item.proposals)]
             if item.workers > 1:
                 args += ["--workers", str(item.workers)]
+            if settings.target_graphs:
+                args += ["--target-graphs"]
             if (many or item.workers > 1) and run.config.recipe.timed_prompts:
                 args += ["--timed-prompts", str(run.config.recipe.timed_prompts)]
             if many and run.config.recipe.timed_prompts:  # side by side: timed alone at the end (`time_parts`)
