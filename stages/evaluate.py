@@ -154,8 +154,10 @@ class Server:
         # with options.target_graphs, one static session per distinct feature layers, as long as `prompts` need
         self.sessions, self.max_context = {}, 0
         if options.target_graphs and StaticTargetSession.supports(target):
-            widest = max([draft.block_size for draft, _ in served] + [proposal.tree for _, proposal in served])
-            self.max_context = max((len(prompt.ids) for prompt in prompts), default=0) + options.max_new_tokens + widest + 1
+            widest = max([draft.block_size for draft, _ in served] + [proposal.tree for _, proposal in served],
+                         default=1)
+            longest = max((len(prompt.ids) for prompt in prompts), default=0)
+            self.max_context = longest + options.max_new_tokens + widest + 1
 
     @property
     def target_graphs(self) -> bool:
@@ -167,7 +169,8 @@ class Server:
         if not self.target_graphs:
             return None
         layer_ids = tuple(draft.target_layer_ids) if draft is not None else next(iter(self.sessions), None)
-        layer_ids = layer_ids if layer_ids is not None else tuple(self.served[0][0].target_layer_ids)
+        if layer_ids is None:  # the plain decoding first: the first drafter's layers (its session is shared)
+            layer_ids = tuple(self.served[0][0].target_layer_ids) if self.served else ()
         if layer_ids not in self.sessions:
             self.sessions[layer_ids] = StaticTargetSession(self.target, list(layer_ids), self.max_context)
         return self.sessions[layer_ids]

@@ -149,3 +149,11 @@ def test_dflash_eval_serves_the_same_through_target_graphs(tmp_path, qwen_tokeni
         assert not eager.target_graphs and static.target_graphs
         assert [p.generated_ids for p in eager.per_prompt] == [p.generated_ids for p in static.per_prompt]
         assert [p.acceptance_lengths for p in eager.per_prompt] == [p.acceptance_lengths for p in static.per_prompt]
+
+
+def test_a_session_without_feature_layers_serves_the_plain_decoding():
+    """A plain-only eval's session (no drafter, no feature layers) decodes as transformers does."""
+    target = tiny("qwen3", 4)
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    session = StaticTargetSession(target, [], 64)
+    assert plain_generate(target, prompt, 20, session=session) == plain_generate(target, prompt, 20)

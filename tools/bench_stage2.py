@@ -744,7 +744,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "dflash's own Triton kernels over each row's key ranges (dflash/model/block_attention.py)")
     parser.add_argument("--blockwise-configs", default="",
                         help="a tools/bench_block_attention.py --sweep JSON: its best launch of each blockwise kernel "
-                             "for every head size in place of dflash's (block_attention.kernel_configs; with --attention blockwise)")
+                             "for every head size in place of dflash's (block_attention.kernel_configs; with "
+                             "--attention blockwise)")
     parser.add_argument("--mask-rule", action="store_true",
                         help="build the block masks with create_block_mask (the rule on every query-key pair) "
                              "instead of the collate's tile layout, as before")

@@ -14,8 +14,9 @@ attention), never repeated.
 
 `train.attention = "blockwise"` trains with it (CUDA, Triton). On one H100 (12-06) it ran the SmolLM2-sized
 drafter's attention in 3.1 ms a micro-batch against flex's 4.2 (`tools/bench_block_attention.py`) and its step
-4% faster; flex stays the default until a recipe has trained with it. Exactness: tests/test_block_attention.py (output and gradients against the dense
-mask's SDPA on fresh random batches; on the CPU through Triton's interpreter, `TRITON_INTERPRET=1`).
+4% faster; flex stays the default until a recipe has trained with it. Exactness: tests/test_block_attention.py
+(output and gradients against the dense mask's SDPA on fresh random batches; on the CPU through Triton's
+interpreter, `TRITON_INTERPRET=1`).
 """
 
 import os

@@ -159,7 +159,7 @@ class StaticTargetSession:
         normed = self.base.norm(hidden)
         # transformers' hidden_states: the embeddings, then each layer's output; the last one after the final norm
         features[-1] = normed
-        chosen = torch.cat([features[i] for i in self.layer_ids], dim=-1)
+        chosen = torch.cat([features[i] for i in self.layer_ids], dim=-1) if self.layer_ids else normed[..., :0]
         logits = self.target.lm_head(normed[:, -logits_to_keep:] if logits_to_keep else normed)
         return chosen, logits
 
