@@ -59,6 +59,7 @@ class StaticTargetSession:
         self.start = torch.zeros((), dtype=torch.long, device=self.device)  # `length` on the device
         self.graphs: dict[tuple[int, int], tuple] = {}  # (tokens, logits kept) -> (graph, inputs, outputs)
         self.graph_pool = None
+        self.causal: dict[int, torch.Tensor] = {}  # a chain's mask among its new tokens, by their count
         self.reset()
 
     @staticmethod
@@ -82,7 +83,9 @@ class StaticTargetSession:
             raise ValueError(f"static target session: {self.length} cached + {num_new} new tokens exceed its "
                              f"{self.max_context} (max_context)")
         if attention_mask is None:
-            new_mask = torch.ones(num_new, num_new, dtype=torch.bool, device=self.device).tril_()
+            if num_new not in self.causal:
+                self.causal[num_new] = torch.ones(num_new, num_new, dtype=torch.bool, device=self.device).tril_()
+            new_mask = self.causal[num_new]
         else:
             new_mask = attention_mask[0, 0, :, self.length:self.length + num_new] == 0
         if position_ids is None:
