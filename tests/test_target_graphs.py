@@ -3,6 +3,8 @@ its dynamic cache (`TargetSession`), on fresh random tiny targets of the familie
 logits for a prompt, chains, rollbacks, trees and kept paths, and the same decoding through the serving loop. On
 the CPU it runs eagerly; on a GPU (tests/test_gpu.py) its CUDA graphs."""
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
@@ -149,6 +151,16 @@ def test_dflash_eval_serves_the_same_through_target_graphs(tmp_path, qwen_tokeni
         assert not eager.target_graphs and static.target_graphs
         assert [p.generated_ids for p in eager.per_prompt] == [p.generated_ids for p in static.per_prompt]
         assert [p.acceptance_lengths for p in eager.per_prompt] == [p.acceptance_lengths for p in static.per_prompt]
+    # served untimed through the graphs, then timed alone (`dflash time-evals` reads target_graphs from the JSON)
+    out = tmp_path / "deferred.json"
+    options = evaluate.EvalOptions(drafters=(str(tmp_path / "drafter"),), prompts="embedded:chat-heldout",
+                                   num_prompts=2, max_new_tokens=12, proposals=("sample",), device="cpu",
+                                   target_graphs=True, defer_timing=True, timed_prompts=1, out=str(out))
+    evaluate.run(config, options)
+    assert evaluate.time_evals(config, [str(out)], "cpu") == [str(out)]
+    (timed,) = json.loads(out.read_text())["results"]
+    assert timed["timing"] == "alone" and timed["target_graphs"] and timed["retimed_differing"] == 0
+    assert timed["per_prompt"][0]["generated_ids"] == served[True][0].per_prompt[0].generated_ids
 
 
 def test_a_session_without_feature_layers_serves_the_plain_decoding():
