@@ -144,7 +144,7 @@ def test_dflash_eval_serves_the_same_through_target_graphs(tmp_path, qwen_tokeni
     served = {}
     for graphs in (False, True):
         options = evaluate.EvalOptions(drafters=(str(tmp_path / "drafter"),), prompts="embedded:chat-heldout",
-                                       num_prompts=2, max_new_tokens=12, proposals=("sample", "tree:16x4"),
+                                       num_prompts=1, max_new_tokens=12, proposals=("sample", "tree:16x4"),
                                        device="cpu", target_graphs=graphs)
         served[graphs] = evaluate.run(config, options)
     for eager, static in zip(served[False], served[True]):
@@ -154,7 +154,7 @@ def test_dflash_eval_serves_the_same_through_target_graphs(tmp_path, qwen_tokeni
     # served untimed through the graphs, then timed alone (`dflash time-evals` reads target_graphs from the JSON)
     out = tmp_path / "deferred.json"
     options = evaluate.EvalOptions(drafters=(str(tmp_path / "drafter"),), prompts="embedded:chat-heldout",
-                                   num_prompts=2, max_new_tokens=12, proposals=("sample",), device="cpu",
+                                   num_prompts=1, max_new_tokens=12, proposals=("sample",), device="cpu",
                                    target_graphs=True, defer_timing=True, timed_prompts=1, out=str(out))
     evaluate.run(config, options)
     assert evaluate.time_evals(config, [str(out)], "cpu") == [str(out)]
