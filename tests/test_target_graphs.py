@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from dflash.extract.tiny_target import tiny_target_config
 from dflash.model.modeling_dflash import (Proposal, TargetSession, best_first_tree, plain_generate,
                                           speculative_generate, verify_tree)
-from dflash.serve.target_graphs import StaticTargetSession, static_session
+from dflash.serve.target_graphs import StaticTargetSession
 
 VOCAB = 300
 LAYER_IDS = [0, 2, 3]  # the last layer's output included: transformers gives it after the final norm
@@ -110,12 +110,12 @@ def test_static_sessions_serve_only_full_attention_targets_and_name_an_overflow(
     from transformers import AutoModelForCausalLM as Auto
 
     linear = Auto.from_config(tiny_target_config()).eval()  # Qwen3.5: linear-attention layers
-    assert static_session(linear, [0], 64, enabled=True) is None
+    assert not StaticTargetSession.supports(linear)
     with pytest.raises(ValueError, match="cannot serve"):
         StaticTargetSession(linear, [0], 64)
     target = tiny("llama", 0)
-    assert static_session(target, [0], 64, enabled=False) is None
-    session = static_session(target, [0], 10, enabled=True)
+    assert StaticTargetSession.supports(target)
+    session = StaticTargetSession(target, [0], 10)
     assert session.max_context == 256  # rounded up
     with torch.inference_mode(), pytest.raises(ValueError, match="exceed"):
         session.forward(torch.zeros(1, 257, dtype=torch.long))

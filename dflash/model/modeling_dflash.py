@@ -356,9 +356,10 @@ class BlockGraph:
         return self.logits
 
 
-def capture_graph(step, warm_ups: int = 1):
-    """`(graph, output)`: `step()` (static buffers in, a tensor out) captured as a CUDA graph after `warm_ups` runs
-    on a side stream (cuBLAS workspaces, lazy kernels: off the capture); `graph.replay()` rewrites `output`."""
+def capture_graph(step, warm_ups: int = 1, pool=None):
+    """`(graph, output)`: `step()` (static buffers in, a tensor or tuple out) captured as a CUDA graph after
+    `warm_ups` runs on a side stream (cuBLAS workspaces, lazy kernels: off the capture); `graph.replay()` rewrites
+    `output`. `pool`: a memory pool shared with other graphs replayed one at a time (`torch.cuda.graph_pool_handle`)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -366,7 +367,7 @@ def capture_graph(step, warm_ups: int = 1):
             step()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         output = step()
     return graph, output
 
@@ -996,25 +997,25 @@ def plain_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_to
     """Plain decoding, one target forward per token, with the KV cache: greedy at temperature 0, else
     sampled from softmax(logits / temperature) (the baseline of `dflash eval`); through `session` (as
     `speculative_generate`'s) where given."""
+    keyword, cache = cache_keyword(target), None
     if session is not None:
         session.reset()
-        _, logits = session.forward(input_ids, logits_to_keep=1)
-        generated, stops = [], set(stop_token_ids)
-        while True:
-            generated.append(int(choose(logits[0, -1], temperature, generator)))  # sync: one per token
-            if len(generated) >= max_new_tokens or generated[-1] in stops:
-                return generated
-            next_ids = torch.tensor([[generated[-1]]], dtype=torch.long, device=input_ids.device)
-            _, logits = session.forward(next_ids, logits_to_keep=1)
-    keyword = cache_keyword(target)
-    out = target(input_ids=input_ids, use_cache=True, logits_to_keep=1)
+
+    def logits_of(ids: torch.Tensor) -> torch.Tensor:
+        nonlocal cache
+        if session is not None:
+            return session.forward(ids, logits_to_keep=1)[1]
+        out = target(input_ids=ids, use_cache=True, logits_to_keep=1, **{keyword: cache})
+        cache = returned_cache(out)
+        return out.logits
+
+    logits = logits_of(input_ids)
     generated, stops = [], set(stop_token_ids)
     while True:
-        generated.append(int(choose(out.logits[0, -1], temperature, generator)))  # sync: one per token, as any decoder
+        generated.append(int(choose(logits[0, -1], temperature, generator)))  # sync: one per token, as any decoder
         if len(generated) >= max_new_tokens or generated[-1] in stops:
             return generated
-        next_ids = torch.tensor([[generated[-1]]], dtype=torch.long, device=input_ids.device)
-        out = target(input_ids=next_ids, use_cache=True, logits_to_keep=1, **{keyword: returned_cache(out)})
+        logits = logits_of(torch.tensor([[generated[-1]]], dtype=torch.long, device=input_ids.device))
 
 
 def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_token_ids=()) -> list[int]:

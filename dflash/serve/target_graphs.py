@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.extract.target import text_config_summary
+from dflash.model.modeling_dflash import capture_graph
 from dflash.padding import round_up
 from dflash.serve.decoding import attention_inputs, unsupported_reason
 
@@ -180,23 +181,9 @@ class StaticTargetSession:
         inputs = (torch.zeros(1, num_new, dtype=torch.long, device=device),
                   self.start + torch.arange(num_new, device=device),
                   torch.ones(num_new, num_new, dtype=torch.bool, device=device).tril_())
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(*inputs, logits_to_keep)
-        torch.cuda.current_stream(device).wait_stream(stream)
         if self.graph_pool is None:
             self.graph_pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.graph_pool):
-            outputs = self._forward(*inputs, logits_to_keep)
+        graph, outputs = capture_graph(lambda: self._forward(*inputs, logits_to_keep), warm_ups=2,
+                                       pool=self.graph_pool)
         return graph, inputs, outputs
 
-
-def static_session(target, layer_ids: list[int], max_context: int, enabled: bool) -> StaticTargetSession | None:
-    """A `StaticTargetSession` where `enabled` and the target's family is served, else None (the caller keeps
-    transformers' forward)."""
-    if not enabled or not StaticTargetSession.supports(target):
-        return None
-    return StaticTargetSession(target, layer_ids, max_context)
