@@ -299,7 +299,10 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
 @click.argument("eval_jsons", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:N.")
 @click.option("--summary", type=click.Path(dir_okay=False), help="Write a JSON naming each eval and what was done.")
-def time_evals(config_path, overrides, eval_jsons, device, summary):
+@click.option("--target-graphs/--no-target-graphs", default=None,
+              help="Time the target as CUDA graphs over a static cache (as engines serve it), or with transformers' "
+                   "forward; default: as each eval was served. The JSON's target_graphs says which.")
+def time_evals(config_path, overrides, eval_jsons, device, summary, target_graphs):
     """Fill in the speed figures of evals served with --defer-timing.
 
     For each EVAL_JSON written by `dflash eval --defer-timing --out EVAL_JSON` (the config must name the
@@ -312,7 +315,7 @@ def time_evals(config_path, overrides, eval_jsons, device, summary):
     config = load_or_exit(config_path, overrides)
     from stages import evaluate as evaluate_stage
 
-    evaluate_stage.time_evals(config, list(eval_jsons), device, summary or "")
+    evaluate_stage.time_evals(config, list(eval_jsons), device, summary or "", target_graphs)
 
 
 @main.command("generate", short_help="Regenerate a dataset's answers with the target.")

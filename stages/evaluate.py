@@ -337,16 +337,19 @@ def time_alone(config: Config, jobs: list[tuple[EvalOptions, list[EvalResult]]],
             for index, prompt in enumerate(result.per_prompt):
                 prompt.timed = index in indices
             result.timing = ALONE
+            result.target_graphs = server.target_graphs  # the speed figures' target (served untimed either way)
             summarize(result)
 
 
 OPTION_NAMES = {field.name for field in dataclasses.fields(EvalOptions)}  # what an eval JSON's "options" may name
 
 
-def time_evals(config: Config, paths: list[str], device: str = "auto", summary: str = "") -> list[str]:
+def time_evals(config: Config, paths: list[str], device: str = "auto", summary: str = "",
+               target_graphs: bool | None = None) -> list[str]:
     """`dflash time-evals`: `time_alone` for the eval JSONs whose timing was deferred (`--defer-timing`), each
     written back with its speed figures and its report printed; JSONs timed already are left as they are. Returns
-    the paths timed. `summary`: a JSON naming each path and what was done with it."""
+    the paths timed. `summary`: a JSON naming each path and what was done with it. `target_graphs`: the timed
+    decodes' target as CUDA graphs (True) or transformers' forward (False); None: as each eval was served."""
     jobs, done = [], []
     for path in paths:
         try:
@@ -362,7 +365,10 @@ def time_evals(config: Config, paths: list[str], device: str = "auto", summary: 
             continue
         options = EvalOptions(**{key: tuple(value) if isinstance(value, list) else value
                                  for key, value in written["options"].items() if key in OPTION_NAMES})
-        jobs.append((dataclasses.replace(options, out=path, defer_timing=False), results))
+        timing = dataclasses.replace(options, out=path, defer_timing=False)
+        if target_graphs is not None:
+            timing = dataclasses.replace(timing, target_graphs=target_graphs)
+        jobs.append((timing, results))
     if jobs:
         time_alone(config, jobs, device)
     for options, results in jobs:

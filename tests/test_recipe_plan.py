@@ -324,6 +324,17 @@ def test_evals_side_by_side_serve_untimed_and_are_timed_alone_at_the_end(tmp_pat
     assert not any("--defer-timing" in part.command for part in eval_parts(in_turn)) and time_parts(in_turn) == []
     assert not any("--timed-prompts" in part.command
                    for part in eval_parts(recipe_run(tmp_path, evals, "recipe.timed_prompts=0")))
-    assert not any("--target-graphs" in part.command for part in parts)
-    assert all("--target-graphs" in part.command for part in eval_parts(recipe_run(tmp_path, evals,
-                                                                                   "eval.target_graphs=true")))
+    # the target's path: served untimed through graphs with eval.target_graphs, the speed figures' target is
+    # eval.timed_target_graphs' wherever they are taken (time-evals, or an eval in turn timing its own prompts)
+    assert not any("--target-graphs" in part.command for part in parts) and "--no-target-graphs" in timing.command
+    side = ("recipe.parallel_evals=true", "recipe.timed_prompts=3")
+    served = recipe_run(tmp_path, evals, *side, "eval.target_graphs=true")
+    assert all("--target-graphs" in part.command for part in eval_parts(served))
+    assert "--no-target-graphs" in time_parts(served)[0].command
+    engine = recipe_run(tmp_path, evals, *side, "eval.timed_target_graphs=true")
+    assert not any("--target-graphs" in part.command for part in eval_parts(engine))
+    assert "--target-graphs" in time_parts(engine)[0].command
+    for timed in (False, True):
+        alone = eval_parts(recipe_run(tmp_path, evals, "recipe.parallel_evals=false", "eval.target_graphs=true",
+                                      f"eval.timed_target_graphs={str(timed).lower()}"))
+        assert ["--target-graphs" in part.command for part in alone] == [timed] * 3

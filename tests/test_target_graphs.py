@@ -157,10 +157,18 @@ def test_dflash_eval_serves_the_same_through_target_graphs(tmp_path, qwen_tokeni
                                    num_prompts=1, max_new_tokens=12, proposals=("sample",), device="cpu",
                                    target_graphs=True, defer_timing=True, timed_prompts=1, out=str(out))
     evaluate.run(config, options)
+    eager = tmp_path / "deferred-eager.json"
+    eager.write_text(out.read_text())
     assert evaluate.time_evals(config, [str(out)], "cpu") == [str(out)]
     (timed,) = json.loads(out.read_text())["results"]
     assert timed["timing"] == "alone" and timed["target_graphs"] and timed["retimed_differing"] == 0
     assert timed["per_prompt"][0]["generated_ids"] == served[True][0].per_prompt[0].generated_ids
+    # served through the graphs, timed with transformers' forward (`time-evals --no-target-graphs`): the JSON says so
+    assert evaluate.time_evals(config, [str(eager)], "cpu", target_graphs=False) == [str(eager)]
+    written = json.loads(eager.read_text())
+    (timed,) = written["results"]
+    assert timed["timing"] == "alone" and not timed["target_graphs"] and not written["options"]["target_graphs"]
+    assert timed["retimed_differing"] == 0
 
 
 def test_a_session_without_feature_layers_serves_the_plain_decoding():

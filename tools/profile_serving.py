@@ -6,6 +6,8 @@ tree's best-first build), the target's verification forward, the verdict (a chai
 tree's walk) and the cache's rollback. With `--sync` every phase drains the device queue before and after,
 so the phases add up to the step's critical path; without it they are host (enqueue) times, the loop's
 pace when the host is the bottleneck. Also the plain decoding baseline's time per token, and tau. With
+`--target-graphs on` the target serves as `dflash eval --target-graphs` serves it (a static cache, each forward's
+shape a CUDA graph), for the baseline and the verifications alike. With
 `--count-ops` each phase's ATen operators per verification are counted too (views left out: about one kernel
 launch each on a GPU), a measure of the host's work that any machine gives, the CPU included.
 
@@ -33,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import run_metadata, write_results  # noqa: E402
 
 from dflash.model import modeling_dflash  # noqa: E402
+from dflash.serve.target_graphs import StaticTargetSession  # noqa: E402
 
 PHASES = {  # phase name -> (object, attribute) wrapped while a policy decodes
     "draft block": (modeling_dflash.DFlashDraftModel, "block_logits"),
@@ -46,6 +49,9 @@ PHASES = {  # phase name -> (object, attribute) wrapped while a policy decodes
     "tree walk": (modeling_dflash, "walk_tree"),
     "rollback": (modeling_dflash.TargetSession, "rollback"),
     "tree keep": (modeling_dflash.TargetSession, "keep"),
+    "verify (static)": (StaticTargetSession, "forward"),  # --target-graphs on
+    "rollback (static)": (StaticTargetSession, "rollback"),
+    "tree keep (static)": (StaticTargetSession, "keep"),
 }
 
 
@@ -87,7 +93,7 @@ def wrapped(function, name: str, totals: dict, device: torch.device, sync: bool,
     return timed
 
 
-def profile_policy(draft, target, prompts, args, stops, device, policy: str) -> dict:
+def profile_policy(draft, target, prompts, args, stops, device, policy: str, session=None) -> dict:
     """Decode every prompt with `policy`, the phases timed; ms per verification per phase."""
     totals, saved, ops = defaultdict(float), {}, defaultdict(int)
     counter = OpCounter() if args.count_ops else None
@@ -103,7 +109,8 @@ def profile_policy(draft, target, prompts, args, stops, device, policy: str) -> 
                 out = modeling_dflash.speculative_generate(draft, target, ids, args.max_new_tokens, stops,
                                                            args.temperature, generator,
                                                            modeling_dflash.parse_proposal(policy),
-                                                           args.drafter_graphs == "on" and device.type == "cuda")
+                                                           args.drafter_graphs == "on" and device.type == "cuda",
+                                                           session=session)
                 verifications += len(out.acceptance_lengths)
                 tokens += len(out.generated)
             if device.type == "cuda":
@@ -178,6 +185,9 @@ def main(argv=None):
     parser.add_argument("--drafter-graphs", choices=("on", "off"), default="on",
                         help="on a GPU, the drafter's block and a sampled tree's verdicts replayed as CUDA graphs "
                              "(as dflash eval serves them)")
+    parser.add_argument("--target-graphs", choices=("on", "off"), default="off",
+                        help="the target over a static cache, each forward's shape a CUDA graph on a GPU, for the "
+                             "baseline and the verifications (dflash eval --target-graphs)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="")
     argv = sys.argv[1:] if argv is None else argv
@@ -187,26 +197,38 @@ def main(argv=None):
 
     device = resolve_device(args.device)
     target, draft, prompts, stops = load(args, device)
+    session = None
+    if args.target_graphs == "on" and not StaticTargetSession.supports(target):
+        print("--target-graphs: this target's family is not served over a static cache; transformers' forward serves")
+    elif args.target_graphs == "on":
+        widest = max([draft.block_size] + [modeling_dflash.parse_proposal(text).tree
+                                           for text in args.proposal.split(",") if text.strip()])
+        max_context = max(ids.shape[1] for ids in prompts) + args.max_new_tokens + widest + 1
+        session = StaticTargetSession(target, list(draft.target_layer_ids), max_context)
     policies = []
     for policy in (text.strip() for text in args.proposal.split(",") if text.strip()):
         try:  # untimed warm-up: kernel selection and allocator growth
-            profile_policy(draft, target, prompts[:1], args, stops, device, policy)
+            profile_policy(draft, target, prompts[:1], args, stops, device, policy, session)
             policies.append(policy)
         except ValueError as refusal:  # e.g. a tree on a target with linear-attention layers
             print(f"{policy}: not served: {refusal}")
+    if session is not None:  # the baseline's shape captured before it is timed
+        plain_generate(target, prompts[0], 4, stops, args.temperature, session=session)
     start, baseline_tokens = time.perf_counter(), 0
     generator = torch.Generator(device=device).manual_seed(args.seed)
     counter = OpCounter() if args.count_ops else None
     with counter or nullcontext():
         for ids in prompts:
-            baseline_tokens += len(plain_generate(target, ids, args.max_new_tokens, stops, args.temperature, generator))
+            baseline_tokens += len(plain_generate(target, ids, args.max_new_tokens, stops, args.temperature, generator,
+                                                  session=session))
     baseline_ms = 1e3 * (time.perf_counter() - start) / max(baseline_tokens, 1)
     baseline_ops = counter.count / max(baseline_tokens, 1) if counter else None
-    results = [profile_policy(draft, target, prompts, args, stops, device, policy) for policy in policies]
+    results = [profile_policy(draft, target, prompts, args, stops, device, policy, session) for policy in policies]
     names = [name for name in PHASES if any(name in r["phases_ms_per_verification"] for r in results)] + \
         ([] if args.sync else ["other"])
     print(f"## serving step profile: {device}, T={args.temperature:g}, {len(prompts)} prompts x {args.max_new_tokens} "
-          f"tokens, {'phases synced' if args.sync else 'host times'}; plain decoding {baseline_ms:.2f} ms per token")
+          f"tokens, {'phases synced' if args.sync else 'host times'}"
+          f"{', target graphs' if session is not None else ''}; plain decoding {baseline_ms:.2f} ms per token")
     print("| policy | tau | ms / verification | tokens/s | speedup | " + " | ".join(names) + " |")
     print("| --- | ---: | ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " |")
     for r in results:

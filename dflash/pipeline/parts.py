@@ -182,12 +182,14 @@ def eval_parts(run: RecipeRun) -> list[Part]:
                 args += ["--proposal", ",".join(item.proposals)]
             if item.workers > 1:
                 args += ["--workers", str(item.workers)]
-            if settings.target_graphs:
-                args += ["--target-graphs"]
             if (many or item.workers > 1) and run.config.recipe.timed_prompts:
                 args += ["--timed-prompts", str(run.config.recipe.timed_prompts)]
-            if many and run.config.recipe.timed_prompts:  # side by side: timed alone at the end (`time_parts`)
+            deferred = many and bool(run.config.recipe.timed_prompts)
+            if deferred:  # side by side: timed alone at the end (`time_parts`)
                 args += ["--defer-timing"]
+            # the speed figures' target is eval.timed_target_graphs' wherever this eval times its own prompts
+            if settings.target_graphs if deferred else settings.timed_target_graphs:
+                args += ["--target-graphs"]
             parts.append(Part(name, "eval", stage(run, "eval", *args), (run.layout.eval_json(name),),
                               info={"eval_set": item.name, "prompts": item.prompts, "temperature": temperature}))
     return parts
@@ -216,7 +218,8 @@ def time_parts(run: RecipeRun) -> list[Part]:
     deferred = [run.layout.eval_json(part.name) for part in eval_parts(run) if "--defer-timing" in part.command]
     if not deferred:
         return []
-    command = stage(run, "time-evals", *map(str, deferred), "--summary", str(run.layout.timing_json))
+    graphs = "--target-graphs" if run.config.eval.timed_target_graphs else "--no-target-graphs"
+    command = stage(run, "time-evals", *map(str, deferred), "--summary", str(run.layout.timing_json), graphs)
     return [Part("time-evals", "time", command, (run.layout.timing_json,), stale=any(map(still_deferred, deferred)))]
 
 
