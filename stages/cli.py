@@ -302,7 +302,9 @@ def evaluate(config_path, overrides, drafter_dirs, prompts, num_prompts, match, 
 @click.option("--target-graphs/--no-target-graphs", default=None,
               help="Time the target as CUDA graphs over a static cache (as engines serve it), or with transformers' "
                    "forward; default: as each eval was served. The JSON's target_graphs says which.")
-def time_evals(config_path, overrides, eval_jsons, device, summary, target_graphs):
+@click.option("--again", is_flag=True,
+              help="Time JSONs timed already too, their speed figures replaced (e.g. copies, timed the other way).")
+def time_evals(config_path, overrides, eval_jsons, device, summary, target_graphs, again):
     """Fill in the speed figures of evals served with --defer-timing.
 
     For each EVAL_JSON written by `dflash eval --defer-timing --out EVAL_JSON` (the config must name the
@@ -315,7 +317,7 @@ def time_evals(config_path, overrides, eval_jsons, device, summary, target_graph
     config = load_or_exit(config_path, overrides)
     from stages import evaluate as evaluate_stage
 
-    evaluate_stage.time_evals(config, list(eval_jsons), device, summary or "", target_graphs)
+    evaluate_stage.time_evals(config, list(eval_jsons), device, summary or "", target_graphs, again)
 
 
 @main.command("generate", short_help="Regenerate a dataset's answers with the target.")

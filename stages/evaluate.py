@@ -345,11 +345,12 @@ OPTION_NAMES = {field.name for field in dataclasses.fields(EvalOptions)}  # what
 
 
 def time_evals(config: Config, paths: list[str], device: str = "auto", summary: str = "",
-               target_graphs: bool | None = None) -> list[str]:
+               target_graphs: bool | None = None, again: bool = False) -> list[str]:
     """`dflash time-evals`: `time_alone` for the eval JSONs whose timing was deferred (`--defer-timing`), each
-    written back with its speed figures and its report printed; JSONs timed already are left as they are. Returns
-    the paths timed. `summary`: a JSON naming each path and what was done with it. `target_graphs`: the timed
-    decodes' target as CUDA graphs (True) or transformers' forward (False); None: as each eval was served."""
+    written back with its speed figures and its report printed; JSONs timed already are left as they are, unless
+    `again` (their speed figures replaced). Returns the paths timed. `summary`: a JSON naming each path and what was
+    done with it. `target_graphs`: the timed decodes' target as CUDA graphs (True) or transformers' forward (False);
+    None: as each eval was served."""
     jobs, done = [], []
     for path in paths:
         try:
@@ -359,12 +360,14 @@ def time_evals(config: Config, paths: list[str], device: str = "auto", summary: 
         results = [result_from_json(result) for result in written.get("results", [])]
         if not results or "options" not in written:
             raise ConfigError(f"{path}: no results or no options: write it with dflash eval --out")
-        if any(result.timing != DEFERRED for result in results):
+        if any(result.timing != DEFERRED for result in results) and not again:
             print(f"{path}: timed already ({results[0].timing}), left as it is")
             done.append({"path": path, "timed": False, "timing": results[0].timing})
             continue
         options = EvalOptions(**{key: tuple(value) if isinstance(value, list) else value
                                  for key, value in written["options"].items() if key in OPTION_NAMES})
+        for result in results:
+            result.retimed_differing = 0
         timing = dataclasses.replace(options, out=path, defer_timing=False)
         if target_graphs is not None:
             timing = dataclasses.replace(timing, target_graphs=target_graphs)

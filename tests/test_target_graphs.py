@@ -169,6 +169,12 @@ def test_dflash_eval_serves_the_same_through_target_graphs(tmp_path, qwen_tokeni
     (timed,) = written["results"]
     assert timed["timing"] == "alone" and not timed["target_graphs"] and not written["options"]["target_graphs"]
     assert timed["retimed_differing"] == 0
+    # timed already: left alone, unless `--again` (a copy timed the other way: the graphs' speed figures)
+    assert evaluate.time_evals(config, [str(eager)], "cpu", target_graphs=True) == []
+    assert evaluate.time_evals(config, [str(eager)], "cpu", target_graphs=True, again=True) == [str(eager)]
+    (timed,) = json.loads(eager.read_text())["results"]
+    assert timed["timing"] == "alone" and timed["target_graphs"] and timed["retimed_differing"] == 0
+    assert timed["per_prompt"][0]["generated_ids"] == served[True][0].per_prompt[0].generated_ids
 
 
 def test_a_session_without_feature_layers_serves_the_plain_decoding():
