@@ -156,8 +156,9 @@ def load(args, device):
 
         text = target.config.get_text_config().to_dict()
         vocab = target.get_input_embeddings().weight.shape[0]
-        drafter = auto_drafter_args(text, default_layer_ids(text["num_hidden_layers"], config.target.num_layer_ids),
-                                    mask_token_id=vocab - 1)
+        layer_ids = list(config.target.layer_ids) or default_layer_ids(text["num_hidden_layers"],
+                                                                        config.target.num_layer_ids)
+        drafter = auto_drafter_args(text, layer_ids, mask_token_id=vocab - 1)
         folder = tempfile.mkdtemp(prefix="profile-serving-")
         export_drafter(DFlashDrafter(drafter).state_dict(), drafter, folder, dtype=dtype)
         draft = load_drafter(folder, target, dtype, device)
