@@ -1,5 +1,7 @@
 """A sampled tree's verdicts (`recursive_verdicts` at T > 0) by themselves: time per call, replayed as a CUDA graph
-(`VerdictTries`) against the same tries run eagerly, and whether both give the same verdicts.
+(`VerdictTries`) against the same tries run eagerly, and whether both give the same verdicts; on CUDA with Triton
+also the tries as one Triton kernel (dflash/model/verdict_kernel.py, in its graph: what `dflash eval` serves) and
+whether it gives the eager tensor tries' verdicts.
 
 Trees are `drawn_tree`s of each `--shapes` entry (`N` or `NxW`: N drafted nodes, at most W children a node) over a
 random drafter's 16 slots, with target logits near the drafter's, over a `--vocab`-token vocabulary (SmolLM2's by
@@ -31,8 +33,11 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(size), int(width or modeling_dflash.TREE_WIDTH)
 
 
-def time_verdicts(tree, q_KV, target_logits, device, graphs: bool, reps: int):
-    """`(ms per call, verdicts)` over `reps` calls after a warm-up, the device drained after each."""
+def time_verdicts(tree, q_KV, target_logits, device, graphs: bool, reps: int, kernel: bool = False):
+    """`(ms per call, verdicts)` over `reps` calls after a warm-up, the device drained after each; `kernel`: the
+    tries as the Triton kernel (else the tensor loop)."""
+    modeling_dflash.VERDICT_KERNEL = kernel
+
     def call():
         generator = torch.Generator(device=device).manual_seed(1)
         return modeling_dflash.recursive_verdicts(tree, q_KV, target_logits, 1.0, generator, graphs=graphs)
@@ -70,15 +75,22 @@ def main(argv=None):
         eager_ms, eager = time_verdicts(tree, q_KV, target_logits, device, False, args.reps)
         graph_ms, graph = (time_verdicts(tree, q_KV, target_logits, device, True, args.reps)
                            if device.type == "cuda" else (None, None))
+        kernel_ms, kernel = (time_verdicts(tree, q_KV, target_logits, device, True, args.reps, kernel=True)
+                             if modeling_dflash.verdict_kernel_available(device) else (None, None))
         equal = None if graph is None else graph == eager
+        kernel_equal = None if kernel is None else kernel == eager
         reserved = torch.cuda.memory_reserved(device) / 2**20 if device.type == "cuda" else None
         results.append({"shape": f"stree:{size}x{width}", "inner_nodes": inner, "eager_ms": eager_ms,
-                        "graph_ms": graph_ms, "equal": equal, "reserved_mib": reserved,
+                        "graph_ms": graph_ms, "equal": equal, "kernel_ms": kernel_ms, "kernel_equal": kernel_equal,
+                        "reserved_mib": reserved,
                         "captured": sum(tries.graph is not None for tries in modeling_dflash.VERDICT_TRIES.values())})
         rows.append([f"stree:{size}x{width}", inner, eager_ms, "-" if graph_ms is None else graph_ms,
-                     "-" if equal is None else equal, "-" if reserved is None else reserved])
+                     "-" if equal is None else equal, "-" if kernel_ms is None else kernel_ms,
+                     "-" if kernel_equal is None else kernel_equal, "-" if reserved is None else reserved])
+    modeling_dflash.VERDICT_KERNEL = True
     print_table(f"verdicts per call, {device}, V = {args.vocab:,}, {args.reps} calls",
-                ["tree", "inner nodes", "eager ms", "graph ms", "equal", "reserved MiB (all so far)"], rows)
+                ["tree", "inner nodes", "eager ms", "graph ms", "equal", "kernel ms (graph)", "kernel equal",
+                 "reserved MiB (all so far)"], rows)
     if args.out:
         write_results(args.out, {"meta": run_metadata(sys.argv), "quick": args.quick, "args": vars(args),
                                  "results": results})

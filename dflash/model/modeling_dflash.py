@@ -795,19 +795,32 @@ class VerdictTries:
     not yet drawn, 1 - q(y_0) - .. - q(y_{i-1})), and q_i(y) = q(y) / S_i. A rejected y_i has p(y_i) - c_{i+1}
     q(y_i) < 0, so drawn tokens drop out of the residual by themselves. Try i keeps y_i when
     u_i q_i(y_i) < p_i(y_i), i.e. u_i q(y_i) Z_i < max(0, p(y_i) - c_i q(y_i)) S_i; a row whose every try
-    was rejected keeps max(0, p - c q) as the distribution its token is drawn from."""
+    was rejected keeps max(0, p - c q) as the distribution its token is drawn from.
 
-    def __init__(self, rows: int, width: int, slots: int, vocab: int, device: torch.device, graph: bool):
+    `kernel=True` (CUDA with Triton: `verdict_kernel_available`) runs the tries as one Triton kernel, a program per
+    row (dflash/model/verdict_kernel.py): the same rule in the same order, without a launch per try."""
+
+    def __init__(self, rows: int, width: int, slots: int, vocab: int, device: torch.device, graph: bool,
+                 kernel: bool = False):
         self.width = width
         self.p = torch.zeros(rows, vocab, device=device)  # the inner nodes' p; the residual after the tries
         self.q = torch.zeros(slots, vocab, device=device)
         self.index = torch.zeros(rows, 2 + width, dtype=torch.long, device=device)  # slot, count, tokens
         self.tried = torch.zeros(rows, width, device=device)
+        self.kernel_kept = torch.zeros(rows, dtype=torch.long, device=device) if kernel else None  # kernel's output
         self.graph, self.kept = None, None
         if graph:
             self.capture()
 
     def step(self) -> torch.Tensor:
+        if self.kernel_kept is not None:
+            from dflash.model import verdict_kernel
+
+            return verdict_kernel.verdict_tries(self.p, self.q, self.index, self.tried, self.kernel_kept)
+        return self.tensor_step()
+
+    def tensor_step(self) -> torch.Tensor:
+        """The tries as tensor operations over every row at once, about ten small kernels a child rank."""
         slot, count, tokens = self.index[:, 0], self.index[:, 1], self.index[:, 2:]
         q = self.q.index_select(0, slot)
         p_y, q_y = self.p.gather(-1, tokens), q.gather(-1, tokens)
@@ -856,13 +869,28 @@ VERDICT_ROWS_MIN, VERDICT_WIDTH_MIN = 16, 8  # rows and width round up to powers
 def verdict_tries(rows: int, width: int, q_KV: torch.Tensor, graph: bool) -> VerdictTries:
     """The `VerdictTries` for `rows` inner nodes of up to `width` children, kept per shape (a module-level
     cache keyed by device: the rows and the width rounded up to powers of two, q's slots and vocabulary; a
-    padded try of a row tries nothing)."""
+    padded try of a row tries nothing); its tries as the Triton kernel where `VERDICT_KERNEL` and it runs."""
     rows = max(VERDICT_ROWS_MIN, 1 << (rows - 1).bit_length())
     width = max(VERDICT_WIDTH_MIN, 1 << (width - 1).bit_length())
-    key = (rows, width, *q_KV.shape, str(q_KV.device), graph)
+    kernel = VERDICT_KERNEL and verdict_kernel_available(q_KV.device)
+    key = (rows, width, *q_KV.shape, str(q_KV.device), graph, kernel)
     if key not in VERDICT_TRIES:
-        VERDICT_TRIES[key] = VerdictTries(rows, width, q_KV.shape[0], q_KV.shape[1], q_KV.device, graph)
+        VERDICT_TRIES[key] = VerdictTries(rows, width, q_KV.shape[0], q_KV.shape[1], q_KV.device, graph, kernel)
     return VERDICT_TRIES[key]
+
+
+VERDICT_KERNEL = True  # a sampled tree's tries as one Triton kernel on CUDA (tools/bench_verdicts.py --no-kernel)
+
+
+def verdict_kernel_available(device: torch.device) -> bool:
+    """The tries' Triton kernel runs on CUDA where Triton is installed."""
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 VERDICT_TRIES: dict[tuple, VerdictTries] = {}
