@@ -1,7 +1,7 @@
 """A sampled tree's verdicts (`recursive_verdicts` at T > 0) by themselves: time per call, replayed as a CUDA graph
 (`VerdictTries`) against the same tries run eagerly, and whether both give the same verdicts; on CUDA with Triton
-also the tries as one Triton kernel (dflash/model/verdict_kernel.py, in its graph: what `dflash eval` serves) and
-whether it gives the eager tensor tries' verdicts.
+also the tries as one Triton kernel (dflash/model/verdict_kernel.py, in its graph; `modeling_dflash.VERDICT_KERNEL`)
+and whether it gives the eager tensor tries' verdicts.
 
 Trees are `drawn_tree`s of each `--shapes` entry (`N` or `NxW`: N drafted nodes, at most W children a node) over a
 random drafter's 16 slots, with target logits near the drafter's, over a `--vocab`-token vocabulary (SmolLM2's by
@@ -87,7 +87,7 @@ def main(argv=None):
         rows.append([f"stree:{size}x{width}", inner, eager_ms, "-" if graph_ms is None else graph_ms,
                      "-" if equal is None else equal, "-" if kernel_ms is None else kernel_ms,
                      "-" if kernel_equal is None else kernel_equal, "-" if reserved is None else reserved])
-    modeling_dflash.VERDICT_KERNEL = True
+    modeling_dflash.VERDICT_KERNEL = False
     print_table(f"verdicts per call, {device}, V = {args.vocab:,}, {args.reps} calls",
                 ["tree", "inner nodes", "eager ms", "graph ms", "equal", "kernel ms (graph)", "kernel equal",
                  "reserved MiB (all so far)"], rows)

@@ -879,7 +879,8 @@ def verdict_tries(rows: int, width: int, q_KV: torch.Tensor, graph: bool) -> Ver
     return VERDICT_TRIES[key]
 
 
-VERDICT_KERNEL = True  # a sampled tree's tries as one Triton kernel on CUDA (tools/bench_verdicts.py --no-kernel)
+VERDICT_KERNEL = False  # a sampled tree's tries as one Triton kernel on CUDA: off until timed and tested on a GPU
+                        # (tests/test_verdict_kernel.py, tools/bench_verdicts.py; exact on the CPU interpreter)
 
 
 def verdict_kernel_available(device: torch.device) -> bool:
