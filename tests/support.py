@@ -6,12 +6,17 @@ Imported by tests as `from support import ...` (pytest puts tests/ on sys.path);
 never import each other.
 """
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from dflash.model.drafter import DFlashDrafter, block_embeddings, block_positions, drafter_args
+from dflash.model import modeling_dflash
 from dflash.model.loss import block_labels, dflash_loss, gamma_weights
 from dflash.model.masks import build_masks
 from dflash.model.tiles import PADDING_DOC, TILE
@@ -221,3 +226,24 @@ def tiled_packed_meta(rng: np.random.Generator, block_size: int, tile: int = TIL
             "position_ids": torch.tensor(np.r_[position_ids, [0] * pad]),
             "anchor_doc": torch.tensor(anchor_doc + [-1] * (num_anchors - len(anchor_doc)), dtype=torch.long),
             "anchor_pos": torch.tensor(anchor_pos + [0] * (num_anchors - len(anchor_pos)), dtype=torch.long)}
+
+
+def run_interpreted(code: str) -> None:
+    """`code` in a fresh Python whose Triton runs kernels through its interpreter on the CPU (TRITON_INTERPRET=1
+    from the process's start: Triton reads it when it is imported), tests/ and the project on its path."""
+    tests = Path(__file__).parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def sampled_tree_on_cuda(seed: int, size: int, width: int, vocab: int, slots: int = 16):
+    """`(tree, q_KV, target_logits)`: a `drawn_tree` of `size` nodes (at most `width` children a node) over a random
+    drafter's `slots` slots on CUDA, with target logits near the drafter's."""
+    torch.manual_seed(seed)
+    drafter_logits = torch.randn(slots, vocab, device="cuda") * 3
+    tree, q_KV = modeling_dflash.drawn_tree(3, drafter_logits, size, 1.0, torch.Generator("cuda").manual_seed(seed),
+                                            width=width)
+    depths = torch.tensor(tree.depths, device="cuda").clamp(max=slots - 1)
+    return tree, q_KV, drafter_logits[depths] + torch.randn(len(tree.tokens), vocab, device="cuda")

@@ -6,15 +6,11 @@ through Triton's interpreter (a GPU install's package; the CPU install has none,
 and `tests/test_gpu.py` runs them compiled)."""
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from support import tiled_packed_meta
+from support import run_interpreted, tiled_packed_meta
 
 from dflash.config import ConfigError
 from dflash.model import block_attention
@@ -132,11 +128,7 @@ def test_kernels_equal_the_dense_masks_attention_and_gradients(seed, other_tiles
     if torch.cuda.is_available():
         check_kernels(seed, "cuda", other_tiles)
         return
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    code = f"import test_block_attention as t; t.check_kernels({seed}, 'cpu', {other_tiles})"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_interpreted(f"import test_block_attention as t; t.check_kernels({seed}, 'cpu', {other_tiles})")
 
 
 def test_the_ops_fake_outputs_have_the_layout_the_kernels_write():

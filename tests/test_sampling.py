@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from support import sampled_tree_on_cuda
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash.model import modeling_dflash
@@ -517,14 +518,8 @@ def test_a_target_whose_cache_cannot_hold_a_tree_is_refused():
 def test_recursive_verdicts_replayed_equal_eager_on_cuda(size, width):
     """The tries replayed as a CUDA graph give the eager tries' verdicts, draw for draw, on fresh trees over a
     real-sized vocabulary (several trees of one shape reuse one capture)."""
-    vocab, slots = 4096, 16
     for seed in range(3):
-        torch.manual_seed(seed)
-        drafter_logits = torch.randn(slots, vocab, device="cuda") * 3
-        tree, q_KV = modeling_dflash.drawn_tree(3, drafter_logits, size, 1.0,
-                                                torch.Generator("cuda").manual_seed(seed), width=width)
-        depths = torch.tensor(tree.depths, device="cuda").clamp(max=slots - 1)
-        target_logits = drafter_logits[depths] + torch.randn(len(tree.tokens), vocab, device="cuda")
+        tree, q_KV, target_logits = sampled_tree_on_cuda(seed, size, width, vocab=4096)
         replayed, eager = (modeling_dflash.recursive_verdicts(tree, q_KV, target_logits, 1.0,
                                                               torch.Generator("cuda").manual_seed(seed), graphs=graphs)
                            for graphs in (True, False))

@@ -4,13 +4,10 @@ Triton's interpreter in a process that has TRITON_INTERPRET=1 from its start; sk
 (a CPU install)."""
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from support import run_interpreted, sampled_tree_on_cuda
 
 from dflash.model import modeling_dflash
 
@@ -50,11 +47,7 @@ def test_the_kernel_keeps_what_the_tensor_tries_keep(seed):
         check_kernel(seed, "cuda")
         check_kernel(seed, "cuda", rows=64, width=32, vocab=49152)
         return
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).parent), str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    code = f"import test_verdict_kernel as t; t.check_kernel({seed}, 'cpu')"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run_interpreted(f"import test_verdict_kernel as t; t.check_kernel({seed}, 'cpu')")
 
 
 @pytest.mark.gpu
@@ -63,14 +56,8 @@ def test_the_kernel_keeps_what_the_tensor_tries_keep(seed):
 def test_recursive_verdicts_through_the_kernel_equal_the_tensor_tries(size, width, monkeypatch):
     """`recursive_verdicts` on CUDA with the kernel (replayed in its graph) against the tensor tries, draw for draw,
     on fresh trees over SmolLM2's vocabulary."""
-    vocab, slots = 49152, 16
     for seed in range(3):
-        torch.manual_seed(seed)
-        drafter_logits = torch.randn(slots, vocab, device="cuda") * 3
-        tree, q_KV = modeling_dflash.drawn_tree(3, drafter_logits, size, 1.0,
-                                                torch.Generator("cuda").manual_seed(seed), width=width)
-        depths = torch.tensor(tree.depths, device="cuda").clamp(max=slots - 1)
-        target_logits = drafter_logits[depths] + torch.randn(len(tree.tokens), vocab, device="cuda")
+        tree, q_KV, target_logits = sampled_tree_on_cuda(seed, size, width, vocab=49152)
         verdicts = []
         for kernel in (True, False):
             monkeypatch.setattr(modeling_dflash, "VERDICT_KERNEL", kernel)
