@@ -160,6 +160,8 @@ def test_the_report_says_what_sampling_keeps_of_greedy_tau():
                     "| docs | 1 | sample:1.5 | export | 1.200 | 1.50 (3 alone) | - | 0.40 | 0.30 |"]
     assert not any(line.startswith("| other |") for line in lines)
     assert sampling_table([evals[0]]) == []  # nothing sampled
+    evals[1]["results"][0]["target_graphs"] = True  # timed with the target as CUDA graphs: the cell says so
+    assert "| 1.50 (3 alone, target graphs) |" in sampling_table(evals)[6]
 
 
 def test_until_stops_after_its_phase_and_a_rerun_continues(tmp_path, monkeypatch, capsys):

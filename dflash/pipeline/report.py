@@ -14,7 +14,7 @@ RESULT_KEYS = ("drafter", "proposal", "temperature", "num_prompts", "max_new_tok
                "verifications", "tau", "speedup", "spec_tokens_per_s", "baseline_tokens_per_s", "tau_in_code",
                "verifications_in_code", "tau_outside_code", "verifications_outside_code", "tau_by_kind",
                "histogram", "slot_acceptance", "mismatched_prompts", "timed_prompts", "timing", "ms_per_verification",
-               "baseline_ms_per_token")
+               "baseline_ms_per_token", "target_graphs")
 RATES = {"generate": ("answers", "answers/s"), "extract": ("tokens", "tokens/s"), "train": ("tokens_seen", "tokens/s"),
          "eval": ("generated_tokens", "tokens/s")}
 
@@ -215,14 +215,15 @@ def sampling_table(evals: list[dict]) -> list[str]:
 
 def speedup_cell(row: dict) -> str:
     """The speedup, and over how many prompts when not every prompt's time counts: "alone" where they were decoded
-    again in one process alone on the GPU after the rest (`dflash time-evals`); none yet where that is still to run."""
+    again in one process alone on the GPU after the rest (`dflash time-evals`); none yet where that is still to run;
+    "target graphs" where the timed target ran as CUDA graphs over a static cache (else transformers' forward)."""
     timing, timed = row.get("timing"), row.get("timed_prompts")  # no timing: a report of before 12-06 17:30
     if timing == "deferred":
         return "not timed yet"
     partial = bool(timed and row.get("num_prompts") and timed < row["num_prompts"])
-    if timed and (timing == "alone" or partial):
-        return number(row["speedup"], 2) + f" ({timed} {'timed' if timing == 'inline' else 'alone'})"
-    return number(row["speedup"], 2)
+    notes = [f"{timed} {'timed' if timing == 'inline' else 'alone'}"] if timed and (timing == "alone" or partial) else []
+    notes += ["target graphs"] if row.get("target_graphs") else []
+    return number(row["speedup"], 2) + (f" ({', '.join(notes)})" if notes else "")
 
 
 def draw_plots(report: dict, folder: Path) -> list[Path]:
