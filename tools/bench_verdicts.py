@@ -62,6 +62,7 @@ def main(argv=None):
     if args.quick:
         args.shapes, args.vocab, args.reps = "64,16x4", 2048, 2
     device = torch.device(args.device)
+    served = modeling_dflash.VERDICT_KERNEL  # what dflash eval serves: restored after the columns
     torch.manual_seed(0)
     slots, rows, results = 16, [], []
     for text in (item.strip() for item in args.shapes.split(",") if item.strip()):
@@ -87,7 +88,7 @@ def main(argv=None):
         rows.append([f"stree:{size}x{width}", inner, eager_ms, "-" if graph_ms is None else graph_ms,
                      "-" if equal is None else equal, "-" if kernel_ms is None else kernel_ms,
                      "-" if kernel_equal is None else kernel_equal, "-" if reserved is None else reserved])
-    modeling_dflash.VERDICT_KERNEL = False
+    modeling_dflash.VERDICT_KERNEL = served
     print_table(f"verdicts per call, {device}, V = {args.vocab:,}, {args.reps} calls",
                 ["tree", "inner nodes", "eager ms", "graph ms", "equal", "kernel ms (graph)", "kernel equal",
                  "reserved MiB (all so far)"], rows)

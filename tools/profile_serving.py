@@ -189,7 +189,7 @@ def main(argv=None):
     parser.add_argument("--target-graphs", choices=("on", "off"), default="off",
                         help="the target over a static cache, each forward's shape a CUDA graph on a GPU, for the "
                              "baseline and the verifications (dflash eval --target-graphs)")
-    parser.add_argument("--verdict-kernel", choices=("on", "off"), default="off",
+    parser.add_argument("--verdict-kernel", choices=("on", "off"), default="on",
                         help="a sampled tree's verdict tries as one Triton kernel on CUDA (modeling_dflash.VERDICT_KERNEL)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="")
