@@ -45,8 +45,8 @@ from dflash.outputs import write_text_atomic
 from dflash.serve.decoding import unsupported_reason
 from dflash.serve.evaluation import (ALONE, DEFERRED, HELDOUT, INLINE, EvalResult, PartialResults, PromptResult,
                                      check_drafter_export, decode_prompt, drafter_identity, load_drafter, load_prompts,
-                                     mark_code, plot, print_report, result_from_json, summarize, timed, warm_up,
-                                     write_json)
+                                     mark_code, plot, print_report, result_from_json, summarize, timed,
+                                     use_verdict_kernel, warm_up, write_json)
 from dflash.serve.target_graphs import StaticTargetSession
 
 
@@ -220,7 +220,9 @@ class Server:
 
 
 def load_target(config: Config, device: str):
-    """The config's target on `device` ("auto", "cpu", "cuda:N"): the device, the dtype, its tokenizer, the model."""
+    """The config's target on `device` ("auto", "cpu", "cuda:N"): the device, the dtype, its tokenizer, the model;
+    the serving loop's verdicts through dflash's Triton kernel where Triton is installed (`use_verdict_kernel`)."""
+    use_verdict_kernel()
     device = resolve_device(device)
     dtype = target_dtype(config.target.dtype, device)
     checkpoint = prepare_checkpoint(config.target.path, config.data.cache_dir)

@@ -56,11 +56,13 @@ def test_the_kernel_keeps_what_the_tensor_tries_keep(seed):
 def test_recursive_verdicts_through_the_kernel_equal_the_tensor_tries(size, width, monkeypatch):
     """`recursive_verdicts` on CUDA with the kernel (replayed in its graph) against the tensor tries, draw for draw,
     on fresh trees over SmolLM2's vocabulary."""
+    from dflash.model import verdict_kernel
+
     for seed in range(3):
         tree, q_KV, target_logits = sampled_tree_on_cuda(seed, size, width, vocab=49152)
         verdicts = []
         for kernel in (True, False):
-            monkeypatch.setattr(modeling_dflash, "VERDICT_KERNEL", kernel)
+            monkeypatch.setattr(modeling_dflash, "VERDICT_KERNEL", verdict_kernel.verdict_tries if kernel else None)
             verdicts.append(modeling_dflash.recursive_verdicts(tree, q_KV, target_logits, 1.0,
                                                                torch.Generator("cuda").manual_seed(seed)))
         assert verdicts[0] == verdicts[1]

@@ -1,6 +1,6 @@
 """A sampled tree's verdicts (`recursive_verdicts` at T > 0) by themselves: time per call, replayed as a CUDA graph
 (`VerdictTries`) against the same tries run eagerly, and whether both give the same verdicts; on CUDA with Triton
-also the tries as one Triton kernel (dflash/model/verdict_kernel.py, in its graph; `modeling_dflash.VERDICT_KERNEL`)
+also the tries as one Triton kernel (dflash/model/verdict_kernel.py, in its graph, as `dflash eval` serves them)
 and whether it gives the eager tensor tries' verdicts.
 
 Trees are `drawn_tree`s of each `--shapes` entry (`N` or `NxW`: N drafted nodes, at most W children a node) over a
@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchlib import print_table, run_metadata, synchronize, write_results  # noqa: E402
 
 from dflash.model import modeling_dflash  # noqa: E402
+from dflash.serve.evaluation import use_verdict_kernel  # noqa: E402
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -36,7 +37,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 def time_verdicts(tree, q_KV, target_logits, device, graphs: bool, reps: int, kernel: bool = False):
     """`(ms per call, verdicts)` over `reps` calls after a warm-up, the device drained after each; `kernel`: the
     tries as the Triton kernel (else the tensor loop)."""
-    modeling_dflash.VERDICT_KERNEL = kernel
+    use_verdict_kernel(kernel)
 
     def call():
         generator = torch.Generator(device=device).manual_seed(1)
@@ -62,7 +63,6 @@ def main(argv=None):
     if args.quick:
         args.shapes, args.vocab, args.reps = "64,16x4", 2048, 2
     device = torch.device(args.device)
-    served = modeling_dflash.VERDICT_KERNEL  # what dflash eval serves: restored after the columns
     torch.manual_seed(0)
     slots, rows, results = 16, [], []
     for text in (item.strip() for item in args.shapes.split(",") if item.strip()):
@@ -77,7 +77,7 @@ def main(argv=None):
         graph_ms, graph = (time_verdicts(tree, q_KV, target_logits, device, True, args.reps)
                            if device.type == "cuda" else (None, None))
         kernel_ms, kernel = (time_verdicts(tree, q_KV, target_logits, device, True, args.reps, kernel=True)
-                             if modeling_dflash.verdict_kernel_available(device) else (None, None))
+                             if device.type == "cuda" and use_verdict_kernel() else (None, None))
         equal = None if graph is None else graph == eager
         kernel_equal = None if kernel is None else kernel == eager
         reserved = torch.cuda.memory_reserved(device) / 2**20 if device.type == "cuda" else None
@@ -88,7 +88,6 @@ def main(argv=None):
         rows.append([f"stree:{size}x{width}", inner, eager_ms, "-" if graph_ms is None else graph_ms,
                      "-" if equal is None else equal, "-" if kernel_ms is None else kernel_ms,
                      "-" if kernel_equal is None else kernel_equal, "-" if reserved is None else reserved])
-    modeling_dflash.VERDICT_KERNEL = served
     print_table(f"verdicts per call, {device}, V = {args.vocab:,}, {args.reps} calls",
                 ["tree", "inner nodes", "eager ms", "graph ms", "equal", "kernel ms (graph)", "kernel equal",
                  "reserved MiB (all so far)"], rows)

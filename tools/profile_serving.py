@@ -190,7 +190,7 @@ def main(argv=None):
                         help="the target over a static cache, each forward's shape a CUDA graph on a GPU, for the "
                              "baseline and the verifications (dflash eval --target-graphs)")
     parser.add_argument("--verdict-kernel", choices=("on", "off"), default="on",
-                        help="a sampled tree's verdict tries as one Triton kernel on CUDA (modeling_dflash.VERDICT_KERNEL)")
+                        help="a sampled tree's verdict tries as one Triton kernel on CUDA where Triton is installed")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="")
     argv = sys.argv[1:] if argv is None else argv
@@ -199,7 +199,9 @@ def main(argv=None):
     from dflash.model.modeling_dflash import plain_generate
 
     device = resolve_device(args.device)
-    modeling_dflash.VERDICT_KERNEL = args.verdict_kernel == "on"
+    from dflash.serve.evaluation import use_verdict_kernel
+
+    use_verdict_kernel(args.verdict_kernel == "on")
     target, draft, prompts, stops = load(args, device)
     session = None
     if args.target_graphs == "on" and not StaticTargetSession.supports(target):

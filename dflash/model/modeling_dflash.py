@@ -797,26 +797,25 @@ class VerdictTries:
     u_i q_i(y_i) < p_i(y_i), i.e. u_i q(y_i) Z_i < max(0, p(y_i) - c_i q(y_i)) S_i; a row whose every try
     was rejected keeps max(0, p - c q) as the distribution its token is drawn from.
 
-    `kernel=True` (CUDA with Triton: `verdict_kernel_available`) runs the tries as one Triton kernel, a program per
-    row (dflash/model/verdict_kernel.py): the same rule in the same order, without a launch per try."""
+    `kernel` (`VERDICT_KERNEL`, CUDA only) runs the tries as one kernel on these buffers instead of the tensor loop
+    (dflash's: a Triton program per row, dflash/model/verdict_kernel.py): the same rule in the same order."""
 
     def __init__(self, rows: int, width: int, slots: int, vocab: int, device: torch.device, graph: bool,
-                 kernel: bool = False):
+                 kernel=None):
         self.width = width
         self.p = torch.zeros(rows, vocab, device=device)  # the inner nodes' p; the residual after the tries
         self.q = torch.zeros(slots, vocab, device=device)
         self.index = torch.zeros(rows, 2 + width, dtype=torch.long, device=device)  # slot, count, tokens
         self.tried = torch.zeros(rows, width, device=device)
-        self.kernel_kept = torch.zeros(rows, dtype=torch.long, device=device) if kernel else None  # kernel's output
+        self.kernel = kernel
+        self.kernel_kept = torch.zeros(rows, dtype=torch.long, device=device)  # the kernel's output
         self.graph, self.kept = None, None
         if graph:
             self.capture()
 
     def step(self) -> torch.Tensor:
-        if self.kernel_kept is not None:
-            from dflash.model import verdict_kernel
-
-            return verdict_kernel.verdict_tries(self.p, self.q, self.index, self.tried, self.kernel_kept)
+        if self.kernel is not None:
+            return self.kernel(self.p, self.q, self.index, self.tried, self.kernel_kept)
         return self.tensor_step()
 
     def tensor_step(self) -> torch.Tensor:
@@ -869,29 +868,20 @@ VERDICT_ROWS_MIN, VERDICT_WIDTH_MIN = 16, 8  # rows and width round up to powers
 def verdict_tries(rows: int, width: int, q_KV: torch.Tensor, graph: bool) -> VerdictTries:
     """The `VerdictTries` for `rows` inner nodes of up to `width` children, kept per shape (a module-level
     cache keyed by device: the rows and the width rounded up to powers of two, q's slots and vocabulary; a
-    padded try of a row tries nothing); its tries as the Triton kernel where `VERDICT_KERNEL` and it runs."""
+    padded try of a row tries nothing); on CUDA its tries run as `VERDICT_KERNEL` where one is set."""
     rows = max(VERDICT_ROWS_MIN, 1 << (rows - 1).bit_length())
     width = max(VERDICT_WIDTH_MIN, 1 << (width - 1).bit_length())
-    kernel = VERDICT_KERNEL and verdict_kernel_available(q_KV.device)
+    kernel = VERDICT_KERNEL if q_KV.device.type == "cuda" else None
     key = (rows, width, *q_KV.shape, str(q_KV.device), graph, kernel)
     if key not in VERDICT_TRIES:
         VERDICT_TRIES[key] = VerdictTries(rows, width, q_KV.shape[0], q_KV.shape[1], q_KV.device, graph, kernel)
     return VERDICT_TRIES[key]
 
 
-VERDICT_KERNEL = True  # a sampled tree's tries as one Triton kernel on CUDA (H100, 12-07: stree:256x32 0.74 ms a
-                       # call against the tensor tries' graph 2.61, the same verdicts; tools/bench_verdicts.py)
-
-
-def verdict_kernel_available(device: torch.device) -> bool:
-    """The tries' Triton kernel runs on CUDA where Triton is installed."""
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+# The tries as one kernel on CUDA, `fn(p, q, index, tried, kept) -> kept` on `VerdictTries`' buffers, or None (the
+# tensor loop). dflash sets its Triton kernel here where Triton is installed (`evaluation.use_verdict_kernel`); an
+# export's copy of this file, which imports only torch and transformers, keeps the tensor loop.
+VERDICT_KERNEL = None
 
 
 VERDICT_TRIES: dict[tuple, VerdictTries] = {}

