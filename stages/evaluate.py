@@ -168,9 +168,9 @@ class Server:
         None without target graphs."""
         if not self.target_graphs:
             return None
-        layer_ids = tuple(draft.target_layer_ids) if draft is not None else next(iter(self.sessions), None)
-        if layer_ids is None:  # the plain decoding first: the first drafter's layers (its session is shared)
-            layer_ids = tuple(self.served[0][0].target_layer_ids) if self.served else ()
+        if draft is None and self.served:  # the plain decoding: any session serves it, the first drafter's
+            draft = self.served[0][0]
+        layer_ids = tuple(draft.target_layer_ids) if draft is not None else ()
         if layer_ids not in self.sessions:
             self.sessions[layer_ids] = StaticTargetSession(self.target, list(layer_ids), self.max_context)
         return self.sessions[layer_ids]
