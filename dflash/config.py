@@ -178,6 +178,9 @@ class TrainConfig:
     weight_decay: float = setting(0.0, "AdamW weight decay", minimum=0)
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas", minimum=0, below=1)
     clip: float = setting(1.0, "gradient-norm clipping (the largest norm kept)", positive=True)
+    optimizer: str = setting("torch", "AdamW's update: torch (torch's fused AdamW) or triton (dflash's Triton "
+                             "kernel, the same update and state, CUDA with Triton installed; "
+                             "dflash/train/adamw_kernel.py)", choices=("torch", "triton"))
     token_budget: int = setting(16_384, "real (unpadded) context tokens per micro-batch at most", positive=True)
     accum_steps: int = setting(4, "micro-batches per rank per optimizer step", positive=True)
     fuse_accum: bool = setting(False, "run each rank's accum_steps micro-batches of a step (different length buckets) "

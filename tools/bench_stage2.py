@@ -90,6 +90,8 @@ def bench_config(args):
         train["fuse_accum"] = True
     if getattr(args, "gather_keys", False):
         train["gather_context_keys"] = True
+    if getattr(args, "optimizer", ""):
+        train["optimizer"] = args.optimizer
     data = {"max_length": min(4096, train.get("token_budget", Config().train.token_budget))}
     return replace(Config(), drafter={"size": size}, train=train, data=data)
 
@@ -512,7 +514,7 @@ ATTENTION_CLASSES = ("flex attention (Triton templates)", "dflash block attentio
 
 KERNEL_CLASSES = (  # (class, substrings of the kernel name), first match wins
     ("matmul (cuBLAS / CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "cublas")),
-    ("optimizer (multi-tensor apply)", ("multi_tensor_apply",)),
+    ("optimizer (multi-tensor apply, dflash AdamW)", ("multi_tensor_apply", "_adamw_kernel")),
     ("flex attention (Triton templates)", ("flex", "triton_tem")),
     ("dflash block attention (Triton)", ("forward_kernel", "dq_kernel", "dkdv_kernel")),
     ("compiled fused (Triton)", ("triton_",)),
@@ -739,6 +741,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--mask-tile", type=int, default=0,
                         help="the block masks' tile (rows and keys) in place of dflash's (masks.mask_tile: 64 for heads of "
                              "up to 64 dims, else 128), a multiple of every kernel tile")
+    parser.add_argument("--optimizer", choices=("torch", "triton"), default="",
+                        help="AdamW's update in place of train.optimizer's: torch's fused AdamW or dflash's Triton "
+                             "kernel (dflash/train/adamw_kernel.py)")
     parser.add_argument("--attention", choices=("flex", "blockwise"), default="",
                         help="the attention backend in place of the device's default (train.attention): blockwise, "
                              "dflash's own Triton kernels over each row's key ranges (dflash/model/block_attention.py)")

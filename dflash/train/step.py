@@ -8,6 +8,7 @@ tools/bench_stage2.py times `train_step` itself. Only logging steps move numbers
 """
 
 import functools
+import importlib.util
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -60,9 +61,17 @@ def build_model(config: Config, args: DrafterArgs, dist: DistState) -> DFlashDra
 
 
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
-    # Fused on every device (CPU too since torch 2.4): its step honours `found_inf` (train_step).
-    return torch.optim.AdamW(model.parameters(), lr=config.train.lr, betas=config.train.betas,
-                             weight_decay=config.train.weight_decay, fused=True)
+    # Fused on every device (CPU too since torch 2.4): its step honours `found_inf` and `grad_scale` (train_step).
+    options = dict(lr=config.train.lr, betas=config.train.betas, weight_decay=config.train.weight_decay)
+    if config.train.optimizer == "triton":
+        device = next(model.parameters()).device
+        if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+            raise ConfigError(f"train.optimizer = \"triton\" runs on CUDA with Triton installed; this process has "
+                              f"{device.type}{'' if importlib.util.find_spec('triton') else ' and no Triton'}: "
+                              "set train.optimizer = \"torch\"")
+        from dflash.train.adamw_kernel import TritonAdamW
+        return TritonAdamW(model.parameters(), **options)
+    return torch.optim.AdamW(model.parameters(), fused=True, **options)
 
 
 def learning_rate(config: Config, step: int, total_steps: int) -> float:
