@@ -67,7 +67,7 @@ def test_each_key_tiles_rows_hold_every_row_that_sees_it(seed, tile):
 
 def test_blockwise_needs_triton_and_a_device_it_runs_on(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    reason = block_attention.blockwise_refusal(torch.device("cpu"))
+    reason = block_attention.triton_refusal(torch.device("cpu"))
     assert reason and ("Triton" in reason or "CUDA" in reason)
     from dflash.config import load_config
     from dflash.train.step import build_context

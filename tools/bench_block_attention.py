@@ -146,7 +146,7 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():
         print("bench_block_attention: needs a CUDA device", file=sys.stderr)
         return 2
-    if (reason := block_attention.blockwise_refusal(torch.device("cuda"))):
+    if (reason := block_attention.triton_refusal(torch.device("cuda"))):
         print(f"bench_block_attention: {reason}", file=sys.stderr)
         return 2
     device, dtype = torch.device("cuda"), torch.bfloat16

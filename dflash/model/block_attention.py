@@ -125,9 +125,9 @@ def key_tile_rows(ranges, num_keys: int, block_keys: int = BLOCK_KEYS) -> tuple[
     return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
-def blockwise_refusal(device: torch.device) -> str | None:
-    """Why these kernels cannot run on `device`, or None: they need Triton, and a CUDA device unless
-    Triton's interpreter runs them (`TRITON_INTERPRET=1`)."""
+def triton_refusal(device: torch.device) -> str | None:
+    """Why dflash's Triton kernels (these, the AdamW step's) cannot run on `device`, or None: they need Triton,
+    and a CUDA device unless Triton's interpreter runs them (`TRITON_INTERPRET=1`)."""
     try:
         import triton  # noqa: F401
     except ImportError:

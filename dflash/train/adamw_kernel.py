@@ -71,16 +71,16 @@ class TritonAdamW(torch.optim.AdamW):
             if not params:
                 continue
             device = params[0].device
-            steps = [self._state_for(p)["step"] for p in params]
+            states = [self._state_for(p) for p in params]
+            steps = [state["step"] for state in states]
             torch._foreach_add_(steps, 1)
             skip = found_inf.to(device) if found_inf is not None else torch.zeros((), device=device)
             scale = grad_scale.to(device) if grad_scale is not None else skip  # unread without HAS_SCALE
             beta1, beta2 = group["betas"]
-            for param, step in zip(params, steps):
-                state = self.state[param]
+            for param, state in zip(params, states):
                 numel = param.numel()
                 _adamw_kernel[(triton.cdiv(numel, BLOCK),)](
-                    param, param.grad, state["exp_avg"], state["exp_avg_sq"], step, scale, skip, numel,
+                    param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], scale, skip, numel,
                     float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
                     float(group["weight_decay"]), HAS_SCALE=grad_scale is not None, BLOCK=BLOCK)
             if found_inf is not None:

@@ -8,7 +8,6 @@ tools/bench_stage2.py times `train_step` itself. Only logging steps move numbers
 """
 
 import functools
-import importlib.util
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from dflash.config import Config, ConfigError
 from dflash.dist import DistState
 from dflash.model.drafter import (DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers,
                                   is_compiled)
-from dflash.model.block_attention import blockwise_refusal
+from dflash.model.block_attention import triton_refusal
 from dflash.model.export import load_exported
 from dflash.model.loss import block_labels, block_soft_targets, default_gamma, dflash_loss, gamma_weights
 from dflash.model.masks import build_masks, default_backend
@@ -64,11 +63,8 @@ def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW
     # Fused on every device (CPU too since torch 2.4): its step honours `found_inf` and `grad_scale` (train_step).
     options = dict(lr=config.train.lr, betas=config.train.betas, weight_decay=config.train.weight_decay)
     if config.train.optimizer == "triton":
-        device = next(model.parameters()).device
-        if device.type != "cuda" or importlib.util.find_spec("triton") is None:
-            raise ConfigError(f"train.optimizer = \"triton\" runs on CUDA with Triton installed; this process has "
-                              f"{device.type}{'' if importlib.util.find_spec('triton') else ' and no Triton'}: "
-                              "set train.optimizer = \"torch\"")
+        if reason := triton_refusal(next(model.parameters()).device):
+            raise ConfigError(f"train.optimizer = \"triton\": {reason}; or set train.optimizer = \"torch\"")
         from dflash.train.adamw_kernel import TritonAdamW
         return TritonAdamW(model.parameters(), **options)
     return torch.optim.AdamW(model.parameters(), fused=True, **options)
@@ -89,7 +85,7 @@ def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) ->
     embed, lm_head = reader.read_frozen_weights()
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
     backend = default_backend(dist.device) if config.train.attention == "auto" else config.train.attention
-    if backend == "blockwise" and (reason := blockwise_refusal(dist.device)):
+    if backend == "blockwise" and (reason := triton_refusal(dist.device)):
         raise ConfigError(f"train.attention = \"blockwise\": {reason}")
     gamma = config.train.gamma or default_gamma(args.block_size)
     return TrainContext(args=args, codec=reader.attrs["codec"], embed_VH=embed.to(dist.device, dtype),
