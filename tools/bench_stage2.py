@@ -744,6 +744,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("torch", "triton"), default="",
                         help="AdamW's update in place of train.optimizer's: torch's fused AdamW or dflash's Triton "
                              "kernel (dflash/train/adamw_kernel.py)")
+    parser.add_argument("--clip", choices=("folded", "in-place"), default="folded",
+                        help="gradient clipping folded into AdamW's step as its grad_scale (dflash.train.step."
+                             "clip_into_step, as stage two trains) or, the baseline, every gradient scaled in place "
+                             "first as clip_grad_norm_ does (one more pass over them)")
     parser.add_argument("--attention", choices=("flex", "blockwise"), default="",
                         help="the attention backend in place of the device's default (train.attention): blockwise, "
                              "dflash's own Triton kernels over each row's key ranges (dflash/model/block_attention.py)")
@@ -836,6 +840,7 @@ def run(args, argv, dist) -> int:
             block_attention.CONFIGS_OVERRIDE[kernel] = block_attention.KernelConfig(
                 best["rows"], best["keys"], best["warps"], best["stages"])
     model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target, args.attention)
+    ctx.fold_clip = args.clip == "folded"
     flex_options = flex_kernel_options(ctx.args.head_dim) if device.type == "cuda" else {}  # as masks.attend uses them
     from dflash.model.drafter import count_parameters
 
@@ -844,7 +849,7 @@ def run(args, argv, dist) -> int:
     say(f"drafter {drafter_name}: {count_parameters(ctx.args) / 1e9:.3f}B trainable parameters; "
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
         f"{config.train.accum_steps}{' fused' if config.train.fuse_accum else ''}, loss_chunk {config.train.loss_chunk}, "
-        f"compile {config.train.compile}, "
+        f"compile {config.train.compile}, optimizer {type(optimizer).__name__} (clip {args.clip}), "
         f"attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
         f", flex options {flex_options or 'inductor defaults'}, "
@@ -854,7 +859,8 @@ def run(args, argv, dist) -> int:
                        device, args.seed)
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "block_masks": "rule" if args.mask_rule else "tiles", "gathered_keys": args.gather_keys,
-               "flex_options": flex_options, "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
+               "flex_options": flex_options, "optimizer": type(optimizer).__name__, "clip": args.clip,
+               "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None
     seed = args.seed + 1000 * dist.rank  # each rank its own data, as under the real sampler

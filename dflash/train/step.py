@@ -42,6 +42,7 @@ class TrainContext:
     device: torch.device
     distill_weight: float = 0.0  # train.distill_weight: the soft-target term beside the cross entropy
     distill: str = "kl"
+    fold_clip: bool = True  # clip through the optimizer's grad_scale (clip_into_step); False: in place first
 
     @property
     def autocast(self):
@@ -159,15 +160,30 @@ def to_device(batch: dict, device: torch.device) -> dict:
             for k, v in batch.items()}
 
 
-def clip_into_step(optimizer, grads: list[torch.Tensor], clip: float) -> torch.Tensor:
+def folds_grad_scale(optimizer) -> bool:
+    """Whether `optimizer.step()` divides each gradient by `optimizer.grad_scale` as it reads it: torch's
+    fused Adam, AdamW and SGD do, and dflash's TritonAdamW (a fused AdamW); other optimizers ignore it."""
+    fused_kinds = torch.optim.Adam | torch.optim.AdamW | torch.optim.SGD
+    return isinstance(optimizer, fused_kinds) and bool(optimizer.defaults.get("fused"))
+
+
+def clip_into_step(optimizer, grads: list[torch.Tensor], clip: float, fold: bool = True) -> torch.Tensor:
     """Gradient-norm clipping folded into the fused AdamW's step: the norm is computed as
     `clip_grad_norm_` computes it, and the factor that would scale every gradient in place (one more
     read and write of all of them, ~7 GB a step at the 27B drafter's 1.7B parameters) goes to the
     optimizer as its `grad_scale`, which its kernel divides each gradient by as it reads it. The
-    gradients themselves stay unclipped. Returns the norm before clipping, as `clip_grad_norm_` does."""
+    gradients themselves stay unclipped. An optimizer that does not read `grad_scale` (`folds_grad_scale`),
+    or `fold=False` (`TrainContext.fold_clip`, the benchmarks' baseline), gets its gradients scaled in
+    place first, as `clip_grad_norm_` scales them. Returns the norm before clipping, as `clip_grad_norm_` does."""
     norm = torch.nn.utils.get_total_norm(grads)
     # clip_grad_norm_ multiplies by clamp(clip / (norm + 1e-6), max=1); dividing by its inverse is the same.
-    optimizer.grad_scale = torch.clamp((norm + 1e-6) / clip, min=1.0).float()
+    scale = torch.clamp((norm + 1e-6) / clip, min=1.0).float()
+    if fold and folds_grad_scale(optimizer):
+        optimizer.grad_scale = scale
+    else:
+        if grads:
+            torch._foreach_div_(grads, scale.to(grads[0].device))
+        optimizer.grad_scale = None
     return norm
 
 
@@ -189,7 +205,8 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
             out, valid_AB = forward_loss(wrapped, ctx, batch)
             (out.objective / len(micro_batches)).backward()
         stats.add(out, valid_AB, batch)
-    grad_norm = clip_into_step(optimizer, [p.grad for p in wrapped.parameters() if p.grad is not None], clip)
+    grad_norm = clip_into_step(optimizer, [p.grad for p in wrapped.parameters() if p.grad is not None], clip,
+                               fold=ctx.fold_clip)
     finite = torch.isfinite(grad_norm) & ~stats.loss_flags().any()
     # The fused AdamW skips its whole update on the device when `found_inf` is non-zero (the
     # interface gradient scalers use): a NaN never reaches the weights, and nothing syncs here.
