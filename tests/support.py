@@ -247,3 +247,19 @@ def sampled_tree_on_cuda(seed: int, size: int, width: int, vocab: int, slots: in
                                             width=width)
     depths = torch.tensor(tree.depths, device="cuda").clamp(max=slots - 1)
     return tree, q_KV, drafter_logits[depths] + torch.randn(len(tree.tokens), vocab, device="cuda")
+
+
+class PlainDescent(torch.optim.Optimizer):
+    """Plain gradient descent (lr 1 unless given) that accepts `found_inf` as train_step sets it (SGD does
+    not) and never reads `grad_scale`, as any optimizer but the fused ones: train_step clips its gradients
+    in place (dflash.train.step.clip_into_step), so at lr 1 each update is the clipped gradient itself."""
+
+    def __init__(self, params, lr: float = 1.0):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.sub_(group["lr"] * param.grad)

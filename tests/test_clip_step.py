@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dflash.train.step import clip_into_step, folds_grad_scale
+from support import PlainDescent
 
 
 @pytest.mark.parametrize("fold", [True, False], ids=["folded", "in-place"])
@@ -50,19 +51,6 @@ def test_a_non_finite_norm_skips_the_step_and_keeps_the_weights():
     torch.testing.assert_close(weights.detach(), before, rtol=0, atol=0)
 
 
-class PlainDescent(torch.optim.Optimizer):
-    """Gradient descent that never reads `grad_scale`, as any optimizer but the fused ones."""
-
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.5})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for param in group["params"]:
-                param.sub_(group["lr"] * param.grad)
-
-
 def test_an_optimizer_that_ignores_grad_scale_gets_its_gradients_clipped_in_place():
     generator = torch.Generator().manual_seed(7)
     start = [torch.randn(11, 3, generator=generator), torch.randn(4, generator=generator)]
@@ -72,7 +60,7 @@ def test_an_optimizer_that_ignores_grad_scale_gets_its_gradients_clipped_in_plac
     for params in (plain, ours):
         for p, g in zip(params, grads):
             p.grad = g.clone()
-    plain_opt, ours_opt = PlainDescent(plain), PlainDescent(ours)
+    plain_opt, ours_opt = PlainDescent(plain, lr=0.5), PlainDescent(ours, lr=0.5)
     assert not folds_grad_scale(ours_opt)
     assert folds_grad_scale(torch.optim.AdamW(ours, fused=True)) and not folds_grad_scale(torch.optim.AdamW(ours))
     plain_norm = torch.nn.utils.clip_grad_norm_(plain, 1.0)

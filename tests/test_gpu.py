@@ -20,6 +20,7 @@ from dflash.model.masks import layer_windows
 from dflash.model.tiles import TILE
 from dflash.train.batch import StoreDataset, collate_packed
 from dflash.train.step import TrainContext, evaluation_mode, forward_loss, to_device, train_step
+from support import PlainDescent
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -134,20 +135,6 @@ def test_small_heads_over_64_key_mask_tiles_equal_dense_sdpa(seed):
     assert_flex_step_equals_dense(batch, device, head_dim=64)
 
 
-class UpdateByGradient(torch.optim.Optimizer):
-    """Plain gradient descent at lr 1, which accepts `found_inf` as train_step sets it (SGD does not)."""
-
-    def __init__(self, params):
-        super().__init__(params, {"lr": 1.0})
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    param.sub_(group["lr"] * param.grad)
-
-
 def test_compiled_layers_equal_eager_over_one_optimizer_step():
     """One `train_step` (two micro-batches, clip, update) each way. Gradient descent at lr 1 makes each
     parameter's update its clipped gradient, so the updates compare the gradients themselves; Adam's
@@ -161,7 +148,7 @@ def test_compiled_layers_equal_eager_over_one_optimizer_step():
         before = [p.detach().float().clone() for p in model.parameters()]
         if compiled:
             compile_layers(model)
-        optimizer = UpdateByGradient(model.parameters())
+        optimizer = PlainDescent(model.parameters())
         stats = train_step(model, ctx, batches, optimizer, lr=1.0, clip=1.0, step=1)
         updates = [p.detach().float() - start for p, start in zip(model.parameters(), before)]
         after[compiled] = (float(stats.values[0]) / stats.micro_batches, float(stats.grad_norm), updates)
@@ -184,7 +171,7 @@ def test_a_fused_step_equals_its_micro_batches_one_at_a_time_compiled():
         model = fresh_drafter(ctx.args, device)
         before = [p.detach().float().clone() for p in model.parameters()]
         compile_layers(model)
-        stats = train_step(model, ctx, batches, UpdateByGradient(model.parameters()), lr=1.0, clip=1.0, step=1)
+        stats = train_step(model, ctx, batches, PlainDescent(model.parameters()), lr=1.0, clip=1.0, step=1)
         updates = [p.detach().float() - start for p, start in zip(model.parameters(), before)]
         after[name] = (float(stats.values[0]) / stats.micro_batches, updates)
     assert after["fused"][0] == pytest.approx(after["apart"][0], rel=5e-3)
@@ -204,7 +191,7 @@ def test_the_compiled_step_compiles_nothing_more_for_micro_batches_of_other_shap
     ctx = context("flex", device)
     model = fresh_drafter(ctx.args, device)
     compile_layers(model)
-    optimizer = UpdateByGradient(model.parameters())
+    optimizer = PlainDescent(model.parameters())
     batches = [micro_batch(seed, device) for seed in (20, 21, 22, 23)]
     assert len({(len(b["doc_ids"]), len(b["anchor_doc"]), len(b["label_rows"])) for b in batches}) == 4
     graphs = []
