@@ -181,8 +181,8 @@ def clip_into_step(optimizer, grads: list[torch.Tensor], clip: float, fold: bool
     if fold and folds_grad_scale(optimizer):
         optimizer.grad_scale = scale
     else:
-        if grads:
-            torch._foreach_div_(grads, scale.to(grads[0].device))
+        if grads:  # the norm came from them: the factor is on their device already
+            torch._foreach_div_(grads, scale)
         optimizer.grad_scale = None
     return norm
 
