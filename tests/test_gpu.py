@@ -125,6 +125,30 @@ def test_blockwise_kernels_equal_dense_sdpa_in_the_training_step(seed, head_dim)
     assert_flex_step_equals_dense(batch, device, backend_under_test="blockwise", head_dim=head_dim)
 
 
+def test_the_blockwise_kernels_and_their_launchers_are_kept_for_a_new_machine(tmp_path, monkeypatch):
+    """After a blockwise step, every kernel dflash launched has its files and its C launcher in Triton's cache
+    (`compile_cache.kernel_entries`), and the kept tar writes them byte for byte into an empty cache."""
+    from dflash.train import compile_cache
+
+    device = torch.device("cuda")
+    assert_flex_step_equals_dense(micro_batch(0, device, "rule"), device, backend_under_test="blockwise")
+    kernels = compile_cache.compiled_own_kernels()
+    names = {kernel.name for kernel in kernels}
+    assert {"forward_kernel", "dq_kernel", "dkdv_kernel"} <= names, names
+    cache = compile_cache.triton_cache_dir()
+    entries = compile_cache.kernel_entries(kernels, cache)
+    launchers = [e for e in entries if e["group"] is None]
+    assert len(launchers) >= 1 and all((cache / e["dir"]).is_dir() for e in entries)
+    assert all(compile_cache.launcher_entry(kernel) is not None for kernel in kernels)
+    tar = tmp_path / "compile-artifacts.triton.tar"
+    assert compile_cache.save_triton_kernels(tar, kernels) > 0
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "new-cache"))
+    assert compile_cache.restore_triton_kernels(tar) == len([e for e in entries if e["group"]])
+    for entry in entries:
+        for name, path in entry["files"].items():
+            assert (tmp_path / "new-cache" / entry["dir"] / name).read_bytes() == open(path, "rb").read()
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_small_heads_over_64_key_mask_tiles_equal_dense_sdpa(seed):
     """64-dim heads under the small heads' kernel tiles over 64 x 64 mask tiles (their default since 12-06;
