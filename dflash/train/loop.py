@@ -23,7 +23,7 @@ from dflash.store.reader import StoreReader
 from dflash.store.schema import CorruptShardError
 from dflash.train import served
 from dflash.train.batch import StoreDataset, collate_options, collate_packed, epoch_loader
-from dflash.train.compile_cache import CompileProgress, artifacts_path, save_compile_artifacts
+from dflash.train.compile_cache import CompileProgress, artifacts_path, kernels_file, save_compile_artifacts
 from dflash.train.follow import FollowStopped, FollowTimeout, StoreFollower
 from dflash.train.metrics import MetricsLogger, StepStats
 from dflash.train.resume import save_run
@@ -262,7 +262,9 @@ def keep_compile_artifacts(state: TrainState, say) -> None:
     path = artifacts_path(state.config.train.out_dir, device.index or 0)
     written = save_compile_artifacts(path)
     if written and state.dist.is_main:
-        say(f"saved compile artifacts {path} ({written / 1e6:.1f} MB; every rank its own device's): later "
+        kernels = kernels_file(path)
+        beside = f" and dflash's Triton kernels in {kernels.name}" if kernels.is_file() else ""
+        say(f"saved compile artifacts {path}{beside} ({written / 1e6:.1f} MB; every rank its own device's): later "
             "processes of this run start warm")
 
 
