@@ -125,3 +125,21 @@ def test_the_cache_directory_is_named_as_triton_names_it():
 
     key = "0123456789abcdef" * 4
     assert cache_key_dir(key) == _base32(key), triton.__version__
+
+
+def test_kernels_that_cannot_be_kept_leave_the_artifacts_and_the_run_alone(tmp_path, monkeypatch):
+    """Another Triton's internals (an attribute gone, a layout changed) cost the kept kernels, never the save
+    of torch's artifacts or the load."""
+    from dflash.train import compile_cache
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'JITFunction' object has no attribute 'device_caches'")
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(compile_cache, "save_triton_kernels", broken)
+    monkeypatch.setattr(compile_cache, "restore_triton_kernels", broken)
+    compiled = torch.compile(lambda x: (x.cos() * 3).sum())
+    compiled(torch.ones(8))
+    path = tmp_path / "compile-artifacts.bin"
+    assert compile_cache.save_compile_artifacts(path) > 0
+    assert compile_cache.load_compile_artifacts(path).startswith("loaded compile artifacts")

@@ -67,7 +67,10 @@ def load_compile_artifacts(path: str | Path) -> str:
     """Load the artifacts at `path` into torch's compile caches, and dflash's Triton kernels kept beside them
     into Triton's cache; returns what happened, in words."""
     path = Path(path)
-    kernels = restore_triton_kernels(kernels_file(path))
+    try:
+        kernels = restore_triton_kernels(kernels_file(path))
+    except Exception:  # noqa: BLE001 - another Triton's internals: its kernels compile as without the file
+        kernels = 0
     if not path.is_file():
         return f"restored {kernels} of dflash's Triton kernels from {kernels_file(path)}" if kernels else ""
     kept = f"; {kernels} of dflash's Triton kernels restored" if kernels else ""
@@ -99,7 +102,10 @@ def save_compile_artifacts(path: str | Path) -> int:
     something new or the file is missing, and dflash's Triton kernels to `kernels_file(path)` when
     they are not all there; bytes written, 0 when nothing was written."""
     path = Path(path)
-    written = save_triton_kernels(kernels_file(path))
+    try:
+        written = save_triton_kernels(kernels_file(path))
+    except Exception:  # noqa: BLE001 - another Triton's internals: the kernels compile again, training goes on
+        written = 0
     if path.is_file() and not compiled_anew():
         return written  # everything came from the caches: the file already holds it
     saved = torch.compiler.save_cache_artifacts()
