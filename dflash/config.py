@@ -25,6 +25,7 @@ from dflash.store.schema import LABEL_CHOICES
 DEFAULT_ROOT = "/data/dflash"
 WANDB_MODES = ("offline", "online", "disabled")  # train.wandb; dflash.train.metrics opens the run
 DISTILL_KINDS = ("kl", "tv")  # train.distill; dflash.model.loss computes them
+CE_KERNELS = ("compiled", "triton")  # train.loss_kernel; dflash.model.loss runs them
 HOLDOUT_UNITS = ("prompt", "sample")  # train.holdout_by; dflash.train.sampler.split_holdout splits by them
 
 
@@ -203,6 +204,10 @@ class TrainConfig:
                            "(total variation), over the stored k tokens and one bucket for the rest",
                            choices=DISTILL_KINDS)
     loss_chunk: int = setting(2048, "block rows per LM-head and loss chunk (bounds the logits' memory)", positive=True)
+    loss_kernel: str = setting("compiled", "the cross entropy's pass over each chunk's logits on CUDA: compiled "
+                               "(inductor's) or triton (dflash's kernel, one read of a row's logits where it fits in "
+                               "registers: dflash/model/ce_kernel.py); the CPU runs it eagerly either way",
+                               choices=CE_KERNELS)
     seed: int = setting(0, "seed of the data order, anchors, held-out split and initialisation",
                         minimum=0)
     holdout_fraction: float = setting(0.01, "fraction of the store's samples held out of training (eval batches, "

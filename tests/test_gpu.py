@@ -127,6 +127,26 @@ def test_blockwise_kernels_equal_dense_sdpa_in_the_training_step(seed, head_dim)
     assert_flex_step_equals_dense(batch, device, backend_under_test="blockwise", head_dim=head_dim)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_the_triton_cross_entropy_pass_trains_as_the_compiled_one(seed):
+    """`train.loss_kernel = "triton"` in the training step: the loss, accuracy and gradients of inductor's pass
+    (`"compiled"`), on a fresh micro-batch."""
+    device = torch.device("cuda")
+    batch = micro_batch(seed, device)
+    results = {}
+    for kernel in ("compiled", "triton"):
+        ctx = context("flex", device, seed=seed)
+        ctx.loss_kernel = kernel
+        model = fresh_drafter(ctx.args, device)
+        out, valid = forward_loss(model, ctx, batch)
+        out.loss.backward()
+        results[kernel] = (out.loss.detach().float(), out.correct, [p.grad.float() for p in model.parameters()])
+    torch.testing.assert_close(results["triton"][0], results["compiled"][0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(results["triton"][1], results["compiled"][1])
+    for ours, theirs in zip(results["triton"][2], results["compiled"][2]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-4)
+
+
 def test_the_blockwise_kernels_and_their_launchers_are_kept_for_a_new_machine(tmp_path, monkeypatch):
     """After a blockwise step, every kernel dflash launched has its files (where it was compiled: an earlier
     test's cache may hold some) and its C launcher in Triton's cache (`compile_cache.kernel_entries`), and the

@@ -1,6 +1,7 @@
 """Loss: weights, labels, chunked LM head + CE against the plain full-logits loss, metrics."""
 
 import functools
+import importlib.util
 import math
 
 import pytest
@@ -181,3 +182,47 @@ def test_compiled_ce_pass_equals_eager_on_two_row_counts():
         for eager, fused in zip(_ce_and_grad(logits, labels, weight, torch.bfloat16),
                                 compiled(logits, labels, weight, torch.bfloat16)):
             torch.testing.assert_close(fused.float(), eager.float(), rtol=1e-2, atol=1e-5)
+
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def check_ce_kernel(seed: int, device: str) -> None:
+    """dflash's Triton pass (`train.loss_kernel = "triton"`) against `_ce_and_grad` on fresh random bf16 logits:
+    the resident kernel (rows held whole) and the two-pass loop (forced on short rows), a tie between two
+    maxima in different tiles (the first wins, as torch's argmax), a row of weight 0."""
+    from dflash.model import ce_kernel
+    from dflash.model.loss import _ce_and_grad
+
+    generator = torch.Generator().manual_seed(seed)
+    for rows, vocab, options in ((6, 1000, {}), (5, 3000, {"row_resident": 512, "loop_block": 256}),
+                                 (3, 49_152, {})):
+        logits = (torch.randn(rows, vocab, generator=generator) * 4).to(torch.bfloat16)
+        logits[0, 3] = logits[0, vocab - 2] = logits[0].max() + 1
+        labels = torch.randint(0, vocab, (rows,), generator=generator)
+        weight = torch.rand(rows, generator=generator)
+        weight[1] = 0
+        ce, argmax, grad = _ce_and_grad(logits, labels, weight, torch.bfloat16)
+        ours = ce_kernel.ce_and_grad(logits.to(device), labels.to(device), weight.to(device), torch.bfloat16, **options)
+        torch.testing.assert_close(ours[0].cpu(), ce, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ours[1].cpu(), argmax)
+        torch.testing.assert_close(ours[2].cpu().float(), grad.float(), rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (a GPU install's package)")
+@pytest.mark.parametrize("seed", range(2))
+def test_the_triton_cross_entropy_pass_equals_the_compiled_ones_values(seed):
+    if torch.cuda.is_available():
+        check_ce_kernel(seed, "cuda")
+        return
+    from support import run_interpreted
+
+    run_interpreted(f"import test_loss as t; t.check_ce_kernel({seed}, 'cpu')")
+
+
+def test_the_loss_kernel_is_the_cpus_eager_pass_off_cuda_and_a_bad_name_is_refused():
+    from dflash.model import loss
+
+    assert loss._ce_and_grad_on(torch.device("cpu"), "triton") is loss._ce_and_grad
+    with pytest.raises(ValueError, match="ce_kernel"):
+        loss._ce_and_grad_on(torch.device("cuda"), "fastest")

@@ -92,6 +92,8 @@ def bench_config(args):
         train["gather_context_keys"] = True
     if getattr(args, "optimizer", ""):
         train["optimizer"] = args.optimizer
+    if getattr(args, "loss_kernel", ""):
+        train["loss_kernel"] = args.loss_kernel
     data = {"max_length": min(4096, train.get("token_budget", Config().train.token_budget))}
     return replace(Config(), drafter={"size": size}, train=train, data=data)
 
@@ -143,7 +145,8 @@ def build_trainer(config, dist, target: str = "", attention: str = ""):
                   * 0.02)
     ctx = TrainContext(args=args, codec="fp8", embed_VH=embed_VH, lm_head_VH=lm_head_VH,
                        weights_B=gamma_weights(args.block_size, default_gamma(args.block_size), device=device),
-                       backend=attention or default_backend(device), loss_chunk=config.train.loss_chunk, device=device)
+                       backend=attention or default_backend(device), loss_chunk=config.train.loss_chunk, device=device,
+                       loss_kernel=config.train.loss_kernel)
     return model, optimizer, wrapped, ctx
 
 
@@ -744,6 +747,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("torch", "triton"), default="",
                         help="AdamW's update in place of train.optimizer's: torch's fused AdamW or dflash's Triton "
                              "kernel (dflash/train/adamw_kernel.py)")
+    parser.add_argument("--loss-kernel", choices=("compiled", "triton"), default="",
+                        help="the cross entropy's pass in place of train.loss_kernel's: inductor's compile of it or "
+                             "dflash's Triton kernel (dflash/model/ce_kernel.py)")
     parser.add_argument("--clip", choices=("folded", "in-place"), default="folded",
                         help="gradient clipping folded into AdamW's step as its grad_scale (dflash.train.step."
                              "clip_into_step, as stage two trains) or, the baseline, every gradient scaled in place "
@@ -850,6 +856,7 @@ def run(args, argv, dist) -> int:
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
         f"{config.train.accum_steps}{' fused' if config.train.fuse_accum else ''}, loss_chunk {config.train.loss_chunk}, "
         f"compile {config.train.compile}, optimizer {type(optimizer).__name__} (clip {args.clip}), "
+        f"loss kernel {config.train.loss_kernel}, "
         f"attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
         f", flex options {flex_options or 'inductor defaults'}, "
@@ -860,6 +867,7 @@ def run(args, argv, dist) -> int:
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "block_masks": "rule" if args.mask_rule else "tiles", "gathered_keys": args.gather_keys,
                "flex_options": flex_options, "optimizer": type(optimizer).__name__, "clip": args.clip,
+               "loss_kernel": config.train.loss_kernel,
                "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None

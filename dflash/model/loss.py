@@ -215,8 +215,8 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_QH, lm_head_VH, labels_Q, row_weight_Q, chunk_size, soft_ids_Qk=None, soft_probs_Qk=None,
-                distill_weight=0.0, distill="kl"):
+    def forward(ctx, hidden_QH, lm_head_VH, labels_Q, row_weight_Q, chunk_size, ce_kernel="compiled", soft_ids_Qk=None,
+                soft_probs_Qk=None, distill_weight=0.0, distill="kl"):
         num_rows = hidden_QH.shape[0]
         want_hidden, want_head = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         ce_Q = torch.empty(num_rows, dtype=torch.float32, device=hidden_QH.device)
@@ -225,7 +225,7 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden_QH) if want_hidden else None
         grad_head = torch.zeros_like(lm_head_VH, dtype=torch.float32) if want_head else None
         safe_labels_Q = labels_Q.clamp(min=0)
-        ce_and_grad = _compiled_ce_and_grad() if hidden_QH.is_cuda else _ce_and_grad
+        ce_and_grad = _ce_and_grad_on(hidden_QH.device, ce_kernel)
         if soft_ids_Qk is not None:
             distill_and_grad = (_compiled_ce_distill_and_grad(float(distill_weight), distill, hidden_QH.dtype)
                                 if hidden_QH.is_cuda else
@@ -255,7 +255,25 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
         scale = grad_loss.to(torch.float32)
         grad_hidden = None if grad_hidden is None else (grad_hidden * scale).to(grad_hidden.dtype)
         grad_head = None if grad_head is None else (grad_head * scale).to(grad_head.dtype)
-        return grad_hidden, grad_head, None, None, None, None, None, None, None
+        return grad_hidden, grad_head, None, None, None, None, None, None, None, None
+
+
+CE_KERNELS = ("compiled", "triton")
+
+
+def _ce_and_grad_on(device: torch.device, ce_kernel: str):
+    """The cross entropy and gradient pass of a chunk: eager on the CPU; on CUDA inductor's compile of
+    `_ce_and_grad` ("compiled") or dflash's Triton kernel ("triton", dflash/model/ce_kernel.py: one read of
+    each row's logits where it fits in registers)."""
+    if device.type != "cuda":
+        return _ce_and_grad
+    if ce_kernel == "triton":
+        from dflash.model import ce_kernel as kernel
+
+        return kernel.ce_and_grad
+    if ce_kernel != "compiled":
+        raise ValueError(f"loss: ce_kernel must be one of {CE_KERNELS}, got {ce_kernel!r}")
+    return _compiled_ce_and_grad()
 
 
 @dataclass
@@ -285,6 +303,7 @@ def dflash_loss(
     soft_targets: tuple[torch.Tensor, torch.Tensor] | None = None,
     distill_weight: float = 0.0,
     distill: str = "kl",
+    ce_kernel: str = "compiled",
 ) -> LossOutput:
     """Gamma-weighted block cross entropy with the LM head applied `chunk_size` rows at a time.
 
@@ -301,6 +320,9 @@ def dflash_loss(
     add the distillation term `distill` ("kl" or "tv", the module docstring), weighted and normalised
     as the cross entropy is; `objective` is then `loss + distill_weight * distill` and `loss` (the
     cross entropy alone) carries no gradient.
+
+    `ce_kernel` ("compiled" or "triton", `train.loss_kernel`) chooses the cross entropy's pass on CUDA
+    (`_ce_and_grad_on`); the distillation term's pass is compiled either way.
     """
     num_anchors, block_size = labels_AB.shape
     if hidden_QH.shape[0] != num_anchors * block_size:
@@ -321,7 +343,7 @@ def dflash_loss(
         soft_L += (float(distill_weight), distill)
     objective_sum, ce_L, distill_L, argmax_L = _ChunkedLMHeadCrossEntropy.apply(
         hidden_QH.index_select(0, rows_L).to(lm_head_VH.dtype), lm_head_VH,
-        labels_AB.reshape(-1).index_select(0, rows_L), row_weight_L, chunk_size, *soft_L,
+        labels_AB.reshape(-1).index_select(0, rows_L), row_weight_L, chunk_size, ce_kernel, *soft_L,
     )
     argmax_AB = torch.full((num_anchors * block_size,), IGNORE_LABEL, dtype=argmax_L.dtype,
                            device=argmax_L.device).index_copy_(0, rows_L, argmax_L).view(num_anchors, block_size)

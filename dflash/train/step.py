@@ -43,6 +43,7 @@ class TrainContext:
     distill_weight: float = 0.0  # train.distill_weight: the soft-target term beside the cross entropy
     distill: str = "kl"
     fold_clip: bool = True  # clip through the optimizer's grad_scale (clip_into_step); False: in place first
+    loss_kernel: str = "compiled"  # train.loss_kernel: the cross entropy's pass on CUDA (dflash.model.loss)
 
     @property
     def autocast(self):
@@ -88,12 +89,15 @@ def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) ->
     backend = default_backend(dist.device) if config.train.attention == "auto" else config.train.attention
     if backend == "blockwise" and (reason := triton_refusal(dist.device)):
         raise ConfigError(f"train.attention = \"blockwise\": {reason}")
+    if config.train.loss_kernel == "triton" and dist.device.type == "cuda" and (reason := triton_refusal(dist.device)):
+        raise ConfigError(f"train.loss_kernel = \"triton\": {reason}")
     gamma = config.train.gamma or default_gamma(args.block_size)
     return TrainContext(args=args, codec=reader.attrs["codec"], embed_VH=embed.to(dist.device, dtype),
                         lm_head_VH=lm_head.to(dist.device, dtype),
                         weights_B=gamma_weights(args.block_size, gamma, device=dist.device),
                         backend=backend, loss_chunk=config.train.loss_chunk, device=dist.device,
-                        distill_weight=config.train.distill_weight, distill=config.train.distill)
+                        distill_weight=config.train.distill_weight, distill=config.train.distill,
+                        loss_kernel=config.train.loss_kernel)
 
 
 def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> torch.nn.Module:
@@ -143,7 +147,7 @@ def forward_loss(model, ctx: TrainContext, batch: dict):
     out = dflash_loss(hidden_QH, ctx.lm_head_VH, labels_AB, valid_AB, ctx.weights_B, ctx.loss_chunk,
                       rows_L=batch.get("label_rows"), group_A=batch.get("anchor_group"),
                       num_groups=len(batch.get("group_buckets", [None])), soft_targets=soft_targets,
-                      distill_weight=ctx.distill_weight, distill=ctx.distill)
+                      distill_weight=ctx.distill_weight, distill=ctx.distill, ce_kernel=ctx.loss_kernel)
     return out, valid_AB
 
 
