@@ -750,6 +750,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--loss-kernel", choices=("compiled", "triton"), default="",
                         help="the cross entropy's pass in place of train.loss_kernel's: inductor's compile of it or "
                              "dflash's Triton kernel (dflash/model/ce_kernel.py)")
+    parser.add_argument("--ce-row-resident", type=int, default=-1,
+                        help="with --loss-kernel triton: the longest row its kernel holds whole (dflash.model."
+                             "ce_kernel.ROW_RESIDENT, 65,536); 0 reads every row twice in tiles (the two-pass loop)")
     parser.add_argument("--clip", choices=("folded", "in-place"), default="folded",
                         help="gradient clipping folded into AdamW's step as its grad_scale (dflash.train.step."
                              "clip_into_step, as stage two trains) or, the baseline, every gradient scaled in place "
@@ -845,6 +848,10 @@ def run(args, argv, dist) -> int:
                 continue
             block_attention.CONFIGS_OVERRIDE[kernel] = block_attention.KernelConfig(
                 best["rows"], best["keys"], best["warps"], best["stages"])
+    if args.ce_row_resident >= 0:
+        from dflash.model import ce_kernel
+
+        ce_kernel.ROW_RESIDENT = args.ce_row_resident
     model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target, args.attention)
     ctx.fold_clip = args.clip == "folded"
     flex_options = flex_kernel_options(ctx.args.head_dim) if device.type == "cuda" else {}  # as masks.attend uses them
@@ -868,6 +875,7 @@ def run(args, argv, dist) -> int:
                "block_masks": "rule" if args.mask_rule else "tiles", "gathered_keys": args.gather_keys,
                "flex_options": flex_options, "optimizer": type(optimizer).__name__, "clip": args.clip,
                "loss_kernel": config.train.loss_kernel,
+               **({"ce_row_resident": args.ce_row_resident} if args.ce_row_resident >= 0 else {}),
                "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
     profiled_steps = None

@@ -103,10 +103,14 @@ def _interpreted() -> bool:
 
 
 def ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor,
-                grad_dtype: torch.dtype = torch.float32, row_resident: int = ROW_RESIDENT,
-                loop_block: int = LOOP_BLOCK):
+                grad_dtype: torch.dtype = torch.float32, row_resident: int | None = None,
+                loop_block: int | None = None):
     """`(ce_R, argmax_R, grad_RV)` as `dflash.model.loss._ce_and_grad` returns them, from one kernel launch.
-    `row_resident` and `loop_block` choose the kernel and its tile (the tests force the loop on short rows)."""
+    `row_resident` and `loop_block` (default: the module's `ROW_RESIDENT` and `LOOP_BLOCK`, which
+    tools/bench_stage2.py's `--ce-row-resident` sets) choose the kernel and its tile: the tests force the loop on
+    short rows."""
+    row_resident = ROW_RESIDENT if row_resident is None else row_resident
+    loop_block = LOOP_BLOCK if loop_block is None else loop_block
     rows, vocab = logits_RV.shape
     if logits_RV.stride(1) != 1:
         logits_RV = logits_RV.contiguous()
