@@ -252,3 +252,29 @@ def test_bench_block_attention_batches_are_the_collates_layout_and_count_the_den
     ranges = build_masks(meta, ["full_attention"], 0, block_size=block, backend="blockwise",
                          device="cpu")["full_attention"]
     assert visible_pairs(ranges) == int(dense.sum())
+
+
+def test_gpu_gaps_splits_a_steps_idle_time_by_gap_size():
+    """bench_stage2's reading of its trace: device events merged, the idle time between the first and the last
+    one per step by gap size, the longest gaps named by the events on either side."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from benchlib import gpu_gaps
+
+    events = [
+        {"cat": "kernel", "name": "gemm", "ts": 0.0, "dur": 100.0},
+        {"cat": "kernel", "name": "gemm2", "ts": 50.0, "dur": 100.0},  # overlaps: busy 0-150 us
+        {"cat": "gpu_memset", "name": "Memset", "ts": 155.0, "dur": 5.0},  # a 5 us bubble
+        {"cat": "kernel", "name": "adamw", "ts": 210.0, "dur": 40.0},  # a 50 us gap
+        {"cat": "kernel", "name": "norm", "ts": 2250.0, "dur": 750.0},  # a 2 ms gap
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0.0, "dur": 5000.0},  # the host: not the GPU's time
+    ]
+    gaps = gpu_gaps({"traceEvents": events}, num_steps=2)
+    assert gaps["span_ms_per_step"] == pytest.approx(1.5)
+    assert gaps["busy_ms_per_step"] == pytest.approx((150 + 5 + 40 + 750) / 2e3)
+    assert gaps["idle_ms_per_step"] == pytest.approx((5 + 50 + 2000) / 2e3)
+    assert gaps["idle_by_gap_size"] == {"< 10 us": {"count": 1, "ms_per_step": pytest.approx(0.0025)},
+                                        "< 100 us": {"count": 1, "ms_per_step": pytest.approx(0.025)},
+                                        "1 ms or more": {"count": 1, "ms_per_step": pytest.approx(1.0)}}
+    first = gaps["longest_gaps"][0]
+    assert first["us"] == pytest.approx(2000) and first["after"] == "adamw" and first["before"] == "norm"
+    assert gpu_gaps({"traceEvents": events[-1:]}, 1) == {}

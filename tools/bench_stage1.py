@@ -47,8 +47,8 @@ import torch
 # Run as a script: make the repository root importable (dflash) without installing.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import (build_random_target, log_uniform_lengths, print_table, progress, qwen35_27b_config,  # noqa: E402
-                      run_metadata, synchronize, write_results)
+from benchlib import (GPU_EVENT_CATEGORIES, build_random_target, log_uniform_lengths, merge_intervals,  # noqa: E402
+                      print_table, progress, qwen35_27b_config, run_metadata, synchronize, write_results)
 
 from dflash.padding import round_up  # noqa: E402
 
@@ -292,7 +292,6 @@ class ForwardSpan:
 
 # --------------------------------------------------------------------------- GPU timeline
 
-GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 HOST_EVENT_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
 GAP_SECONDS = 1e-3  # GPU idle stretches at least this long are listed one by one
 HOST_CALLS = ("cudaHostAlloc", "cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize",
@@ -326,14 +325,8 @@ def gpu_timeline(trace: dict, label: str) -> dict:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     window = next(e for e in events if e.get("cat") == "user_annotation" and e.get("name") == label)
     low, high, main_tid = window["ts"], window["ts"] + window["dur"], window["tid"]
-    gpu = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                 if e.get("cat") in GPU_EVENT_CATEGORIES and low <= e["ts"] <= high)
-    merged = []
-    for start, end in gpu:
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
+    merged = merge_intervals((e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                             if e.get("cat") in GPU_EVENT_CATEGORIES and low <= e["ts"] <= high)
     busy = sum(end - start for start, end in merged)
     span = merged[-1][1] - merged[0][0] if merged else 0.0
     gaps = [(merged[i][1], merged[i + 1][0]) for i in range(len(merged) - 1)

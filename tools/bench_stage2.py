@@ -56,7 +56,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
+from benchlib import gpu_gaps, log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
 
 from dflash.train.compile_cache import CompileProgress, compile_summary, describe_compile  # noqa: E402
 from dflash.model import block_attention  # noqa: E402
@@ -500,6 +500,7 @@ def profile_steps(wrapped, ctx, optimizer, steps, config, out_dir: Path, num_ste
     counts = count_sync_events(events, step_ranges)
     host_ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
     return {"trace": str(trace), "profiled_steps": num_steps, "kernel_time": kernel_time(events, num_steps),
+            "gpu_gaps": gpu_gaps(json.loads(trace.read_text()), num_steps),
             "host_self_ms_per_step": {e.key[:90]: e.self_cpu_time_total / 1e3 / num_steps for e in host_ops},
             "host_calls_per_step": {e.key[:90]: e.count / num_steps for e in host_ops},
             "kernel_launches_per_step": sum(1 for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel",
@@ -1016,6 +1017,13 @@ def report(args, results: dict) -> None:
                     [[kind, ms, ms / max(kernels["total_ms_per_step"], 1e-9)]
                      for kind, ms in kernels["ms_per_step_by_class"].items()])
         print_table("longest kernels", ["kernel", "ms/step"], list(kernels["longest_kernels_ms_per_step"].items()))
+        gaps = profile.get("gpu_gaps") or {}
+        if gaps:
+            print_table(f"GPU idle per step: {gaps['idle_ms_per_step']:.1f} of {gaps['span_ms_per_step']:.1f} ms "
+                        "(first to last device event), by gap size", ["gaps", "count", "ms/step"],
+                        [[size, row["count"], row["ms_per_step"]] for size, row in gaps["idle_by_gap_size"].items()])
+            print_table("longest GPU gaps", ["us", "at ms", "after", "before"],
+                        [[g["us"], g["at_ms"], g["after"], g["before"]] for g in gaps["longest_gaps"]])
         if profile.get("attention_tflop_per_s_visible"):
             print(f"attention: {profile['attention_ms_per_step']:.1f} ms a step, "
                   f"{profile['attention_tflop_per_s_visible']:.0f} TFLOP/s on the visible pairs"

@@ -99,3 +99,52 @@ def build_random_target(config, device: torch.device, dtype: torch.dtype):
 def progress(message: str) -> None:
     """One line per finished pass, flushed: a run cut short by a time limit still reports."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+GPU_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # a torch.profiler Chrome trace's device events
+
+
+def merge_intervals(intervals) -> list[list[float]]:
+    """`(start, end)` pairs merged where they overlap or touch, in order: the time something ran."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return merged
+
+
+GAP_BINS_US = (10.0, 100.0, 1000.0)  # gap sizes: < 10 us (a launch's bubble), < 100 us, < 1 ms, longer
+
+
+def gpu_gaps(trace: dict, num_steps: int) -> dict:
+    """Where the GPU idles between its first and last device event of a Chrome trace (every event in it: a
+    profile of `num_steps` back-to-back steps, whose kernels lag the host's step annotations): busy and idle
+    milliseconds a step, the idle time by gap size (`GAP_BINS_US`), and the longest gaps with the device events
+    on either side."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device = sorted((e["ts"], e["ts"] + e.get("dur", 0), e.get("name", "")) for e in events
+                    if e.get("cat") in GPU_EVENT_CATEGORIES)
+    merged = merge_intervals((start, end) for start, end, _ in device)
+    if not merged:
+        return {}
+    span = merged[-1][1] - merged[0][0]
+    busy = sum(end - start for start, end in merged)
+    labels = [f"< {int(b)} us" if b < 1000 else "< 1 ms" for b in GAP_BINS_US] + ["1 ms or more"]
+    by_size = {label: {"count": 0, "ms_per_step": 0.0} for label in labels}
+    gaps = []
+    for left, right in zip(merged, merged[1:]):
+        gap = right[0] - left[1]
+        label = labels[sum(gap >= b for b in GAP_BINS_US)]
+        by_size[label]["count"] += 1
+        by_size[label]["ms_per_step"] += gap / 1e3 / num_steps
+        gaps.append((gap, left[1], right[0]))
+    longest = []
+    for gap, end, start in sorted(gaps, reverse=True)[:8]:
+        before = max((e for e in device if e[1] <= end), key=lambda e: e[1])[2]
+        after = min((e for e in device if e[0] >= start), key=lambda e: e[0])[2]
+        longest.append({"us": gap, "at_ms": (end - merged[0][0]) / 1e3, "after": before[:60], "before": after[:60]})
+    return {"span_ms_per_step": span / 1e3 / num_steps, "busy_ms_per_step": busy / 1e3 / num_steps,
+            "idle_ms_per_step": (span - busy) / 1e3 / num_steps,
+            "idle_by_gap_size": {k: v for k, v in by_size.items() if v["count"]}, "longest_gaps": longest}
