@@ -13,11 +13,11 @@ Imported only where Triton is (a GPU install; the CPU tests run it through Trito
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from dflash.model.block_attention import _interpreted
 
 ROW_RESIDENT = 65536  # columns a program holds at once: rows up to this long are read once
 LOOP_BLOCK = 8192  # columns a step of the two-pass loop reads, for longer rows
@@ -96,10 +96,6 @@ def _ce_grad_loop_kernel(logits_ptr, labels_ptr, weight_ptr, ce_ptr, argmax_ptr,
     else:
         for start in range(0, vocab, BLOCK):
             _grad_step(row_logits, row_grad, start, vocab, label, weight, running_max, scale, BLOCK)
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor,

@@ -193,7 +193,8 @@ def kernel_entries(kernels, cache_dir: Path) -> list[dict]:
         files = {name: path for name, path in kernel.metadata_group.items() if Path(path).is_file()}
         group = next((name for name in files if name.endswith(".json")), None)
         if group is not None:
-            entries[cache_key_dir(kernel.hash)] = {"dir": cache_key_dir(kernel.hash), "files": files, "group": group}
+            directory = cache_key_dir(kernel.hash)
+            entries[directory] = {"dir": directory, "files": files, "group": group}
         launcher = launcher_entry(kernel)
         if launcher is not None and (cache_dir / launcher[0] / launcher[1]).is_file():
             directory, name = launcher
