@@ -192,7 +192,7 @@ class TrainConfig:
     gather_context_keys: bool = setting(False, "with flex attention, give each query tile its own copy of the "
                                         "context keys it reads, so no key tile is read by two query tiles in "
                                         "flex's backward (the loader's workers lay them out); not yet measured "
-                                        "faster on a GPU, so off")
+                                        "faster on a GPU, so off (on, train.attention = \"auto\" picks flex)")
     max_anchors: int = setting(512, "anchors (blocks) sampled per sequence at most, fresh every epoch", positive=True)
     anchor_budget: int = setting(1024, "anchors per micro-batch at most (x block size = drafter rows); bounds "
                                  "short-sequence packs", positive=True)
@@ -227,9 +227,10 @@ class TrainConfig:
     save_every: int = setting(1000, "steps between checkpoints", positive=True)
     keep_last: int = setting(3, "checkpoints kept", positive=True)
     num_workers: int = setting(4, "DataLoader worker processes per rank (0: in this process)", minimum=0)
-    attention: str = setting("auto", "attention backend: auto (flex on CUDA, dense SDPA on CPU), flex, dense or "
-                             "blockwise (dflash's own Triton kernels over each row's key ranges; CUDA; the SmolLM2-sized "
-                             "drafter's step 4% faster than flex on an H100)",
+    attention: str = setting("auto", "attention backend: auto (on CUDA blockwise for heads of 64 or 128 dims where "
+                             "Triton is installed and train.gather_context_keys is off, else flex; dense SDPA on "
+                             "the CPU), flex, dense or blockwise (dflash's own Triton kernels over each row's key "
+                             "ranges; CUDA; the SmolLM2-sized drafter's step 4% faster than flex on an H100)",
                              choices=("auto", *ATTENTION_BACKENDS))
     compile: bool = setting(True, "torch.compile the drafter layers on CUDA, ignored on the CPU: faster steps "
                             "(BENCHMARKS.md), minutes added to the first step on a cold compile cache")

@@ -103,6 +103,23 @@ def test_default_backend():
     assert default_backend("cpu") == "dense" and default_backend("cuda") == "flex"
 
 
+def test_auto_trains_with_blockwise_on_cuda_only_where_it_was_measured(monkeypatch):
+    from dflash.model import masks
+
+    refusals = iter([None, "needs Triton"])
+    monkeypatch.setattr(masks, "triton_refusal", lambda device: next(refusals))
+    assert [masks.training_backend("auto", "cuda", 64), masks.training_backend("auto", "cuda", 128)] == \
+        ["blockwise", "flex"]  # the second without Triton
+    monkeypatch.setattr(masks, "triton_refusal", lambda device: None)
+    assert masks.training_backend("auto", "cuda", 128) == "blockwise"
+    assert masks.training_backend("auto", "cuda", 256) == "flex"  # not timed there
+    assert masks.training_backend("auto", "cuda", 32) == "flex"
+    assert masks.training_backend("auto", "cuda", 64, gathered=True) == "flex"  # gathered keys are flex's layout
+    assert masks.training_backend("auto", "cpu", 64) == "dense"
+    for named in masks.BACKENDS:
+        assert masks.training_backend(named, "cpu", 64) == named
+
+
 def test_bad_inputs_are_named():
     meta = {"doc_ids": torch.zeros(4, dtype=torch.long), "position_ids": torch.arange(4),
             "anchor_doc": torch.zeros(1, dtype=torch.long), "anchor_pos": torch.tensor([2])}

@@ -129,7 +129,7 @@ def bench_drafter_args(config, target: str):
 def build_trainer(config, dist, target: str = "", attention: str = ""):
     """Model, optimizer, wrapped model (DDP under torchrun) and TrainContext as stage two builds them."""
     from dflash.model.loss import default_gamma, gamma_weights
-    from dflash.model.masks import default_backend
+    from dflash.model.masks import training_backend
     from dflash.train.step import TrainContext, apply_parallelism, build_model, build_optimizer
 
     device = dist.device
@@ -145,8 +145,9 @@ def build_trainer(config, dist, target: str = "", attention: str = ""):
                   * 0.02)
     ctx = TrainContext(args=args, codec="fp8", embed_VH=embed_VH, lm_head_VH=lm_head_VH,
                        weights_B=gamma_weights(args.block_size, default_gamma(args.block_size), device=device),
-                       backend=attention or default_backend(device), loss_chunk=config.train.loss_chunk, device=device,
-                       loss_kernel=config.train.loss_kernel)
+                       backend=training_backend(attention or config.train.attention, device, args.head_dim,
+                                                config.train.gather_context_keys),
+                       loss_chunk=config.train.loss_chunk, device=device, loss_kernel=config.train.loss_kernel)
     return model, optimizer, wrapped, ctx
 
 
@@ -759,8 +760,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "clip_into_step, as stage two trains) or, the baseline, every gradient scaled in place "
                              "first as clip_grad_norm_ does (one more pass over them)")
     parser.add_argument("--attention", choices=("flex", "blockwise"), default="",
-                        help="the attention backend in place of the device's default (train.attention): blockwise, "
-                             "dflash's own Triton kernels over each row's key ranges (dflash/model/block_attention.py)")
+                        help="the attention backend in place of train.attention's (auto: blockwise on CUDA for 64- and "
+                             "128-dim heads, masks.training_backend): flex, or blockwise, dflash's own Triton kernels "
+                             "over each row's key ranges (dflash/model/block_attention.py)")
     parser.add_argument("--blockwise-configs", default="",
                         help="a tools/bench_block_attention.py --sweep JSON: its best launch of each blockwise kernel "
                              "for every head size in place of dflash's (block_attention.kernel_configs; with "

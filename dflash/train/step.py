@@ -22,7 +22,7 @@ from dflash.model.drafter import (DFlashDrafter, DrafterArgs, block_embeddings, 
 from dflash.model.block_attention import triton_refusal
 from dflash.model.export import load_exported
 from dflash.model.loss import block_labels, block_soft_targets, default_gamma, dflash_loss, gamma_weights
-from dflash.model.masks import build_masks, default_backend
+from dflash.model.masks import build_masks, training_backend
 from dflash.store import codecs
 from dflash.train import served
 from dflash.train.metrics import StepStats
@@ -86,7 +86,7 @@ def learning_rate(config: Config, step: int, total_steps: int) -> float:
 def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) -> TrainContext:
     embed, lm_head = reader.read_frozen_weights()
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    backend = default_backend(dist.device) if config.train.attention == "auto" else config.train.attention
+    backend = training_backend(config.train.attention, dist.device, args.head_dim, config.train.gather_context_keys)
     if backend == "blockwise" and (reason := triton_refusal(dist.device)):
         raise ConfigError(f"train.attention = \"blockwise\": {reason}")
     if config.train.loss_kernel == "triton" and dist.device.type == "cuda" and (reason := triton_refusal(dist.device)):
