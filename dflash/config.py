@@ -227,9 +227,9 @@ class TrainConfig:
     save_every: int = setting(1000, "steps between checkpoints", positive=True)
     keep_last: int = setting(3, "checkpoints kept", positive=True)
     num_workers: int = setting(4, "DataLoader worker processes per rank (0: in this process)", minimum=0)
-    attention: str = setting("auto", "attention backend: auto (on CUDA blockwise for heads of 64 or 128 dims where "
-                             "Triton is installed and train.gather_context_keys is off, else flex; dense SDPA on "
-                             "the CPU), flex, dense or blockwise (dflash's own Triton kernels over each row's key "
+    attention: str = setting("auto", "attention backend: auto (on an H100 or newer, capability 9.0, blockwise for heads "
+                             "of 64 or 128 dims where Triton is installed and train.gather_context_keys is off, else "
+                             "flex; dense SDPA on the CPU), flex, dense or blockwise (dflash's own Triton kernels over each row's key "
                              "ranges; CUDA; the SmolLM2-sized drafter's step 4% faster than flex on an H100)",
                              choices=("auto", *ATTENTION_BACKENDS))
     compile: bool = setting(True, "torch.compile the drafter layers on CUDA, ignored on the CPU: faster steps "

@@ -108,6 +108,7 @@ def test_auto_trains_with_blockwise_on_cuda_only_where_it_was_measured(monkeypat
 
     refusals = iter([None, "needs Triton"])
     monkeypatch.setattr(masks, "triton_refusal", lambda device: next(refusals))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))  # an H100 / H200
     assert [masks.training_backend("auto", "cuda", 64), masks.training_backend("auto", "cuda", 128)] == \
         ["blockwise", "flex"]  # the second without Triton
     monkeypatch.setattr(masks, "triton_refusal", lambda device: None)
@@ -116,6 +117,8 @@ def test_auto_trains_with_blockwise_on_cuda_only_where_it_was_measured(monkeypat
     assert masks.training_backend("auto", "cuda", 32) == "flex"
     assert masks.training_backend("auto", "cuda", 64, gathered=True) == "flex"  # gathered keys are flex's layout
     assert masks.training_backend("auto", "cpu", 64) == "dense"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (8, 6))  # a card it was not timed on
+    assert masks.training_backend("auto", "cuda", 64) == "flex"
     for named in masks.BACKENDS:
         assert masks.training_backend(named, "cpu", 64) == named
 

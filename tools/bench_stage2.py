@@ -760,9 +760,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "clip_into_step, as stage two trains) or, the baseline, every gradient scaled in place "
                              "first as clip_grad_norm_ does (one more pass over them)")
     parser.add_argument("--attention", choices=("flex", "blockwise"), default="",
-                        help="the attention backend in place of train.attention's (auto: blockwise on CUDA for 64- and "
-                             "128-dim heads, masks.training_backend): flex, or blockwise, dflash's own Triton kernels "
-                             "over each row's key ranges (dflash/model/block_attention.py)")
+                        help="the attention backend in place of train.attention's (auto: blockwise on an H100 or "
+                             "newer for 64- and 128-dim heads, masks.training_backend): flex, or blockwise, dflash's "
+                             "own Triton kernels over each row's key ranges (dflash/model/block_attention.py)")
     parser.add_argument("--blockwise-configs", default="",
                         help="a tools/bench_block_attention.py --sweep JSON: its best launch of each blockwise kernel "
                              "for every head size in place of dflash's (block_attention.kernel_configs; with "

@@ -193,20 +193,24 @@ def default_backend(device: torch.device | str) -> str:
 # than flex in the step and a recipe trained with them (one H100, 12-07: the SmolLM2-sized drafter's 64-dim heads
 # 4% a step, the 27B-shaped drafter's 128-dim heads 2.5% the peers' step and 3% the default budget; the recipe's
 # train part 464.8 s against 482 s, its held-out answers walked as served 2.740 against 2.722). Other head sizes
-# keep flex until timed.
+# keep flex until timed, and so do GPUs before Hopper (capability 9.0, the H100 and H200 it was timed on; older
+# cards have less shared memory a block for the kernels' committed tiles: "blockwise" names it there).
 BLOCKWISE_AUTO_HEAD_DIMS = (64, 128)
+BLOCKWISE_AUTO_CAPABILITY = (9, 0)
 
 
 def training_backend(attention: str, device: torch.device | str, head_dim: int, gathered: bool = False) -> str:
     """The backend stage two trains with for `train.attention`: a named one as it is; "auto": dense + SDPA off
-    CUDA, dflash's blockwise kernels on CUDA for heads of `BLOCKWISE_AUTO_HEAD_DIMS` where Triton is installed,
-    flex otherwise and with `train.gather_context_keys` (`gathered`: a layout of flex's tiles)."""
+    CUDA, dflash's blockwise kernels on a CUDA device of `BLOCKWISE_AUTO_CAPABILITY` or newer for heads of
+    `BLOCKWISE_AUTO_HEAD_DIMS` where Triton is installed, flex otherwise and with `train.gather_context_keys`
+    (`gathered`: a layout of flex's tiles)."""
     if attention != "auto":
         return attention
     device = torch.device(device)
     if device.type != "cuda":
         return "dense"
-    if head_dim in BLOCKWISE_AUTO_HEAD_DIMS and not gathered and triton_refusal(device) is None:
+    if (head_dim in BLOCKWISE_AUTO_HEAD_DIMS and not gathered and triton_refusal(device) is None
+            and torch.cuda.get_device_capability(device) >= BLOCKWISE_AUTO_CAPABILITY):
         return "blockwise"
     return "flex"
 
