@@ -131,6 +131,15 @@ def test_kernels_equal_the_dense_masks_attention_and_gradients(seed, other_tiles
     run_interpreted(f"import test_block_attention as t; t.check_kernels({seed}, 'cpu', {other_tiles})")
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (a GPU install's package)")
+def test_the_training_step_under_activation_checkpointing_equals_the_dense_masks():
+    """The training step's loss and gradients with the kernels recomputed in the backward
+    (`train.activation_checkpointing`) against the dense mask's, through Triton's interpreter without a GPU."""
+    if torch.cuda.is_available():
+        pytest.skip("tests/test_gpu.py runs it on the GPU")
+    run_interpreted("import test_gpu as t; t.check_blockwise_under_activation_checkpointing('cpu')")
+
+
 def test_the_ops_fake_outputs_have_the_layout_the_kernels_write():
     """Under torch.compile the op's fake outputs stand for the real ones: contiguous, as the kernels write
     them, also for transposed inputs (the drafter's heads come as a transposed view)."""

@@ -9,6 +9,7 @@
 Run on a GPU machine: `pytest -m gpu`.
 """
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,8 @@ from dflash.model.loss import gamma_weights
 from dflash.model.masks import layer_windows
 from dflash.model.tiles import TILE
 from dflash.train.batch import StoreDataset, collate_packed
-from dflash.train.step import TrainContext, evaluation_mode, forward_loss, to_device, train_step
+from dflash.train.step import (TrainContext, checkpointed_forward, evaluation_mode, forward_loss, to_device,
+                               train_step)
 from support import PlainDescent
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -73,12 +75,12 @@ def micro_batch(seed: int, device, masks: str = "tiles", items: list[dict] | Non
                                     gather_keys=masks == "gathered", mask_tile=tile), device)
 
 
-def context(backend: str, device, seed: int = 0, **overrides) -> TrainContext:
+def context(backend: str, device, seed: int = 0, dtype=torch.bfloat16, **overrides) -> TrainContext:
     generator = torch.Generator().manual_seed(seed)
     args = drafter_args("tiny", mask_token_id=VOCAB - 1, vocab_size=VOCAB, **overrides)
     return TrainContext(args=args, codec="bf16",
-                        embed_VH=(0.02 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device, torch.bfloat16),
-                        lm_head_VH=(0.02 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device, torch.bfloat16),
+                        embed_VH=(0.02 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device, dtype),
+                        lm_head_VH=(0.02 * torch.randn(VOCAB, HIDDEN, generator=generator)).to(device, dtype),
                         weights_B=gamma_weights(args.block_size, 7.0, device=device), backend=backend,
                         loss_chunk=256, device=device)
 
@@ -88,19 +90,26 @@ def fresh_drafter(args, device) -> DFlashDrafter:
     return DFlashDrafter(args).to(device)
 
 
-def assert_flex_step_equals_dense(batch: dict, device, backend_under_test: str = "flex", **overrides) -> None:
-    """The training step's loss and gradients under flex attention (or `backend_under_test`) equal the dense
-    mask's (SDPA)."""
+def assert_flex_step_equals_dense(batch: dict, device, backend_under_test: str = "flex", checkpointing: bool = False,
+                                  **overrides) -> None:
+    """The training step's loss and gradients under flex attention (or `backend_under_test`, its layers'
+    activations recomputed in the backward with `checkpointing`, as `train.activation_checkpointing` trains) equal
+    the dense mask's (SDPA)."""
     results = {}
     for backend in ("dense", backend_under_test):
         ctx = context(backend, device, **overrides)
         model = fresh_drafter(ctx.args, device)
+        if checkpointing and backend == backend_under_test:
+            for layer in model.layers:
+                layer.forward = functools.partial(checkpointed_forward, layer.forward)
         out, _ = forward_loss(model, ctx, batch)
         out.loss.backward()
         results[backend] = (out.loss.detach().float(), [p.grad.float() for p in model.parameters()])
-    torch.testing.assert_close(results[backend_under_test][0], results["dense"][0], rtol=2e-3, atol=2e-3)
+    exact = overrides.get("dtype") == torch.float32  # bf16 on the GPU
+    torch.testing.assert_close(results[backend_under_test][0], results["dense"][0], rtol=1e-5 if exact else 2e-3,
+                               atol=1e-5 if exact else 2e-3)
     for flex_grad, dense_grad in zip(results[backend_under_test][1], results["dense"][1]):
-        torch.testing.assert_close(flex_grad, dense_grad, rtol=5e-2, atol=5e-3)
+        torch.testing.assert_close(flex_grad, dense_grad, rtol=1e-4 if exact else 5e-2, atol=1e-6 if exact else 5e-3)
 
 
 @pytest.mark.parametrize("kernel", ["default", "small-head"])
@@ -125,6 +134,20 @@ def test_blockwise_kernels_equal_dense_sdpa_in_the_training_step(seed, head_dim)
     device = torch.device("cuda")
     batch = micro_batch(seed, device, "rule")
     assert_flex_step_equals_dense(batch, device, backend_under_test="blockwise", head_dim=head_dim)
+
+
+def check_blockwise_under_activation_checkpointing(device: str) -> None:
+    """The blockwise kernels with each layer's activations recomputed in the backward (the custom op run again
+    under torch.utils.checkpoint) give the dense mask's loss and gradients; float32 off CUDA (Triton's
+    interpreter, tests/test_block_attention.py)."""
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    assert_flex_step_equals_dense(micro_batch(1, device, "rule"), device, backend_under_test="blockwise",
+                                  checkpointing=True, dtype=dtype)
+
+
+def test_blockwise_kernels_under_activation_checkpointing_equal_dense_sdpa():
+    check_blockwise_under_activation_checkpointing("cuda")
 
 
 @pytest.mark.parametrize("seed", range(2))
