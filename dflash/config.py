@@ -17,6 +17,7 @@ from pathlib import Path
 from dflash.data.chat import training_sources
 from dflash.data.samples import OVERLONG_POLICIES
 from dflash.errors import DflashError
+from dflash.model.loss import CE_KERNELS, DISTILL_KINDS
 from dflash.model.masks import BACKENDS as ATTENTION_BACKENDS
 from dflash.recipe import BLOCK_SIZE
 from dflash.store.codecs import CODECS
@@ -24,8 +25,6 @@ from dflash.store.schema import LABEL_CHOICES
 
 DEFAULT_ROOT = "/data/dflash"
 WANDB_MODES = ("offline", "online", "disabled")  # train.wandb; dflash.train.metrics opens the run
-DISTILL_KINDS = ("kl", "tv")  # train.distill; dflash.model.loss computes them
-CE_KERNELS = ("compiled", "triton")  # train.loss_kernel; dflash.model.loss runs them
 HOLDOUT_UNITS = ("prompt", "sample")  # train.holdout_by; dflash.train.sampler.split_holdout splits by them
 
 
@@ -227,10 +226,11 @@ class TrainConfig:
     save_every: int = setting(1000, "steps between checkpoints", positive=True)
     keep_last: int = setting(3, "checkpoints kept", positive=True)
     num_workers: int = setting(4, "DataLoader worker processes per rank (0: in this process)", minimum=0)
-    attention: str = setting("auto", "attention backend: auto (on an H100 or newer, capability 9.0, blockwise for heads "
-                             "of 64 or 128 dims where Triton is installed and train.gather_context_keys is off, else "
-                             "flex; dense SDPA on the CPU), flex, dense or blockwise (dflash's own Triton kernels over each row's key "
-                             "ranges; CUDA; the SmolLM2-sized drafter's step 4% faster than flex on an H100)",
+    attention: str = setting("auto", "attention backend: auto (on an H100 or newer, capability 9.0, blockwise for "
+                             "heads of 64 or 128 dims where Triton is installed and train.gather_context_keys is off, "
+                             "else flex; dense SDPA on the CPU), flex, dense or blockwise (dflash's own Triton kernels "
+                             "over each row's key ranges; CUDA; the SmolLM2-sized drafter's step 4% faster than flex "
+                             "on an H100)",
                              choices=("auto", *ATTENTION_BACKENDS))
     compile: bool = setting(True, "torch.compile the drafter layers on CUDA, ignored on the CPU: faster steps "
                             "(BENCHMARKS.md), minutes added to the first step on a cold compile cache")

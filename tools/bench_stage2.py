@@ -60,6 +60,7 @@ from benchlib import gpu_gaps, log_uniform_lengths, print_table, run_metadata, s
 
 from dflash.train.compile_cache import CompileProgress, compile_summary, describe_compile  # noqa: E402
 from dflash.model import block_attention  # noqa: E402
+from dflash.model.loss import CE_KERNELS  # noqa: E402
 from dflash.model.masks import flex_kernel_options  # noqa: E402
 
 PEAK_BF16_FLOPS = 790e12
@@ -749,7 +750,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--optimizer", choices=("torch", "triton"), default="",
                         help="AdamW's update in place of train.optimizer's: torch's fused AdamW or dflash's Triton "
                              "kernel (dflash/train/adamw_kernel.py)")
-    parser.add_argument("--loss-kernel", choices=("compiled", "triton"), default="",
+    parser.add_argument("--loss-kernel", choices=CE_KERNELS, default="",
                         help="the cross entropy's pass in place of train.loss_kernel's: inductor's compile of it or "
                              "dflash's Triton kernel (dflash/model/ce_kernel.py)")
     parser.add_argument("--ce-row-resident", type=int, default=-1,

@@ -30,7 +30,8 @@ import torch
 from dflash.model.drafter import rows_dynamic
 
 IGNORE_LABEL = -100  # label of slots that are not supervised; never equals an argmax
-DISTILL_KINDS = ("kl", "tv")
+DISTILL_KINDS = ("kl", "tv")  # train.distill
+CE_KERNELS = ("compiled", "triton")  # train.loss_kernel: the cross entropy's pass on CUDA (_ce_and_grad_on)
 
 
 def default_gamma(block_size: int) -> float:
@@ -256,9 +257,6 @@ class _ChunkedLMHeadCrossEntropy(torch.autograd.Function):
         grad_hidden = None if grad_hidden is None else (grad_hidden * scale).to(grad_hidden.dtype)
         grad_head = None if grad_head is None else (grad_head * scale).to(grad_head.dtype)
         return grad_hidden, grad_head, None, None, None, None, None, None, None, None
-
-
-CE_KERNELS = ("compiled", "triton")
 
 
 def _ce_and_grad_on(device: torch.device, ce_kernel: str):
