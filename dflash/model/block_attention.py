@@ -12,9 +12,10 @@ bounds per row on the device; `block_attention` is the attention (forward: `_for
 custom op, so compiled layers keep it whole. Key heads are read by their query heads (grouped-query
 attention), never repeated.
 
-`train.attention = "blockwise"` trains with it (CUDA, Triton). On one H100 (12-06) it ran the SmolLM2-sized
-drafter's attention in 3.1 ms a micro-batch against flex's 4.2 (`tools/bench_block_attention.py`) and its step
-4% faster; flex stays the default until a recipe has trained with it. Exactness: tests/test_block_attention.py
+`train.attention = "blockwise"` trains with it (CUDA, Triton), and `"auto"` (the default) on the GPUs and head sizes
+`masks.training_backend` names. On one H100 (12-06) it ran the SmolLM2-sized drafter's attention in 3.1 ms a
+micro-batch against flex's 4.2 (`tools/bench_block_attention.py`) and its step 4% faster; the recipe trained
+with it serves as the flex-trained drafter did (12-07). Exactness: tests/test_block_attention.py
 (output and gradients against the dense mask's SDPA on fresh random batches; on the CPU through Triton's
 interpreter, `TRITON_INTERPRET=1`).
 """
