@@ -192,9 +192,10 @@ def default_backend(device: torch.device | str) -> str:
 # `train.attention = "auto"` on CUDA picks dflash's own kernels for the head sizes where they were timed faster
 # than flex in the step and a recipe trained with them (one H100, 12-07: the SmolLM2-sized drafter's 64-dim heads
 # 4% a step, the 27B-shaped drafter's 128-dim heads 2.5% the peers' step and 3% the default budget; the recipe's
-# train part 464.8 s against 482 s, its held-out answers walked as served 2.740 against 2.722). Other head sizes
-# keep flex until timed, and so do GPUs before Hopper (capability 9.0, the H100 and H200 it was timed on; older
-# cards have less shared memory a block for the kernels' committed tiles: "blockwise" names it there).
+# train part 450.5 s against 482 s, the drafter it trained serving the hand-written chat prompts at tau 2.680
+# against the flex-trained 2.691). Other head sizes keep flex until timed, and so do GPUs before Hopper
+# (capability 9.0, the H100 and H200 it was timed on; older cards have less shared memory a block for the kernels'
+# committed tiles: "blockwise" names it there).
 BLOCKWISE_AUTO_HEAD_DIMS = (64, 128)
 BLOCKWISE_AUTO_CAPABILITY = (9, 0)
 
@@ -207,12 +208,11 @@ def training_backend(attention: str, device: torch.device | str, head_dim: int, 
     if attention != "auto":
         return attention
     device = torch.device(device)
-    if device.type != "cuda":
-        return "dense"
-    if (head_dim in BLOCKWISE_AUTO_HEAD_DIMS and not gathered and triton_refusal(device) is None
+    if (device.type == "cuda" and head_dim in BLOCKWISE_AUTO_HEAD_DIMS and not gathered
+            and triton_refusal(device) is None
             and torch.cuda.get_device_capability(device) >= BLOCKWISE_AUTO_CAPABILITY):
         return "blockwise"
-    return "flex"
+    return default_backend(device)
 
 
 def layer_windows(layer_types, window: int) -> dict[str, int | None]:

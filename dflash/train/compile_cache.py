@@ -26,7 +26,6 @@ import base64
 import hashlib
 import io
 import json
-import os
 import sys
 import tarfile
 import threading
@@ -279,9 +278,8 @@ def _write_new(path: Path, data: bytes, replace: bool = False) -> None:
     """Write `path` through a temporary file beside it: another process reading the cache sees all or nothing."""
     if path.is_file() and not replace:
         return
-    partial = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    partial.write_bytes(data)
-    os.replace(partial, path)
+    with atomic_file(path) as partial:
+        partial.write_bytes(data)
 
 
 COMPILE_PHASES = {  # torch._dynamo.utils.compile_times() keys -> what they time (seconds, summed)
