@@ -206,15 +206,17 @@ def root_attrs(codec="bf16", plans=(), **changes):
     return attrs
 
 
-def tiled_packed_meta(rng: np.random.Generator, block_size: int, tile: int = TILE) -> dict:
+def tiled_packed_meta(rng: np.random.Generator, block_size: int, tile: int = TILE, lengths: tuple[int, int] = (1, 300),
+                      max_anchors: int = 40) -> dict:
     """A packed micro-batch as the collate lays it out for flex attention: sequences of random
-    lengths (some longer than a tile), sorted random anchors, T and A * B padded to the tile."""
-    lengths = rng.integers(1, 300, size=int(rng.integers(1, 6)))
+    lengths in `[lengths)` (some longer than a tile), up to `max_anchors` sorted random anchors each, T and
+    A * B padded to the tile."""
+    lengths = rng.integers(*lengths, size=int(rng.integers(1, 6)))
     doc_ids = np.repeat(np.arange(len(lengths)), lengths)
     position_ids = np.concatenate([np.arange(n) for n in lengths])
     anchor_doc, anchor_pos = [], []
     for doc, length in enumerate(lengths):
-        count = int(rng.integers(0, min(length, 40) + 1))
+        count = int(rng.integers(0, min(length, max_anchors) + 1))
         chosen = np.sort(rng.choice(length, size=count, replace=False))
         anchor_doc += [doc] * count
         anchor_pos += chosen.tolist()

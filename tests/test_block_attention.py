@@ -27,9 +27,13 @@ def visible_from(ranges, num_keys: int) -> torch.Tensor:
     return ((cols >= lo) & (cols < hi)) | ((cols >= block_lo) & (cols < block_hi))
 
 
-def random_case(seed: int):
+def random_case(seed: int, long: bool = False):
+    """A random packed micro-batch, its block size and sliding window; `long`: sequences of 300-900 tokens with
+    up to 150 anchors each and a window of 200-400, where row tiles share long context prefixes."""
     rng = np.random.default_rng(900 + seed)
     block = 16
+    if long:
+        return tiled_packed_meta(rng, block, lengths=(300, 900), max_anchors=150), block, int(rng.integers(200, 400))
     meta = tiled_packed_meta(rng, block)
     window = int(rng.integers(block, 120))
     return meta, block, window
@@ -90,16 +94,17 @@ OTHER_TILES = {"forward": block_attention.KernelConfig(32, 128, 4, 2), "dq": blo
                "dkdv": block_attention.KernelConfig(32, 128, 4, 2)}
 
 
-def check_kernels(seed: int, device: str, other_tiles: bool = False) -> None:
+def check_kernels(seed: int, device: str, other_tiles: bool = False, long: bool = False) -> None:
     """The kernels' attention and gradients against the dense mask's SDPA, both layer types; `other_tiles`:
-    at launches other than the committed ones (the key tiles of the dK/dV kernel made to match)."""
+    at launches other than the committed ones (the key tiles of the dK/dV kernel made to match); `long`:
+    `random_case`'s long sequences (key tiles seen whole: the kernels' unmasked path)."""
     if other_tiles:
         block_attention.CONFIGS_OVERRIDE.update(OTHER_TILES)
         try:
-            return check_kernels(seed, device)
+            return check_kernels(seed, device, long=long)
         finally:
             block_attention.CONFIGS_OVERRIDE.clear()
-    meta, block, window = random_case(seed)
+    meta, block, window = random_case(seed, long)
     device = torch.device(device)
     meta = {k: v.to(device) for k, v in meta.items()}
     dense = build_masks(meta, LAYER_TYPES, window, block_size=block, backend="dense", device=device)
@@ -120,15 +125,44 @@ def check_kernels(seed: int, device: str, other_tiles: bool = False) -> None:
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
+def whole_tiles(ranges, rows: int, keys: int) -> int:
+    """Pairs of a `rows`-row tile and a `keys`-key tile of which every row sees every key (the kernels' unmasked
+    path: block_attention_kernels.whole_span, and the dK/dV kernel's `whole`)."""
+    lo, hi = ranges[0].long(), ranges[1].long()
+    count = 0
+    for start in range(0, len(lo), rows):
+        tile_lo, tile_hi = int(lo[start:start + rows].max()), int(hi[start:start + rows].min())
+        count += max(0, tile_hi // keys - -(-tile_lo // keys))
+    return count
+
+
+LONG_CASES = [(4, False), (5, True)]
+
+
+@pytest.mark.parametrize("seed,other_tiles", LONG_CASES)
+def test_the_long_cases_reach_the_tiles_seen_whole(seed, other_tiles):
+    """The kernels skip the visibility test on key tiles that every row of a row tile sees whole; the long
+    cases of the test below hold such tiles for every kernel's launch in both layer types, so that path is
+    checked against the dense reference too."""
+    meta, block, window = random_case(seed, long=True)
+    configs = dict(block_attention.kernel_configs(16), **(OTHER_TILES if other_tiles else {}))
+    for layer_window in layer_windows(LAYER_TYPES, window).values():
+        ranges = row_ranges(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"], block,
+                            layer_window)
+        for kernel, config in configs.items():
+            assert whole_tiles(ranges, config.rows, config.keys) > 0, (kernel, layer_window)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (a GPU install's package)")
-@pytest.mark.parametrize("seed,other_tiles", [(0, False), (1, False), (2, False), (3, True)])
-def test_kernels_equal_the_dense_masks_attention_and_gradients(seed, other_tiles):
+@pytest.mark.parametrize("seed,other_tiles,long", [(0, False, False), (1, False, False), (2, False, False),
+                                                    (3, True, False)] + [(*case, True) for case in LONG_CASES])
+def test_kernels_equal_the_dense_masks_attention_and_gradients(seed, other_tiles, long):
     """On a GPU in this process; without one through Triton's interpreter, in a process that has
     TRITON_INTERPRET=1 from its start (Triton reads it when it is imported)."""
     if torch.cuda.is_available():
-        check_kernels(seed, "cuda", other_tiles)
+        check_kernels(seed, "cuda", other_tiles, long)
         return
-    run_interpreted(f"import test_block_attention as t; t.check_kernels({seed}, 'cpu', {other_tiles})")
+    run_interpreted(f"import test_block_attention as t; t.check_kernels({seed}, 'cpu', {other_tiles}, {long})")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (a GPU install's package)")
