@@ -97,7 +97,7 @@ OTHER_TILES = {"forward": block_attention.KernelConfig(32, 128, 4, 2), "dq": blo
 def check_kernels(seed: int, device: str, other_tiles: bool = False, long: bool = False) -> None:
     """The kernels' attention and gradients against the dense mask's SDPA, both layer types; `other_tiles`:
     at launches other than the committed ones (the key tiles of the dK/dV kernel made to match); `long`:
-    `random_case`'s long sequences (key tiles seen whole: the kernels' unmasked path)."""
+    `random_case`'s long sequences (row tiles whose rows share long context prefixes)."""
     if other_tiles:
         block_attention.CONFIGS_OVERRIDE.update(OTHER_TILES)
         try:
@@ -125,37 +125,9 @@ def check_kernels(seed: int, device: str, other_tiles: bool = False, long: bool 
             torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
 
 
-def whole_tiles(ranges, rows: int, keys: int) -> int:
-    """Pairs of a `rows`-row tile and a `keys`-key tile of which every row sees every key (the kernels' unmasked
-    path: block_attention_kernels.whole_span, and the dK/dV kernel's `whole`)."""
-    lo, hi = ranges[0].long(), ranges[1].long()
-    count = 0
-    for start in range(0, len(lo), rows):
-        tile_lo, tile_hi = int(lo[start:start + rows].max()), int(hi[start:start + rows].min())
-        count += max(0, tile_hi // keys - -(-tile_lo // keys))
-    return count
-
-
-LONG_CASES = [(4, False), (5, True)]
-
-
-@pytest.mark.parametrize("seed,other_tiles", LONG_CASES)
-def test_the_long_cases_reach_the_tiles_seen_whole(seed, other_tiles):
-    """The kernels skip the visibility test on key tiles that every row of a row tile sees whole; the long
-    cases of the test below hold such tiles for every kernel's launch in both layer types, so that path is
-    checked against the dense reference too."""
-    meta, block, window = random_case(seed, long=True)
-    configs = dict(block_attention.kernel_configs(16), **(OTHER_TILES if other_tiles else {}))
-    for layer_window in layer_windows(LAYER_TYPES, window).values():
-        ranges = row_ranges(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"], block,
-                            layer_window)
-        for kernel, config in configs.items():
-            assert whole_tiles(ranges, config.rows, config.keys) > 0, (kernel, layer_window)
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (a GPU install's package)")
 @pytest.mark.parametrize("seed,other_tiles,long", [(0, False, False), (1, False, False), (2, False, False),
-                                                    (3, True, False)] + [(*case, True) for case in LONG_CASES])
+                                                    (3, True, False), (4, False, True), (5, True, True)])
 def test_kernels_equal_the_dense_masks_attention_and_gradients(seed, other_tiles, long):
     """On a GPU in this process; without one through Triton's interpreter, in a process that has
     TRITON_INTERPRET=1 from its start (Triton reads it when it is imported)."""

@@ -6,11 +6,8 @@ tile walks the key tiles of the union of its rows' context ranges, then of its b
 gradients of keys and values) walks the row tiles that can see it. Invisible scores are -1e30, finite, so a
 row with no visible key yet never makes a NaN. Loops over a runtime range are `for` loops on a GPU and
 `while` loops under Triton's interpreter (`WHILE`), whose `range` takes no tensor bounds; the loop bodies
-(`*_step`) are the same code either way. A key tile that every row of the row tile sees whole (the inside of the
-rows' shared context prefix: most tiles of a long prefix) skips the visibility test (`MASKED=False`, and the
-dK/dV kernel's `whole`): its scores need no mask, and a padded row past the last reads zeros and adds nothing
-to dK or dV. `P` is the dots' input precision: "ieee" for float32 inputs (exact, as the dense reference),
-"tf32" otherwise (bf16 and fp16 dots ignore it).
+(`*_step`) are the same code either way. `P` is the dots' input precision: "ieee" for float32 inputs (exact,
+as the dense reference), "tf32" otherwise (bf16 and fp16 dots ignore it).
 """
 
 import triton
@@ -64,58 +61,38 @@ def span(lo, hi, num_keys, BN: tl.constexpr):
 
 
 @triton.jit
-def whole_span(lo, hi, row_ok, first, end, BN: tl.constexpr):
-    """`[full_lo, full_hi)`: the key tiles of `[first, end)` that every row of the tile sees whole (tile-aligned,
-    inside every row's `[lo, hi)`), or `(end, end)` where there is none (a row that sees nothing among them
-    leaves none)."""
-    lo_max = tl.max(tl.where(row_ok, lo, 0), 0)
-    hi_min = tl.min(tl.where(row_ok, hi, end), 0)
-    full_lo = ((lo_max + BN - 1) // BN) * BN
-    full_hi = (hi_min // BN) * BN
-    some = full_lo < full_hi
-    return tl.where(some, full_lo, end), tl.where(some, full_hi, end)
-
-
-@triton.jit
 def forward_step(n, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc, num_keys, scale,
-                 D: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, MASKED: tl.constexpr):
+                 D: tl.constexpr, BN: tl.constexpr, P: tl.constexpr):
     """One key tile into a row tile's online softmax."""
     dims = tl.arange(0, D)
     cols = n + tl.arange(0, BN)
-    if MASKED:
-        col_ok = cols < num_keys
-        k_DN = tl.load(k_base + cols[None, :] * D + dims[:, None], mask=col_ok[None, :], other=0.0)
-        s = tl.dot(q, k_DN, input_precision=P) * scale
-        visible = sees(cols, lo, hi, block_lo, block_hi)
-        s = tl.where(visible, s, -1e30)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
-        v_ND = tl.load(v_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0)
-    else:
-        k_DN = tl.load(k_base + cols[None, :] * D + dims[:, None])
-        s = tl.dot(q, k_DN, input_precision=P) * scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        v_ND = tl.load(v_base + cols[:, None] * D + dims[None, :])
+    col_ok = cols < num_keys
+    k_DN = tl.load(k_base + cols[None, :] * D + dims[:, None], mask=col_ok[None, :], other=0.0)
+    s = tl.dot(q, k_DN, input_precision=P) * scale
+    visible = sees(cols, lo, hi, block_lo, block_hi)
+    s = tl.where(visible, s, -1e30)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
     alpha = tl.exp(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
+    v_ND = tl.load(v_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v_ND.dtype), v_ND, input_precision=P)
     return m_new, l_i, acc
 
 
 @triton.jit
 def forward_range(first, end, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc, num_keys, scale,
-                  D: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr, MASKED: tl.constexpr = True):
+                  D: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr):
     if WHILE:
         n = first
         while n < end:
             m_i, l_i, acc = forward_step(n, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
-                                         num_keys, scale, D, BN, P, MASKED)
+                                         num_keys, scale, D, BN, P)
             n += BN
     else:
         for n in range(first, end, BN):
             m_i, l_i, acc = forward_step(n, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
-                                         num_keys, scale, D, BN, P, MASKED)
+                                         num_keys, scale, D, BN, P)
     return m_i, l_i, acc
 
 
@@ -132,12 +109,7 @@ def forward_kernel(Q, K, V, O, LSE, LO, HI, BLO, BHI, scale, num_rows, num_keys,
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
     first, end = span(lo, hi, num_keys, BN)
-    full_lo, full_hi = whole_span(lo, hi, row_ok, first, end, BN)
-    m_i, l_i, acc = forward_range(first, full_lo, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
-                                  num_keys, scale, D, BN, WHILE, P)
-    m_i, l_i, acc = forward_range(full_lo, full_hi, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
-                                  num_keys, scale, D, BN, WHILE, P, False)
-    m_i, l_i, acc = forward_range(full_hi, end, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
+    m_i, l_i, acc = forward_range(first, end, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
                                   num_keys, scale, D, BN, WHILE, P)
     first, end = span(block_lo, block_hi, num_keys, BN)
     m_i, l_i, acc = forward_range(first, end, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i, l_i, acc,
@@ -151,20 +123,15 @@ def forward_kernel(Q, K, V, O, LSE, LO, HI, BLO, BHI, scale, num_rows, num_keys,
 
 @triton.jit
 def dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
-            D: tl.constexpr, BN: tl.constexpr, P: tl.constexpr, MASKED: tl.constexpr):
+            D: tl.constexpr, BN: tl.constexpr, P: tl.constexpr):
     dims = tl.arange(0, D)
     cols = n + tl.arange(0, BN)
-    if MASKED:
-        col_ok = cols < num_keys
-        k_ND = tl.load(k_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0)
-        v_ND = tl.load(v_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k_ND), input_precision=P) * scale
-        visible = sees(cols, lo, hi, block_lo, block_hi)
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-    else:
-        k_ND = tl.load(k_base + cols[:, None] * D + dims[None, :])
-        v_ND = tl.load(v_base + cols[:, None] * D + dims[None, :])
-        p = tl.exp(tl.dot(q, tl.trans(k_ND), input_precision=P) * scale - lse[:, None])
+    col_ok = cols < num_keys
+    k_ND = tl.load(k_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0)
+    v_ND = tl.load(v_base + cols[:, None] * D + dims[None, :], mask=col_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k_ND), input_precision=P) * scale
+    visible = sees(cols, lo, hi, block_lo, block_hi)
+    p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v_ND), input_precision=P)
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k_ND.dtype), k_ND, input_precision=P)
@@ -172,17 +139,15 @@ def dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq
 
 @triton.jit
 def dq_range(first, end, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
-             D: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr, MASKED: tl.constexpr = True):
+             D: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr):
     if WHILE:
         n = first
         while n < end:
-            dq = dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale, D, BN, P,
-                         MASKED)
+            dq = dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale, D, BN, P)
             n += BN
     else:
         for n in range(first, end, BN):
-            dq = dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale, D, BN, P,
-                         MASKED)
+            dq = dq_step(n, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale, D, BN, P)
     return dq
 
 
@@ -198,12 +163,7 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, BLO, BHI, scale, num_rows, nu
     v_base = V + key_head * num_keys * D
     dq = tl.zeros([BM, D], tl.float32)
     first, end = span(lo, hi, num_keys, BN)
-    full_lo, full_hi = whole_span(lo, hi, row_ok, first, end, BN)
-    dq = dq_range(first, full_lo, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
-                  D, BN, WHILE, P)
-    dq = dq_range(full_lo, full_hi, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys,
-                  scale, D, BN, WHILE, P, False)
-    dq = dq_range(full_hi, end, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
+    dq = dq_range(first, end, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
                   D, BN, WHILE, P)
     first, end = span(block_lo, block_hi, num_keys, BN)
     dq = dq_range(first, end, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, block_hi, dq, num_keys, scale,
@@ -213,21 +173,15 @@ def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, BLO, BHI, scale, num_rows, nu
 
 @triton.jit
 def dkdv_step(m, head, cols, k_ND, v_ND, dk, dv, Q, DO, LSE, DELTA, LO, HI, BLO, BHI, num_rows, scale,
-              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, P: tl.constexpr):
+              D: tl.constexpr, BM: tl.constexpr, P: tl.constexpr):
     """One row tile of one query head into a key tile's key and value gradients."""
     rows = m + tl.arange(0, BM)
     row_ok = rows < num_rows
     q, do, lse, delta = load_backward_rows(rows, row_ok, head, Q, DO, LSE, DELTA, num_rows, D)
     lo, hi, block_lo, block_hi = load_ranges(rows, row_ok, LO, HI, BLO, BHI)
     s = tl.dot(q, tl.trans(k_ND), input_precision=P) * scale
-    first_col = tl.min(cols, 0)
-    whole = (tl.max(tl.where(row_ok, lo, 0), 0) <= first_col) & (tl.min(tl.where(row_ok, hi, first_col + BN), 0)
-                                                                 >= first_col + BN)
-    if whole:  # every row sees every key of the tile (a padded row reads zeros: it adds nothing)
-        p = tl.exp(s - lse[:, None])
-    else:
-        visible = sees(cols, lo, hi, block_lo, block_hi) & row_ok[:, None]
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
+    visible = sees(cols, lo, hi, block_lo, block_hi) & row_ok[:, None]
+    p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
     dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=P)
     dp = tl.dot(do, tl.trans(v_ND), input_precision=P)
     ds = p * (dp - delta[:, None])
@@ -256,11 +210,11 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, BLO, BHI, ROW_START, RO
             m = row_start
             while m < row_end:
                 dk, dv = dkdv_step(m, head, cols, k_ND, v_ND, dk, dv, Q, DO, LSE, DELTA, LO, HI, BLO, BHI, num_rows,
-                                   scale, D, BM, BN, P)
+                                   scale, D, BM, P)
                 m += BM
         else:
             for m in range(row_start, row_end, BM):
                 dk, dv = dkdv_step(m, head, cols, k_ND, v_ND, dk, dv, Q, DO, LSE, DELTA, LO, HI, BLO, BHI, num_rows,
-                                   scale, D, BM, BN, P)
+                                   scale, D, BM, P)
     tl.store(DK + key_offsets, (dk * scale).to(DK.dtype.element_ty), mask=col_ok[:, None])
     tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
