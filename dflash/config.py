@@ -178,9 +178,9 @@ class TrainConfig:
     weight_decay: float = setting(0.0, "AdamW weight decay", minimum=0)
     betas: tuple[float, float] = setting((0.9, 0.95), "AdamW betas", minimum=0, below=1)
     clip: float = setting(1.0, "gradient-norm clipping (the largest norm kept)", positive=True)
-    optimizer: str = setting("torch", "AdamW's update: torch (torch's fused AdamW) or triton (dflash's Triton "
-                             "kernel, the same update and state, CUDA with Triton installed; "
-                             "dflash/train/adamw_kernel.py)", choices=("torch", "triton"))
+    optimizer: str = setting("auto", "AdamW's update: torch (torch's fused AdamW), triton (dflash's Triton kernel, "
+                             "the same update and state, CUDA with Triton installed; dflash/train/adamw_kernel.py) "
+                             "or auto (triton where it runs, else torch)", choices=("auto", "torch", "triton"))
     token_budget: int = setting(16_384, "real (unpadded) context tokens per micro-batch at most", positive=True)
     accum_steps: int = setting(4, "micro-batches per rank per optimizer step", positive=True)
     fuse_accum: bool = setting(False, "run each rank's accum_steps micro-batches of a step (different length buckets) "
@@ -203,10 +203,10 @@ class TrainConfig:
                            "(total variation), over the stored k tokens and one bucket for the rest",
                            choices=DISTILL_KINDS)
     loss_chunk: int = setting(2048, "block rows per LM-head and loss chunk (bounds the logits' memory)", positive=True)
-    loss_kernel: str = setting("compiled", "the cross entropy's pass over each chunk's logits on CUDA: compiled "
-                               "(inductor's) or triton (dflash's kernel, one read of a row's logits where it fits in "
-                               "registers: dflash/model/ce_kernel.py); the CPU runs it eagerly either way",
-                               choices=CE_KERNELS)
+    loss_kernel: str = setting("auto", "the cross entropy's pass over each chunk's logits on CUDA: compiled "
+                               "(inductor's), triton (dflash's kernel: dflash/model/ce_kernel.py) or auto (triton "
+                               "where Triton runs, else compiled); the CPU runs it eagerly whatever the setting",
+                               choices=("auto", *CE_KERNELS))
     seed: int = setting(0, "seed of the data order, anchors, held-out split and initialisation",
                         minimum=0)
     holdout_fraction: float = setting(0.01, "fraction of the store's samples held out of training (eval batches, "

@@ -62,3 +62,25 @@ def test_the_kernel_steps_as_torchs_fused_adamw(seed):
         check_against_torch(seed, "cuda", sizes=(5120 * 17408 // 8, 5120, 3))
         return
     run_interpreted(f"import test_adamw_kernel as t; t.check_against_torch({seed}, 'cpu')")
+
+
+def test_auto_takes_dflashs_kernels_only_on_cuda_where_triton_runs(monkeypatch):
+    """`train.optimizer` and `train.loss_kernel` default to "auto": dflash's Triton kernels on a CUDA device
+    where Triton runs, torch's AdamW and inductor's pass where it does not; a named choice is kept as given."""
+    from dflash.config import load_config
+    from dflash.train import step
+
+    config = load_config(None, [])
+    assert (config.train.optimizer, config.train.loss_kernel) == ("auto", "auto")
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert step.triton_or("auto", "torch", cpu) == "torch"
+    assert step.triton_or("auto", "compiled", cpu) == "compiled"
+    assert type(step.build_optimizer(torch.nn.Linear(3, 2), config)) is torch.optim.AdamW
+    monkeypatch.setattr(step, "triton_refusal", lambda device: None)
+    assert step.triton_or("auto", "compiled", cuda) == "triton"
+    assert step.triton_or("auto", "compiled", cpu) == "compiled"
+    monkeypatch.setattr(step, "triton_refusal", lambda device: "needs Triton")
+    assert step.triton_or("auto", "torch", cuda) == "torch"
+    assert step.triton_or("triton", "torch", cpu) == "triton"
+    assert step.triton_or("compiled", "compiled", cuda) == "compiled"

@@ -131,7 +131,7 @@ def build_trainer(config, dist, target: str = "", attention: str = ""):
     """Model, optimizer, wrapped model (DDP under torchrun) and TrainContext as stage two builds them."""
     from dflash.model.loss import default_gamma, gamma_weights
     from dflash.model.masks import training_backend
-    from dflash.train.step import TrainContext, apply_parallelism, build_model, build_optimizer
+    from dflash.train.step import TrainContext, apply_parallelism, build_model, build_optimizer, triton_or
 
     device = dist.device
     args = bench_drafter_args(config, target)
@@ -148,7 +148,8 @@ def build_trainer(config, dist, target: str = "", attention: str = ""):
                        weights_B=gamma_weights(args.block_size, default_gamma(args.block_size), device=device),
                        backend=training_backend(attention or config.train.attention, device, args.head_dim,
                                                 config.train.gather_context_keys),
-                       loss_chunk=config.train.loss_chunk, device=device, loss_kernel=config.train.loss_kernel)
+                       loss_chunk=config.train.loss_chunk, device=device,
+                       loss_kernel=triton_or(config.train.loss_kernel, "compiled", device))
     return model, optimizer, wrapped, ctx
 
 
@@ -754,8 +755,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="the cross entropy's pass in place of train.loss_kernel's: inductor's compile of it or "
                              "dflash's Triton kernel (dflash/model/ce_kernel.py)")
     parser.add_argument("--ce-row-resident", type=int, default=-1,
-                        help="with --loss-kernel triton: the longest row its kernel holds whole (dflash.model."
-                             "ce_kernel.ROW_RESIDENT, 65,536); 0 reads every row twice in tiles (the two-pass loop)")
+                        help="with the Triton loss kernel: the longest row its kernel holds whole (dflash.model."
+                             "ce_kernel.ROW_RESIDENT, 0: every row read twice in tiles, the two-pass loop); "
+                             "65536 holds SmolLM2's 49,152 logits a row at once (slower: 12-07)")
     parser.add_argument("--clip", choices=("folded", "in-place"), default="folded",
                         help="gradient clipping folded into AdamW's step as its grad_scale (dflash.train.step."
                              "clip_into_step, as stage two trains) or, the baseline, every gradient scaled in place "
@@ -867,7 +869,7 @@ def run(args, argv, dist) -> int:
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
         f"{config.train.accum_steps}{' fused' if config.train.fuse_accum else ''}, loss_chunk {config.train.loss_chunk}, "
         f"compile {config.train.compile}, optimizer {type(optimizer).__name__} (clip {args.clip}), "
-        f"loss kernel {config.train.loss_kernel}, "
+        f"loss kernel {ctx.loss_kernel}, "
         f"attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
         f", flex options {flex_options or 'inductor defaults'}, "
@@ -878,7 +880,7 @@ def run(args, argv, dist) -> int:
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "block_masks": "rule" if args.mask_rule else "tiles", "gathered_keys": args.gather_keys,
                "flex_options": flex_options, "optimizer": type(optimizer).__name__, "clip": args.clip,
-               "loss_kernel": config.train.loss_kernel,
+               "loss_kernel": ctx.loss_kernel,
                **({"ce_row_resident": args.ce_row_resident} if args.ce_row_resident >= 0 else {}),
                "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}

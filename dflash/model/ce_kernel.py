@@ -1,16 +1,17 @@
-"""The loss pass's cross entropy and its gradient as one Triton kernel (`train.loss_kernel = "triton"`).
+"""The loss pass's cross entropy and its gradient as one Triton kernel (`train.loss_kernel`, "auto" on CUDA).
 
 `dflash.model.loss._ce_and_grad` compiled by inductor reads each chunk's bf16 logits several times (the row
 maximum, the sum of exponentials, the gradient) and writes the gradient once: 15 ms of the SmolLM2-sized
 drafter's 116 ms step on an H100 (12-06), where its ~11 GB of logits a step take about 3.5 ms a pass. Here one
-program owns one row: a row of up to `ROW_RESIDENT` columns (SmolLM2's 49,152) is read once into registers and
-everything is computed from there, one read and one write; a longer row (Qwen's 248,320) is read twice, an online
-maximum and sum, then the gradient. The values are `_ce_and_grad`'s: per row the cross entropy
-`max + log(sum(exp(logits - max))) - logits[label]`, the argmax (the first of equal maxima, as torch's), and
-`weight * (softmax - onehot)` in the hidden states' dtype, all in float32 inside.
-Timed in the SmolLM2-sized drafter's step (one H100, 12-07) the row-resident kernel was slower than the compiled
-pass, 136.7 ms against 116.6: 65,536 padded columns over 1,024 threads spill the registers; the two-pass loop on
-such rows (`row_resident=0`) is not yet timed, so `train.loss_kernel` stays "compiled".
+program owns one row and reads it twice in tiles of `LOOP_BLOCK` columns: an online maximum (and its first
+index) and sum of exponentials, then the gradient; one write. The values are `_ce_and_grad`'s: per row the cross
+entropy `max + log(sum(exp(logits - max))) - logits[label]`, the argmax (the first of equal maxima, as torch's),
+and `weight * (softmax - onehot)` in the hidden states' dtype, all in float32 inside.
+Timed on one H100 (12-07, `tools/bench_stage2.py`): the SmolLM2-sized drafter's step 111.6-111.8 ms against the
+compiled pass's 115.2-115.4 (119.8K tokens/s against 115.6K), the peers' step (Qwen's 248,320 logits a row)
+261.8 against 263.9. A row of up to `ROW_RESIDENT` columns can instead be read once into registers
+(`row_resident`, the bench's `--ce-row-resident`); at SmolLM2's 49,152 (65,536 padded over 1,024 threads) that
+spilled the registers and made the step 136.7 ms against the compiled 116.6, so `ROW_RESIDENT` is 0.
 Imported only where Triton is (a GPU install; the CPU tests run it through Triton's interpreter).
 """
 
@@ -22,8 +23,8 @@ import triton.language as tl
 
 from dflash.model.block_attention import _interpreted
 
-ROW_RESIDENT = 65536  # columns a program holds at once: rows up to this long are read once
-LOOP_BLOCK = 8192  # columns a step of the two-pass loop reads, for longer rows
+ROW_RESIDENT = 0  # rows up to this long are held at once, read once (0: every row takes the two-pass loop)
+LOOP_BLOCK = 8192  # columns a step of the two-pass loop reads
 
 
 @triton.jit

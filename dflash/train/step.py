@@ -61,10 +61,18 @@ def build_model(config: Config, args: DrafterArgs, dist: DistState) -> DFlashDra
     return model.to(dist.device)
 
 
+def triton_or(name: str, fallback: str, device: torch.device) -> str:
+    """A kernel setting's `"auto"` resolved: "triton" (dflash's kernel) on a CUDA device where Triton runs,
+    else `fallback`; any other name as given (train.optimizer, train.loss_kernel)."""
+    if name != "auto":
+        return name
+    return "triton" if device.type == "cuda" and triton_refusal(device) is None else fallback
+
+
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
     # Fused on every device (CPU too since torch 2.4): its step honours `found_inf` and `grad_scale` (train_step).
     options = dict(lr=config.train.lr, betas=config.train.betas, weight_decay=config.train.weight_decay)
-    if config.train.optimizer == "triton":
+    if triton_or(config.train.optimizer, "torch", next(model.parameters()).device) == "triton":
         if reason := triton_refusal(next(model.parameters()).device):
             raise ConfigError(f"train.optimizer = \"triton\": {reason}; or set train.optimizer = \"torch\"")
         from dflash.train.adamw_kernel import TritonAdamW
@@ -89,7 +97,8 @@ def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) ->
     backend = training_backend(config.train.attention, dist.device, args.head_dim, config.train.gather_context_keys)
     if backend == "blockwise" and (reason := triton_refusal(dist.device)):
         raise ConfigError(f"train.attention = \"blockwise\": {reason}")
-    if config.train.loss_kernel == "triton" and dist.device.type == "cuda" and (reason := triton_refusal(dist.device)):
+    loss_kernel = triton_or(config.train.loss_kernel, "compiled", dist.device)
+    if loss_kernel == "triton" and dist.device.type == "cuda" and (reason := triton_refusal(dist.device)):
         raise ConfigError(f"train.loss_kernel = \"triton\": {reason}")
     gamma = config.train.gamma or default_gamma(args.block_size)
     return TrainContext(args=args, codec=reader.attrs["codec"], embed_VH=embed.to(dist.device, dtype),
@@ -97,7 +106,7 @@ def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) ->
                         weights_B=gamma_weights(args.block_size, gamma, device=dist.device),
                         backend=backend, loss_chunk=config.train.loss_chunk, device=dist.device,
                         distill_weight=config.train.distill_weight, distill=config.train.distill,
-                        loss_kernel=config.train.loss_kernel)
+                        loss_kernel=loss_kernel)
 
 
 def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> torch.nn.Module:
