@@ -24,7 +24,7 @@ from dflash.train.metrics import MetricsLogger
 from dflash.train.resume import resolve_resume, restore, resume_config
 from dflash.train.sampler import DataCursor, schedule_for
 from dflash.train.sizing import build_drafter_args, check_labels
-from dflash.train.step import apply_parallelism, build_context, build_model, build_optimizer
+from dflash.train.step import apply_parallelism, build_context, build_model, build_optimizer, describe_kernels
 
 
 def run(config: Config, resume: str | None = None) -> TrainResult:
@@ -83,6 +83,7 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
                            config=config.to_dict(), is_writer=dist.is_main)
     if dist.is_main:
         print_plan(config, model, reader, train_indices, eval_indices, steps_per_epoch, total_steps, step, follower)
+        print(describe_kernels(ctx, optimizer))
         print(logger.where)
     state = TrainState(config=config, dist=dist, model=model, wrapped=wrapped, optimizer=optimizer, ctx=ctx,
                        reader=reader, eval_indices=eval_indices, schedules=schedules, total_steps=total_steps,

@@ -84,3 +84,10 @@ def test_auto_takes_dflashs_kernels_only_on_cuda_where_triton_runs(monkeypatch):
     assert step.triton_or("auto", "torch", cuda) == "torch"
     assert step.triton_or("triton", "torch", cpu) == "triton"
     assert step.triton_or("compiled", "compiled", cuda) == "compiled"
+    from types import SimpleNamespace
+
+    on_cpu = SimpleNamespace(backend="dense", loss_kernel="compiled", device=cpu)
+    line = step.describe_kernels(on_cpu, step.build_optimizer(torch.nn.Linear(3, 2), config))
+    assert "attention dense, AdamW torch's fused, loss pass eager" in line
+    on_gpu = SimpleNamespace(backend="blockwise", loss_kernel="triton", device=cuda)
+    assert "attention blockwise, AdamW torch's fused, loss pass triton" in step.describe_kernels(on_gpu, object())

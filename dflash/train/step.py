@@ -80,6 +80,14 @@ def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW
     return torch.optim.AdamW(model.parameters(), fused=True, **options)
 
 
+def describe_kernels(ctx: "TrainContext", optimizer) -> str:
+    """The line stage two prints of what its `auto` settings chose: attention, AdamW's update, the loss pass."""
+    loss = ctx.loss_kernel if ctx.device.type == "cuda" else "eager"
+    adamw = "triton" if type(optimizer).__name__ == "TritonAdamW" else "torch's fused"
+    return (f"kernels: attention {ctx.backend}, AdamW {adamw}, loss pass {loss} "
+            f"(train.attention, train.optimizer, train.loss_kernel)")
+
+
 def learning_rate(config: Config, step: int, total_steps: int) -> float:
     """Linear warm-up over warmup_ratio of the run, then cosine or linear decay."""
     warmup = max(1, round(config.train.warmup_ratio * total_steps))
