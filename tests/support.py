@@ -206,12 +206,12 @@ def root_attrs(codec="bf16", plans=(), **changes):
     return attrs
 
 
-def tiled_packed_meta(rng: np.random.Generator, block_size: int, tile: int = TILE, lengths: tuple[int, int] = (1, 300),
-                      max_anchors: int = 40) -> dict:
+def tiled_packed_meta(rng: np.random.Generator, block_size: int, tile: int = TILE,
+                      length_range: tuple[int, int] = (1, 300), max_anchors: int = 40) -> dict:
     """A packed micro-batch as the collate lays it out for flex attention: sequences of random
-    lengths in `[lengths)` (some longer than a tile), up to `max_anchors` sorted random anchors each, T and
+    lengths in `[length_range)` (some longer than a tile), up to `max_anchors` sorted random anchors each, T and
     A * B padded to the tile."""
-    lengths = rng.integers(*lengths, size=int(rng.integers(1, 6)))
+    lengths = rng.integers(*length_range, size=int(rng.integers(1, 6)))
     doc_ids = np.repeat(np.arange(len(lengths)), lengths)
     position_ids = np.concatenate([np.arange(n) for n in lengths])
     anchor_doc, anchor_pos = [], []

@@ -33,7 +33,7 @@ def random_case(seed: int, long: bool = False):
     rng = np.random.default_rng(900 + seed)
     block = 16
     if long:
-        return tiled_packed_meta(rng, block, lengths=(300, 900), max_anchors=150), block, int(rng.integers(200, 400))
+        return tiled_packed_meta(rng, block, length_range=(300, 900), max_anchors=150), block, int(rng.integers(200, 400))
     meta = tiled_packed_meta(rng, block)
     window = int(rng.integers(block, 120))
     return meta, block, window

@@ -72,15 +72,16 @@ def triton_or(name: str, fallback: str, device: torch.device) -> str:
 def build_optimizer(model: torch.nn.Module, config: Config) -> torch.optim.AdamW:
     # Fused on every device (CPU too since torch 2.4): its step honours `found_inf` and `grad_scale` (train_step).
     options = dict(lr=config.train.lr, betas=config.train.betas, weight_decay=config.train.weight_decay)
-    if triton_or(config.train.optimizer, "torch", next(model.parameters()).device) == "triton":
-        if reason := triton_refusal(next(model.parameters()).device):
+    device = next(model.parameters()).device
+    if triton_or(config.train.optimizer, "torch", device) == "triton":
+        if reason := triton_refusal(device):
             raise ConfigError(f"train.optimizer = \"triton\": {reason}; or set train.optimizer = \"torch\"")
         from dflash.train.adamw_kernel import TritonAdamW
         return TritonAdamW(model.parameters(), **options)
     return torch.optim.AdamW(model.parameters(), fused=True, **options)
 
 
-def describe_kernels(ctx: "TrainContext", optimizer) -> str:
+def describe_kernels(ctx: TrainContext, optimizer) -> str:
     """The line stage two prints of what its `auto` settings chose: attention, AdamW's update, the loss pass."""
     loss = ctx.loss_kernel if ctx.device.type == "cuda" else "eager"
     adamw = "triton" if type(optimizer).__name__ == "TritonAdamW" else "torch's fused"
