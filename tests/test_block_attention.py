@@ -58,8 +58,10 @@ def test_each_key_tiles_rows_hold_every_row_that_sees_it(seed, tile):
         ranges = row_ranges(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"], block,
                             layer_window)
         visible = visible_from(ranges, num_keys)
-        start, end = key_tile_rows(ranges, num_keys, tile)
+        start, end, order = key_tile_rows(ranges, num_keys, tile)
         assert len(start) == -(-num_keys // tile)
+        assert sorted(order.tolist()) == list(range(len(start)))  # each tile once, the most rows first
+        assert ((end - start)[order.long()].diff() <= 0).all()
         spans = []
         for index in range(len(start)):
             rows = visible[:, index * tile:(index + 1) * tile].any(1).nonzero().flatten()
@@ -67,6 +69,27 @@ def test_each_key_tiles_rows_hold_every_row_that_sees_it(seed, tile):
                 assert start[index] <= rows.min() and rows.max() < end[index], (layer_type, index)
             spans.append(int(end[index] - start[index]))
         assert sum(spans) < len(start) * visible.shape[0]  # not every row for every tile
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("rows", [64, 32, 128])
+def test_row_tiles_launch_by_the_keys_they_walk_the_most_first(seed, rows):
+    meta, block, window = random_case(seed, long=seed % 2 == 1)
+    ranges = row_ranges(meta["doc_ids"], meta["position_ids"], meta["anchor_doc"], meta["anchor_pos"], block, window)
+    order = block_attention.row_tile_order(ranges[:4], rows).tolist()
+    lo, hi, block_lo, block_hi = (x.tolist() for x in ranges[:4])
+    work = []
+    for first in range(0, len(lo), rows):  # the plain reference: each tile's two spans, row by row
+        keys = 0
+        for starts, ends in ((lo, hi), (block_lo, block_hi)):
+            spans = [(a, b) for a, b in zip(starts[first:first + rows], ends[first:first + rows]) if a < b]
+            keys += max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0
+        work.append(keys)
+    assert sorted(order) == list(range(len(work)))
+    assert [work[i] for i in order] == sorted(work, reverse=True)
+    assert order == sorted(order, key=lambda i: (-work[i], i))  # ties in tile order
+    if rows == block_attention.BLOCK_ROWS:
+        assert order == ranges.row_order.tolist()
 
 
 def test_blockwise_needs_triton_and_a_device_it_runs_on(monkeypatch):
@@ -154,7 +177,7 @@ def test_the_ops_fake_outputs_have_the_layout_the_kernels_write():
     with FakeTensorMode():
         q = torch.empty(1, 5, 4, 16).transpose(1, 2)  # (1, 4 heads, 5 rows, 16), not contiguous
         k = torch.empty(1, 7, 2, 16).transpose(1, 2)
-        ranges = [torch.empty(5, dtype=torch.int32) for _ in range(4)] + [torch.empty(1, dtype=torch.int32)] * 2
+        ranges = [torch.empty(5, dtype=torch.int32) for _ in range(4)] + [torch.empty(1, dtype=torch.int32)] * 4
         out, lse = block_attention._forward(q, k, k, *ranges, 0.25)
         assert out.shape == q.shape and out.is_contiguous() and lse.shape == (1, 4, 5)
         grads = block_attention._backward(out, q, k, k, out, lse, *ranges, 0.25)

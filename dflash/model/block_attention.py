@@ -10,7 +10,9 @@ those, comparing each key with its row's two ranges, instead of flex attention's
 bounds per row on the device; `block_attention` is the attention (forward: `_forward_kernel`, backward:
 `_dq_kernel` per row tile, `_dkdv_kernel` per key tile over the rows that can see it), a `torch.library`
 custom op, so compiled layers keep it whole. Key heads are read by their query heads (grouped-query
-attention), never repeated.
+attention), never repeated. Each kernel launches its tiles the longest first (`longest_first`: a context key
+tile at the start of a long sequence walks up to ~90 row tiles, a block key tile one), so no long program
+starts in the last wave.
 
 `train.attention = "blockwise"` trains with it (CUDA, Triton), and `"auto"` (the default) on the GPUs and head sizes
 `masks.training_backend` names. On one H100 (12-06) it ran the SmolLM2-sized drafter's attention in 3.1 ms a
@@ -62,15 +64,19 @@ def key_tile() -> int:
 
 class RowRanges(NamedTuple):
     """Per query row, the context keys `[lo, hi)` and the block keys `[block_lo, block_hi)` it sees
-    (int32 `(A*B,)`; the keys are the T context tokens, then the A*B block rows), and per tile of `BLOCK_KEYS`
-    keys the rows `[tile_start, tile_end)` that can see it (`key_tile_rows`: made once per micro-batch, read by
-    every layer's backward). Tensors only: a compiled layer that takes it guards on no length."""
+    (int32 `(A*B,)`; the keys are the T context tokens, then the A*B block rows); per tile of `BLOCK_KEYS`
+    keys the rows `[tile_start, tile_end)` that can see it (`key_tile_rows`) and the order the dK/dV kernel
+    runs the tiles in (`tile_order`), and the order the forward and dQ kernels run tiles of `BLOCK_ROWS` rows in
+    (`row_order`, `row_tile_order`): made once per micro-batch, read by every layer. Tensors only: a compiled
+    layer that takes it guards on no length."""
     lo: torch.Tensor
     hi: torch.Tensor
     block_lo: torch.Tensor
     block_hi: torch.Tensor
     tile_start: torch.Tensor
     tile_end: torch.Tensor
+    tile_order: torch.Tensor
+    row_order: torch.Tensor
 
 
 def row_ranges(doc_T: torch.Tensor, pos_T: torch.Tensor, anchor_doc_A: torch.Tensor, anchor_pos_A: torch.Tensor,
@@ -98,13 +104,39 @@ def row_ranges(doc_T: torch.Tensor, pos_T: torch.Tensor, anchor_doc_A: torch.Ten
     reach = block_size if window is None else slot_S + 1
     block_hi = block_lo + reach
     as_rows = [x.reshape(-1).to(torch.int32).contiguous() for x in (lo, hi, block_lo, block_hi)]
-    return RowRanges(*as_rows, *key_tile_rows(as_rows, num_tokens + num_anchors * block_size, key_tile()))
+    return RowRanges(*as_rows, *key_tile_rows(as_rows, num_tokens + num_anchors * block_size, key_tile()),
+                     row_tile_order(as_rows, BLOCK_ROWS))
 
 
-def key_tile_rows(ranges, num_keys: int, block_keys: int = BLOCK_KEYS) -> tuple[torch.Tensor, torch.Tensor]:
+def longest_first(work: torch.Tensor) -> torch.Tensor:
+    """The indices of `work` from the most to the least (ties in index order), int32: the order to launch
+    programs of that much work in, so the longest start first and the last wave on the GPU is of short ones
+    (tiles in their own order left the dK/dV kernel's longest programs to start last)."""
+    return torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
+
+
+def row_tile_order(ranges, block_rows: int) -> torch.Tensor:
+    """The tiles of `block_rows` rows of `ranges` (lo, hi, block_lo, block_hi, as in `RowRanges`) by the keys
+    they walk (the union of their rows' context ranges, then of their block ranges), the most first."""
+    num_rows = ranges[0].shape[0]
+    pad = -num_rows % block_rows
+    work = 0
+    for lo, hi in (ranges[:2], ranges[2:4]):
+        lo, hi = lo.long(), hi.long()
+        nonempty = lo < hi
+        first = torch.nn.functional.pad(torch.where(nonempty, lo, torch.iinfo(torch.long).max), (0, pad),
+                                        value=torch.iinfo(torch.long).max).view(-1, block_rows).amin(1)
+        end = torch.nn.functional.pad(torch.where(nonempty, hi, 0), (0, pad)).view(-1, block_rows).amax(1)
+        work = work + (end - first).clamp_min(0)
+    return longest_first(work)
+
+
+def key_tile_rows(ranges, num_keys: int, block_keys: int = BLOCK_KEYS
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each tile of `block_keys` keys of the rows' `ranges` (lo, hi, block_lo, block_hi, as in
     `RowRanges`), a range of rows `[start, end)` holding every row that sees one
-    of its keys (a superset: the kernel masks the rest). Over the rows the running maximum of each range's
+    of its keys (a superset: the kernel masks the rest), and the tiles by the rows they walk, the most first
+    (`longest_first`). Over the rows the running maximum of each range's
     end and the minimum of its start over the rows after grow, so the rows that can see keys `[k0, k1]`
     are those whose running end passes k0 and whose later-minimum start is at most k1: one interval."""
     lo_c, hi_c, lo_b, hi_b = ranges[:4]
@@ -123,7 +155,7 @@ def key_tile_rows(ranges, num_keys: int, block_keys: int = BLOCK_KEYS) -> tuple[
     start = torch.where(empty_c, start_b, torch.where(empty_b, start_c, torch.minimum(start_c, start_b)))
     end = torch.where(empty_c, end_b, torch.where(empty_b, end_c, torch.maximum(end_c, end_b)))
     end = torch.where(empty_c & empty_b, start, end)
-    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous(), longest_first(end - start)
 
 
 def triton_refusal(device: torch.device) -> str | None:
@@ -176,65 +208,78 @@ def _launch(kernel: str, grid, config: KernelConfig, *args, group: int, dim: int
                              P=precision, **options)
 
 
-def launch_forward(q, k, v, out, lse, ranges, scale: float, config: KernelConfig) -> None:
-    """The forward kernel into `out` and `lse` (contiguous q, k, v; `ranges` lo, hi, block_lo, block_hi)."""
-    heads, key_heads, rows, keys, dim = _shapes(q, k)
-    _launch("forward", (-(-rows // config.rows), heads), config, q, k, v, out, lse, *ranges, scale, rows, keys,
-            group=heads // key_heads, dim=dim)
+def _row_order(ranges, order: torch.Tensor | None, rows: int, config: KernelConfig) -> torch.Tensor:
+    """`order` (`RowRanges.row_order`) where it is of `config.rows`-row tiles, else the order made now."""
+    if order is not None and order.shape[0] == -(-rows // config.rows):
+        return order
+    return row_tile_order(ranges, config.rows)
 
 
-def launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale: float, config: KernelConfig) -> None:
+def launch_forward(q, k, v, out, lse, ranges, scale: float, config: KernelConfig,
+                   order: torch.Tensor | None = None) -> None:
+    """The forward kernel into `out` and `lse` (contiguous q, k, v; `ranges` lo, hi, block_lo, block_hi;
+    `order` the row tiles' launch order, `row_tile_order` of `config.rows` rows, made here if not)."""
     heads, key_heads, rows, keys, dim = _shapes(q, k)
-    _launch("dq", (-(-rows // config.rows), heads), config, q, k, v, grad_out, lse, delta, grad_q, *ranges, scale,
-            rows, keys, group=heads // key_heads, dim=dim)
+    order = _row_order(ranges, order, rows, config)
+    _launch("forward", (order.shape[0] * heads,), config, q, k, v, out, lse, *ranges, order, scale, rows, keys,
+            heads, group=heads // key_heads, dim=dim)
+
+
+def launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale: float, config: KernelConfig,
+              order: torch.Tensor | None = None) -> None:
+    heads, key_heads, rows, keys, dim = _shapes(q, k)
+    order = _row_order(ranges, order, rows, config)
+    _launch("dq", (order.shape[0] * heads,), config, q, k, v, grad_out, lse, delta, grad_q, *ranges, order,
+            scale, rows, keys, heads, group=heads // key_heads, dim=dim)
 
 
 def launch_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, ranges, tiles, scale: float,
                 config: KernelConfig) -> None:
-    """`tiles` (tile_start, tile_end) must be `key_tile_rows` of `config.keys`-key tiles."""
+    """`tiles` (tile_start, tile_end, tile_order) must be `key_tile_rows` of `config.keys`-key tiles."""
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     if tiles[0].shape[0] != -(-keys // config.keys):
         raise ValueError(f"block_attention: {tiles[0].shape[0]} key tiles' rows for {keys} keys in tiles of "
                          f"{config.keys}: make them with key_tile_rows(..., block_keys={config.keys})")
-    _launch("dkdv", (-(-keys // config.keys), key_heads), config, q, k, v, grad_out, lse, delta, grad_k, grad_v,
-            *ranges, *tiles, scale, rows, keys, group=heads // key_heads, dim=dim)
+    _launch("dkdv", (tiles[0].shape[0] * key_heads,), config, q, k, v, grad_out, lse, delta, grad_k, grad_v,
+            *ranges, *tiles, scale, rows, keys, key_heads, group=heads // key_heads, dim=dim)
 
 
 @torch.library.custom_op("dflash::block_attention_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
              block_lo: torch.Tensor, block_hi: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor,
-             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+             tile_order: torch.Tensor, row_order: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = _dense_like(q)
     lse = torch.empty((1, heads, rows), dtype=torch.float32, device=q.device)
-    launch_forward(q, k, v, out, lse, (lo, hi, block_lo, block_hi), scale, kernel_configs(dim)["forward"])
+    launch_forward(q, k, v, out, lse, (lo, hi, block_lo, block_hi), scale, kernel_configs(dim)["forward"], row_order)
     return out, lse
 
 
 @_forward.register_fake
-def _(q, k, v, lo, hi, block_lo, block_hi, tile_start, tile_end, scale):
+def _(q, k, v, lo, hi, block_lo, block_hi, tile_start, tile_end, tile_order, row_order, scale):
     return _dense_like(q), q.new_empty((1, q.shape[1], q.shape[2]), dtype=torch.float32)
 
 
 @torch.library.custom_op("dflash::block_attention_backward", mutates_args=())
 def _backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, block_lo: torch.Tensor, block_hi: torch.Tensor,
-              tile_start: torch.Tensor, tile_end: torch.Tensor, scale: float
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              tile_start: torch.Tensor, tile_end: torch.Tensor, tile_order: torch.Tensor, row_order: torch.Tensor,
+              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     q, k, v, grad_out = q.contiguous(), k.contiguous(), v.contiguous(), grad_out.to(q.dtype).contiguous()
     delta = (grad_out.float() * out.float()).sum(-1).contiguous()
     grad_q, grad_k, grad_v = _dense_like(q), _dense_like(k), _dense_like(v)
     ranges = (lo, hi, block_lo, block_hi)
     configs = kernel_configs(dim)
-    launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale, configs["dq"])
-    launch_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, ranges, (tile_start, tile_end), scale, configs["dkdv"])
+    launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale, configs["dq"], row_order)
+    launch_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, ranges, (tile_start, tile_end, tile_order), scale,
+                configs["dkdv"])
     return grad_q, grad_k, grad_v
 
 
 @_backward.register_fake
-def _(grad_out, q, k, v, out, lse, lo, hi, block_lo, block_hi, tile_start, tile_end, scale):
+def _(grad_out, q, k, v, out, lse, lo, hi, block_lo, block_hi, tile_start, tile_end, tile_order, row_order, scale):
     return _dense_like(q), _dense_like(k), _dense_like(v)
 
 

@@ -3,7 +3,8 @@ package, and a kernel's helpers must be module globals for Triton to find them).
 
 Each query row sees the keys of its two ranges, context `[lo, hi)` and block `[block_lo, block_hi)`. A row
 tile walks the key tiles of the union of its rows' context ranges, then of its block ranges; a key tile (the
-gradients of keys and values) walks the row tiles that can see it. Invisible scores are -1e30, finite, so a
+gradients of keys and values) walks the row tiles that can see it. Each grid is one axis, heads fastest, its
+tiles in the order the launch gives (`ORDER`: the longest first). Invisible scores are -1e30, finite, so a
 row with no visible key yet never makes a NaN. Loops over a runtime range are `for` loops on a GPU and
 `while` loops under Triton's interpreter (`WHILE`), whose `range` takes no tensor bounds; the loop bodies
 (`*_step`) are the same code either way. `P` is the dots' input precision: "ieee" for float32 inputs (exact,
@@ -21,11 +22,13 @@ def sees(cols, lo, hi, block_lo, block_hi):
 
 
 @triton.jit
-def row_tile(num_rows, GROUP: tl.constexpr, BM: tl.constexpr):
-    """This program's query head, its key head, and its tile of rows (grid: row tiles x query heads); heads in
-    int64, so offsets past 2**31 elements (heads x rows x head dim) do not wrap."""
-    head = tl.program_id(1).to(tl.int64)
-    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+def row_tile(ORDER, num_rows, num_heads, GROUP: tl.constexpr, BM: tl.constexpr):
+    """This program's query head, its key head, and its tile of rows. The grid is one axis, heads fastest, row
+    tiles in `ORDER` (the most key tiles first, so the longest programs start first and the last wave is of
+    short ones); heads in int64, so offsets past 2**31 elements (heads x rows x head dim) do not wrap."""
+    program = tl.program_id(0)
+    head = (program % num_heads).to(tl.int64)
+    rows = tl.load(ORDER + program // num_heads) * BM + tl.arange(0, BM)
     return head, head // GROUP, rows, rows < num_rows
 
 
@@ -97,9 +100,10 @@ def forward_range(first, end, q, k_base, v_base, lo, hi, block_lo, block_hi, m_i
 
 
 @triton.jit
-def forward_kernel(Q, K, V, O, LSE, LO, HI, BLO, BHI, scale, num_rows, num_keys, GROUP: tl.constexpr,
-                   D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr):
-    head, key_head, rows, row_ok = row_tile(num_rows, GROUP, BM)
+def forward_kernel(Q, K, V, O, LSE, LO, HI, BLO, BHI, ORDER, scale, num_rows, num_keys, num_heads,
+                   GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr,
+                   P: tl.constexpr):
+    head, key_head, rows, row_ok = row_tile(ORDER, num_rows, num_heads, GROUP, BM)
     dims = tl.arange(0, D)
     q = tl.load(Q + head * num_rows * D + rows[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)
     lo, hi, block_lo, block_hi = load_ranges(rows, row_ok, LO, HI, BLO, BHI)
@@ -152,9 +156,10 @@ def dq_range(first, end, q, do, lse, delta, k_base, v_base, lo, hi, block_lo, bl
 
 
 @triton.jit
-def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, BLO, BHI, scale, num_rows, num_keys, GROUP: tl.constexpr,
-              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr, P: tl.constexpr):
-    head, key_head, rows, row_ok = row_tile(num_rows, GROUP, BM)
+def dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, LO, HI, BLO, BHI, ORDER, scale, num_rows, num_keys, num_heads,
+              GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr,
+              P: tl.constexpr):
+    head, key_head, rows, row_ok = row_tile(ORDER, num_rows, num_heads, GROUP, BM)
     dims = tl.arange(0, D)
     offsets = head * num_rows * D + rows[:, None] * D + dims[None, :]
     q, do, lse, delta = load_backward_rows(rows, row_ok, head, Q, DO, LSE, DELTA, num_rows, D)
@@ -190,10 +195,13 @@ def dkdv_step(m, head, cols, k_ND, v_ND, dk, dv, Q, DO, LSE, DELTA, LO, HI, BLO,
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, BLO, BHI, ROW_START, ROW_END, scale, num_rows, num_keys,
-                GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, WHILE: tl.constexpr,
-                P: tl.constexpr):
-    tile, key_head = tl.program_id(0), tl.program_id(1).to(tl.int64)
+def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, BLO, BHI, ROW_START, ROW_END, ORDER, scale, num_rows,
+                num_keys, num_key_heads, GROUP: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                WHILE: tl.constexpr, P: tl.constexpr):
+    """One key tile of one key head (grid: one axis, key heads fastest, key tiles in `ORDER`: the most rows
+    first) over the row tiles of its query heads that can see it."""
+    program = tl.program_id(0)
+    tile, key_head = tl.load(ORDER + program // num_key_heads), (program % num_key_heads).to(tl.int64)
     cols = tile * BN + tl.arange(0, BN)
     dims = tl.arange(0, D)
     col_ok = cols < num_keys
