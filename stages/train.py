@@ -15,7 +15,7 @@ import torch
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState, init_distributed, shutdown
 from dflash.store.reader import StoreReader
-from dflash.train import mix
+from dflash.train import mix, warm_kernels
 from dflash.train.checkpoint import read_state
 from dflash.train.compile_cache import artifacts_to_load, load_compile_artifacts
 from dflash.train.follow import StoreFollower, wait_for_store
@@ -77,6 +77,7 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         loaded = load_compile_artifacts(artifacts_to_load(config.train.out_dir, dist.device.index or 0))
         if loaded and dist.is_main:
             print(loaded)
+    warm_kernels.start(ctx, optimizer)  # dflash's own kernels compiled beside the first step's tracing
     wrapped = apply_parallelism(model, config, dist)
     logger = MetricsLogger(config.train.out_dir, use_wandb=config.train.wandb != "disabled",
                            wandb_mode=config.train.wandb, project=config.train.wandb_project,

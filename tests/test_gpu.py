@@ -331,3 +331,35 @@ def test_compiled_decoder_layers_capture_what_eager_captures(tiny_target_dir):
             # Not bitwise: the compiled layers fuse in other orders and may take other linear-attention
             # kernels (4.4e-3 on an H200 in float32); the store's fp8 codec itself is 2.6e-2 from bf16.
             assert gap < 1e-2, f"row {row} of a {tuple(ids.shape)} batch: {gap:.2e} from eager"
+
+
+def test_kernels_warmed_ahead_compile_nothing_at_their_first_launch(monkeypatch):
+    """dflash/train/warm_kernels.py: after the warm-up (heads of a shape no other test launches, a vocabulary
+    of its own) the attention op's forward and backward and the loss pass's kernel compile nothing."""
+    import triton
+    from support import tiled_packed_meta
+
+    from dflash.model import block_attention, ce_kernel
+    from dflash.train.warm_kernels import Warming
+
+    compiled = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook",
+                        lambda **hook: compiled.append((hook["fn"].name, hook["compile"]["is_warmup"])))
+    device = torch.device("cuda")
+    heads, key_heads, dim, vocab = 6, 2, 32, 3_000
+    results = Warming({"attention": lambda: block_attention.warm_kernels(heads, key_heads, dim, torch.bfloat16, device),
+                       "loss pass": lambda: [ce_kernel.warm(vocab, torch.bfloat16, device)]}, device).join()
+    assert all(result.startswith(("3 compiled", "1 compiled")) for result in results.values()), results
+    assert len(compiled) == 4 and all(warmup for _, warmup in compiled)
+    meta = {k: v.to(device) for k, v in tiled_packed_meta(np.random.default_rng(7), 16).items()}
+    ranges = dflash_masks.build_masks(meta, ["full_attention"], 0, block_size=16, backend="blockwise")["full_attention"]
+    rows, keys = len(meta["anchor_doc"]) * 16, len(meta["doc_ids"]) + len(meta["anchor_doc"]) * 16
+    q = torch.randn(1, heads, rows, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, key_heads, keys, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    block_attention.block_attention(q, k, v, ranges).sum().backward()
+    logits = torch.randn(40, vocab, device=device, dtype=torch.bfloat16)
+    ce_kernel.ce_and_grad(logits, torch.randint(0, vocab, (40,), device=device), torch.rand(40, device=device),
+                          torch.bfloat16)
+    torch.cuda.synchronize()
+    assert len(compiled) == 4, compiled[4:]  # every first launch found its kernel warmed

@@ -60,6 +60,7 @@ from benchlib import gpu_gaps, log_uniform_lengths, print_table, run_metadata, s
 
 from dflash.train.compile_cache import CompileProgress, compile_summary, describe_compile  # noqa: E402
 from dflash.model import block_attention  # noqa: E402
+from dflash.train import warm_kernels  # noqa: E402
 from dflash.model.loss import CE_KERNELS  # noqa: E402
 from dflash.model.masks import flex_kernel_options  # noqa: E402
 
@@ -758,6 +759,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="with the Triton loss kernel: the longest row its kernel holds whole (dflash.model."
                              "ce_kernel.ROW_RESIDENT, 0: every row read twice in tiles, the two-pass loop); "
                              "65536 holds SmolLM2's 49,152 logits a row at once (slower: 12-07)")
+    parser.add_argument("--no-warm-kernels", action="store_true",
+                        help="do not compile dflash's own Triton kernels in the background before the first step "
+                             "(dflash/train/warm_kernels.py, as stage two does): each compiles at its first launch "
+                             "(the cold start's baseline)")
     parser.add_argument("--clip", choices=("folded", "in-place"), default="folded",
                         help="gradient clipping folded into AdamW's step as its grad_scale (dflash.train.step."
                              "clip_into_step, as stage two trains) or, the baseline, every gradient scaled in place "
@@ -892,6 +897,7 @@ def run(args, argv, dist) -> int:
         results["blockwise_configs"] = {name: config._asdict()
                                         for name, config in block_attention.kernel_configs(ctx.args.head_dim).items()}
     say(f"block masks' tile {options['mask_tile']}")
+    warming = None  # dflash's own kernels compiled in the background (dflash/train/warm_kernels.py)
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         if mode == "peer":
             steps = pin(peer_steps(pool, ctx.args, args.distinct_steps, seed, options))
@@ -899,6 +905,8 @@ def run(args, argv, dist) -> int:
             steps = pin(default_steps(pool, config, ctx.args, args.distinct_steps, seed, options, args.lengths))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
+        if warming is None and not args.no_warm_kernels:  # as stage two: started before its first step
+            warming = warm_kernels.start(ctx, optimizer) or False
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
         if args.compile_artifacts and dist.device.type == "cuda":  # every rank its device's kernels
             from dflash.train.compile_cache import device_file, save_compile_artifacts
@@ -911,6 +919,10 @@ def run(args, argv, dist) -> int:
             f"MFU {numbers['mfu']:.3f}, peak {numbers['peak_allocated_gib'] or 0:.1f} GiB allocated", flush=True)
         profiled_steps = steps  # the profile runs the last mode's steps (already compiled)
         del steps
+    if warming:
+        results["warm_kernels"] = warming.join()
+        say("dflash's kernels compiled ahead: " + "; ".join(f"{name} {what}" for name, what in
+                                                            results["warm_kernels"].items()))
     # Loader and fed steps before the profile: a cut-short run keeps what it measured (JSON after each part).
     if args.loader and dist.is_main:
         write_results(args.out, results)

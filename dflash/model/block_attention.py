@@ -201,11 +201,16 @@ def _dense_like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-def _launch(kernel: str, grid, config: KernelConfig, *args, group: int, dim: int) -> None:
+def _launch(kernel: str, grid, config: KernelConfig, *args, group: int, dim: int, warm: bool = False):
+    """Launch `kernel`, or with `warm` only compile it for these arguments (Triton's `warmup`; returns the
+    compiled kernel)."""
     options = {} if _interpreted() else {"num_warps": config.warps, "num_stages": config.stages}
     precision = "ieee" if args[0].dtype == torch.float32 else "tf32"  # float32: exact dots, not TF32's
-    _kernels()[kernel][grid](*args, GROUP=group, D=dim, BM=config.rows, BN=config.keys, WHILE=_interpreted(),
-                             P=precision, **options)
+    constants = dict(GROUP=group, D=dim, BM=config.rows, BN=config.keys, WHILE=_interpreted(), P=precision, **options)
+    if warm:
+        return _kernels()[kernel].warmup(*args, grid=grid, **constants)
+    _kernels()[kernel][grid](*args, **constants)
+    return None
 
 
 def _row_order(ranges, order: torch.Tensor | None, rows: int, config: KernelConfig) -> torch.Tensor:
@@ -216,32 +221,67 @@ def _row_order(ranges, order: torch.Tensor | None, rows: int, config: KernelConf
 
 
 def launch_forward(q, k, v, out, lse, ranges, scale: float, config: KernelConfig,
-                   order: torch.Tensor | None = None) -> None:
+                   order: torch.Tensor | None = None, warm: bool = False):
     """The forward kernel into `out` and `lse` (contiguous q, k, v; `ranges` lo, hi, block_lo, block_hi;
     `order` the row tiles' launch order, `row_tile_order` of `config.rows` rows, made here if not)."""
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     order = _row_order(ranges, order, rows, config)
-    _launch("forward", (order.shape[0] * heads,), config, q, k, v, out, lse, *ranges, order, scale, rows, keys,
-            heads, group=heads // key_heads, dim=dim)
+    return _launch("forward", (order.shape[0] * heads,), config, q, k, v, out, lse, *ranges, order, scale, rows,
+                   keys, heads, group=heads // key_heads, dim=dim, warm=warm)
 
 
 def launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale: float, config: KernelConfig,
-              order: torch.Tensor | None = None) -> None:
+              order: torch.Tensor | None = None, warm: bool = False):
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     order = _row_order(ranges, order, rows, config)
-    _launch("dq", (order.shape[0] * heads,), config, q, k, v, grad_out, lse, delta, grad_q, *ranges, order,
-            scale, rows, keys, heads, group=heads // key_heads, dim=dim)
+    return _launch("dq", (order.shape[0] * heads,), config, q, k, v, grad_out, lse, delta, grad_q, *ranges, order,
+                   scale, rows, keys, heads, group=heads // key_heads, dim=dim, warm=warm)
 
 
 def launch_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, ranges, tiles, scale: float,
-                config: KernelConfig) -> None:
+                config: KernelConfig, warm: bool = False):
     """`tiles` (tile_start, tile_end, tile_order) must be `key_tile_rows` of `config.keys`-key tiles."""
     heads, key_heads, rows, keys, dim = _shapes(q, k)
     if tiles[0].shape[0] != -(-keys // config.keys):
         raise ValueError(f"block_attention: {tiles[0].shape[0]} key tiles' rows for {keys} keys in tiles of "
                          f"{config.keys}: make them with key_tile_rows(..., block_keys={config.keys})")
-    _launch("dkdv", (tiles[0].shape[0] * key_heads,), config, q, k, v, grad_out, lse, delta, grad_k, grad_v,
-            *ranges, *tiles, scale, rows, keys, key_heads, group=heads // key_heads, dim=dim)
+    return _launch("dkdv", (tiles[0].shape[0] * key_heads,), config, q, k, v, grad_out, lse, delta, grad_k, grad_v,
+                   *ranges, *tiles, scale, rows, keys, key_heads, group=heads // key_heads, dim=dim, warm=warm)
+
+
+# What `warm_kernels` compiles for: stage two pads a micro-batch's token and anchor axes to 128
+# (`padding.micro_batch_multiple`), so its rows (anchors x block) and keys (tokens + rows) are multiples of 16,
+# the class Triton specializes such an integer by.
+WARM_ROWS, WARM_TOKENS = 128 * 16, 128
+
+
+def warm_kernels(heads: int, key_heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> list:
+    """The forward, dQ and dK/dV kernels compiled for `heads` query heads over `key_heads` of `dim` dims in
+    `dtype` (Triton's `warmup`: compiled and kept, nothing launched), through the launches the op makes, so
+    the op's first launch finds them; the compiled kernels. The tensors are stand-ins (one element, expanded:
+    the kernels read only their dtype and their alignment before a launch)."""
+    rows, keys = WARM_ROWS, WARM_TOKENS + WARM_ROWS
+    configs = kernel_configs(dim)
+
+    def stand_in(*shape, kind=dtype):
+        return torch.empty((), dtype=kind, device=device).expand(*shape)
+
+    q, grad_out, out, grad_q = (stand_in(1, heads, rows, dim) for _ in range(4))
+    k, v, grad_k, grad_v = (stand_in(1, key_heads, keys, dim) for _ in range(4))
+    lse, delta = (stand_in(1, heads, rows, kind=torch.float32) for _ in range(2))
+    ranges = [stand_in(rows, kind=torch.int32) for _ in range(4)]
+    scale = dim ** -0.5
+
+    def row_order(config):
+        return stand_in(-(-rows // config.rows), kind=torch.int32)
+
+    tiles = [stand_in(-(-keys // configs["dkdv"].keys), kind=torch.int32) for _ in range(3)]
+    return [launch_forward(q, k, v, out, lse, ranges, scale, configs["forward"], row_order(configs["forward"]),
+                           warm=True),
+            launch_dq(q, k, v, grad_out, lse, delta, grad_q, ranges, scale, configs["dq"], row_order(configs["dq"]),
+                      warm=True),
+            launch_dkdv(q, k, v, grad_out, lse, delta, grad_k, grad_v, ranges, tiles, scale, configs["dkdv"],
+                        warm=True)]
 
 
 @torch.library.custom_op("dflash::block_attention_forward", mutates_args=())

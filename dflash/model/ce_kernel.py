@@ -104,11 +104,11 @@ def _ce_grad_loop_kernel(logits_ptr, labels_ptr, weight_ptr, ce_ptr, argmax_ptr,
 
 def ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch.Tensor,
                 grad_dtype: torch.dtype = torch.float32, row_resident: int | None = None,
-                loop_block: int | None = None):
+                loop_block: int | None = None, warm: bool = False):
     """`(ce_R, argmax_R, grad_RV)` as `dflash.model.loss._ce_and_grad` returns them, from one kernel launch.
     `row_resident` and `loop_block` (default: the module's `ROW_RESIDENT` and `LOOP_BLOCK`, which
     tools/bench_stage2.py's `--ce-row-resident` sets) choose the kernel and its tile: the tests force the loop on
-    short rows."""
+    short rows. `warm`: only compile the kernel for these arguments (Triton's `warmup`) and return it."""
     row_resident = ROW_RESIDENT if row_resident is None else row_resident
     loop_block = LOOP_BLOCK if loop_block is None else loop_block
     rows, vocab = logits_RV.shape
@@ -124,8 +124,18 @@ def ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch
     arguments = (logits_RV, labels_R, weight_R, ce_R, argmax_R, grad_RV, vocab, logits_RV.stride(0), grad_RV.stride(0))
     if vocab <= row_resident:
         block = triton.next_power_of_2(vocab)
-        _ce_grad_resident_kernel[(rows,)](*arguments, BLOCK=block, num_warps=max(4, min(32, block // 2048)))
+        kernel, constants = _ce_grad_resident_kernel, dict(BLOCK=block, num_warps=max(4, min(32, block // 2048)))
     else:
-        _ce_grad_loop_kernel[(rows,)](*arguments, BLOCK=loop_block, WHILE=_interpreted(),
-                                      num_warps=16 if loop_block >= 4096 else 4)
+        kernel = _ce_grad_loop_kernel
+        constants = dict(BLOCK=loop_block, WHILE=_interpreted(), num_warps=16 if loop_block >= 4096 else 4)
+    if warm:
+        return kernel.warmup(*arguments, grid=(rows,), **constants)
+    kernel[(rows,)](*arguments, **constants)
     return ce_R, argmax_R, grad_RV
+
+
+def warm(vocab: int, dtype: torch.dtype, device: torch.device):
+    """The kernel compiled for rows of `vocab` logits in `dtype` (the loss pass's: logits and gradient in the
+    head's dtype, labels int64, weights float32) and kept, nothing launched; the compiled kernel."""
+    return ce_and_grad(torch.empty(1, vocab, dtype=dtype, device=device), torch.zeros(1, dtype=torch.long, device=device),
+                       torch.ones(1, device=device), dtype, warm=True)

@@ -76,15 +76,25 @@ class TritonAdamW(torch.optim.AdamW):
             torch._foreach_add_(steps, 1)
             skip = found_inf.to(device) if found_inf is not None else torch.zeros((), device=device)
             scale = grad_scale.to(device) if grad_scale is not None else skip  # unread without HAS_SCALE
-            beta1, beta2 = group["betas"]
             for param, state in zip(params, states):
-                numel = param.numel()
-                _adamw_kernel[(triton.cdiv(numel, BLOCK),)](
-                    param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], scale, skip, numel,
-                    float(group["lr"]), float(beta1), float(beta2), float(group["eps"]),
-                    float(group["weight_decay"]), HAS_SCALE=grad_scale is not None, BLOCK=BLOCK)
+                _update(param, param.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], scale, skip, group,
+                        grad_scale is not None)
             if found_inf is not None:
                 torch._foreach_sub_(steps, [skip] * len(steps))  # a skipped step does not count (torch's rule)
+
+    def warm(self) -> list:
+        """The kernel compiled for each parameter's launch (with and without the clipping's `grad_scale`) and
+        kept, nothing launched (Triton's `warmup`); the compiled kernels. Stand-ins of one element for the
+        tensors: a launch specializes on their dtype and alignment and on the integer `numel`."""
+        kernels, stand_ins = [], {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                if not param.requires_grad or param.dtype != torch.float32:
+                    continue
+                one = stand_ins.setdefault(param.device, torch.empty((), dtype=torch.float32, device=param.device))
+                for has_scale in (True, False):
+                    kernels.append(_update(one, one, one, one, one, one, one, group, has_scale, param.numel()))
+        return kernels
 
     def _state_for(self, param: torch.Tensor) -> dict:
         state = self.state[param]
@@ -93,6 +103,21 @@ class TritonAdamW(torch.optim.AdamW):
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         return state
+
+
+def _update(param, grad, exp_avg, exp_avg_sq, step, scale, skip, group: dict, has_scale: bool,
+            warm_numel: int | None = None):
+    """One parameter's update; with `warm_numel` only the kernel compiled for a parameter of that many elements
+    (Triton's `warmup`), returned."""
+    numel = param.numel() if warm_numel is None else warm_numel
+    beta1, beta2 = group["betas"]
+    arguments = (param, grad, exp_avg, exp_avg_sq, step, scale, skip, numel, float(group["lr"]), float(beta1),
+                 float(beta2), float(group["eps"]), float(group["weight_decay"]))
+    grid = (triton.cdiv(numel, BLOCK),)
+    if warm_numel is not None:
+        return _adamw_kernel.warmup(*arguments, grid=grid, HAS_SCALE=has_scale, BLOCK=BLOCK)
+    _adamw_kernel[grid](*arguments, HAS_SCALE=has_scale, BLOCK=BLOCK)
+    return None
 
 
 def kernel_ready(param: torch.Tensor) -> bool:
