@@ -77,7 +77,8 @@ def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
         loaded = load_compile_artifacts(artifacts_to_load(config.train.out_dir, dist.device.index or 0))
         if loaded and dist.is_main:
             print(loaded)
-    warm_kernels.start(ctx, optimizer)  # dflash's own kernels compiled beside the first step's tracing
+    if config.train.warm_kernels:  # dflash's own kernels compiled beside the first step's tracing
+        warm_kernels.start(ctx, optimizer)
     wrapped = apply_parallelism(model, config, dist)
     logger = MetricsLogger(config.train.out_dir, use_wandb=config.train.wandb != "disabled",
                            wandb_mode=config.train.wandb, project=config.train.wandb_project,
