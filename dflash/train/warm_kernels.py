@@ -25,6 +25,8 @@ class Warming:
 
     def __init__(self, jobs: dict, device: torch.device):
         self.results: dict[str, str] = {}
+        if device.type == "cuda" and device.index is None:  # this thread's device: a new thread's would be cuda:0
+            device = torch.device("cuda", torch.cuda.current_device())
         self.threads = [threading.Thread(target=self._run, args=(name, job, device), name=f"dflash-warm-{name}",
                                          daemon=True) for name, job in jobs.items()]
         for thread in self.threads:
