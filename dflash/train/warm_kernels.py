@@ -2,8 +2,8 @@
 
 On a machine with empty caches the first step compiles every kernel it launches: inductor's in its pool of
 workers, dflash's own (the blockwise attention's forward, dQ and dK/dV kernels, the loss pass's cross entropy,
-AdamW's update) one after another in the training process at their first launch, 1-4 s each for an H100 on one
-CPU core (the dK/dV kernel of 128-dim heads about 4 s). `start` compiles them in background threads as soon
+AdamW's update) one after another in the training process at their first launch: 1-4 s each, compiled for an
+H100 on one core of the project's CPU machine (the dK/dV kernel of 128-dim heads about 4 s). `start` compiles them in background threads as soon
 as the trainer knows its kernels (Triton's `warmup`: each kernel compiled for the arguments its launch passes,
 and kept in the process, nothing launched; Triton's compiler leaves Python's lock while it works), and loads
 each onto the device, so their first launch in the first step finds them ready. Each is warmed through the
