@@ -170,6 +170,16 @@ def triton_refusal(device: torch.device) -> str | None:
     return None
 
 
+def launch_or_warm(kernel, grid, arguments, constants: dict, warm: bool = False):
+    """`kernel[grid](*arguments, **constants)`, or with `warm` only the kernel compiled for those arguments and
+    kept (Triton's `warmup`, nothing launched; dflash/train/warm_kernels.py), returned. Every dflash kernel
+    launches through here, so a warm-up and its launch cannot pass different things."""
+    if warm:
+        return kernel.warmup(*arguments, grid=grid, **constants)
+    kernel[grid](*arguments, **constants)
+    return None
+
+
 def _kernels() -> dict:
     """The Triton kernels, imported on first use."""
     from dflash.model import block_attention_kernels as kernels
@@ -207,10 +217,7 @@ def _launch(kernel: str, grid, config: KernelConfig, *args, group: int, dim: int
     options = {} if _interpreted() else {"num_warps": config.warps, "num_stages": config.stages}
     precision = "ieee" if args[0].dtype == torch.float32 else "tf32"  # float32: exact dots, not TF32's
     constants = dict(GROUP=group, D=dim, BM=config.rows, BN=config.keys, WHILE=_interpreted(), P=precision, **options)
-    if warm:
-        return _kernels()[kernel].warmup(*args, grid=grid, **constants)
-    _kernels()[kernel][grid](*args, **constants)
-    return None
+    return launch_or_warm(_kernels()[kernel], grid, args, constants, warm)
 
 
 def _row_order(ranges, order: torch.Tensor | None, rows: int, config: KernelConfig) -> torch.Tensor:

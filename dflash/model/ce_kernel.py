@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dflash.model.block_attention import _interpreted
+from dflash.model.block_attention import _interpreted, launch_or_warm
 
 ROW_RESIDENT = 0  # rows up to this long are held at once, read once (0: every row takes the two-pass loop)
 LOOP_BLOCK = 8192  # columns a step of the two-pass loop reads
@@ -128,10 +128,8 @@ def ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch
     else:
         kernel = _ce_grad_loop_kernel
         constants = dict(BLOCK=loop_block, WHILE=_interpreted(), num_warps=16 if loop_block >= 4096 else 4)
-    if warm:
-        return kernel.warmup(*arguments, grid=(rows,), **constants)
-    kernel[(rows,)](*arguments, **constants)
-    return ce_R, argmax_R, grad_RV
+    compiled = launch_or_warm(kernel, (rows,), arguments, constants, warm)
+    return compiled if warm else (ce_R, argmax_R, grad_RV)
 
 
 def warm(vocab: int, dtype: torch.dtype, device: torch.device):

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dflash.model.block_attention import launch_or_warm
+
 BLOCK = 2048  # elements a program updates
 
 
@@ -86,14 +88,14 @@ class TritonAdamW(torch.optim.AdamW):
         """The kernel compiled for each parameter's launch (with and without the clipping's `grad_scale`) and
         kept, nothing launched (Triton's `warmup`); the compiled kernels. Stand-ins of one element for the
         tensors: a launch specializes on their dtype and alignment and on the integer `numel`."""
-        kernels, stand_ins = [], {}
+        kernels = []
         for group in self.param_groups:
-            for param in group["params"]:
-                if not param.requires_grad or param.dtype != torch.float32:
-                    continue
-                one = stand_ins.setdefault(param.device, torch.empty((), dtype=torch.float32, device=param.device))
-                for has_scale in (True, False):
-                    kernels.append(_update(one, one, one, one, one, one, one, group, has_scale, param.numel()))
+            params = [p for p in group["params"] if p.requires_grad and p.dtype == torch.float32]
+            for device in {p.device for p in params}:
+                one = torch.empty((), dtype=torch.float32, device=device)
+                for numel in {p.numel() for p in params if p.device == device}:
+                    for has_scale in (True, False):
+                        kernels.append(_update(one, one, one, one, one, one, one, group, has_scale, numel, warm=True))
         return kernels
 
     def _state_for(self, param: torch.Tensor) -> dict:
@@ -106,18 +108,15 @@ class TritonAdamW(torch.optim.AdamW):
 
 
 def _update(param, grad, exp_avg, exp_avg_sq, step, scale, skip, group: dict, has_scale: bool,
-            warm_numel: int | None = None):
-    """One parameter's update; with `warm_numel` only the kernel compiled for a parameter of that many elements
-    (Triton's `warmup`), returned."""
-    numel = param.numel() if warm_numel is None else warm_numel
+            numel: int | None = None, warm: bool = False):
+    """One parameter's update (`numel`: the parameter's unless given); with `warm` only the kernel compiled for
+    these arguments (Triton's `warmup`), returned."""
+    numel = param.numel() if numel is None else numel
     beta1, beta2 = group["betas"]
     arguments = (param, grad, exp_avg, exp_avg_sq, step, scale, skip, numel, float(group["lr"]), float(beta1),
                  float(beta2), float(group["eps"]), float(group["weight_decay"]))
-    grid = (triton.cdiv(numel, BLOCK),)
-    if warm_numel is not None:
-        return _adamw_kernel.warmup(*arguments, grid=grid, HAS_SCALE=has_scale, BLOCK=BLOCK)
-    _adamw_kernel[grid](*arguments, HAS_SCALE=has_scale, BLOCK=BLOCK)
-    return None
+    return launch_or_warm(_adamw_kernel, (triton.cdiv(numel, BLOCK),), arguments,
+                          dict(HAS_SCALE=has_scale, BLOCK=BLOCK), warm)
 
 
 def kernel_ready(param: torch.Tensor) -> bool:
