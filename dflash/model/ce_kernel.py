@@ -135,5 +135,5 @@ def ce_and_grad(logits_RV: torch.Tensor, labels_R: torch.Tensor, weight_R: torch
 def warm(vocab: int, dtype: torch.dtype, device: torch.device):
     """The kernel compiled for rows of `vocab` logits in `dtype` (the loss pass's: logits and gradient in the
     head's dtype, labels int64, weights float32) and kept, nothing launched; the compiled kernel."""
-    return ce_and_grad(torch.empty(1, vocab, dtype=dtype, device=device), torch.zeros(1, dtype=torch.long, device=device),
-                       torch.ones(1, device=device), dtype, warm=True)
+    return ce_and_grad(torch.empty(1, vocab, dtype=dtype, device=device),
+                       torch.zeros(1, dtype=torch.long, device=device), torch.ones(1, device=device), dtype, warm=True)
