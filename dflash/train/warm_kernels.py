@@ -1,15 +1,15 @@
 """dflash's own Triton kernels compiled at stage two's start, beside torch.compile's tracing.
 
-On a machine with empty caches the first step compiles every kernel it launches: inductor's in its pool of
-workers, dflash's own (the blockwise attention's forward, dQ and dK/dV kernels, the loss pass's cross entropy,
-AdamW's update) one after another in the training process at their first launch: 1-4 s each, compiled for an
-H100 on one core of the project's CPU machine (the dK/dV kernel of 128-dim heads about 4 s). `start` compiles
-them in background threads as soon as the trainer knows its kernels (Triton's `warmup`: each kernel compiled for
-the arguments its launch passes, and kept in the process, nothing launched; Triton's compiler leaves Python's
-lock while it works), and loads each onto the device, so their first launch in the first step finds them ready.
-Each is warmed through the code path that launches it (`block_attention.warm_kernels`, `ce_kernel.warm`,
-`TritonAdamW.warm`). A kernel that cannot be warmed is reported and compiles at its first launch, as without
-this.
+On a machine with empty caches the first step compiles every kernel it launches: inductor's in its pool of workers,
+dflash's own (the blockwise attention's forward, dQ and dK/dV kernels, the loss pass's cross entropy, AdamW's
+update) one after another in the training process at their first launch: 0.1-2.1 s each, 3.5-4 s in all for one head
+shape, compiled for an H100 on the project's CPU machine (`tools/kernel_report.py`; the longest the dK/dV kernel of
+128-dim heads). `start` compiles them in background threads as soon as the trainer knows its kernels (Triton's
+`warmup`: each kernel compiled for the arguments its launch passes, and kept in the process, nothing launched;
+Triton's compiler leaves Python's lock while it works), and loads each onto the device, so their first launch in the
+first step finds them ready. Each is warmed through the code path that launches it (`block_attention.warm_kernels`,
+`ce_kernel.warm`, `TritonAdamW.warm`). A kernel that cannot be warmed is reported and compiles at its first launch,
+as without this.
 """
 
 from __future__ import annotations
