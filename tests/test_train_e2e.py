@@ -259,6 +259,21 @@ def test_first_step_notice_names_the_compile_cache_on_cuda_only(monkeypatch):
     assert "each of the 3 ranks compiles for its own GPU" in train_loop.first_step_notice(cuda, three)
 
 
+def test_a_finished_runs_last_line_sums_it_up():
+    """Steps, this process's minutes, tokens and rate (a resumed run's earlier part left out of the rate), and the
+    last held-out numbers (served tau where measured)."""
+    started = time.perf_counter() - 120.0
+    fresh = train_loop.TrainResult(run_dir="r", tokens_seen=240_000, eval_metrics={"loss": 2.5, "tau": 3.25})
+    text = train_loop.run_summary(fresh, 81, 81, 0, started)
+    assert re.fullmatch(r"81 steps in 2\.0 min, 240,000 tokens at 2,0\d\d tokens/s \(compiling and held-out passes "
+                        r"included\); held-out loss 2\.5000, tau 3\.250", text), text
+    resumed = train_loop.TrainResult(run_dir="r", tokens_seen=240_000,
+                                     eval_metrics={"loss": 2.5, "tau": 3.25, "served_tau": 3.1})
+    text = train_loop.run_summary(resumed, 81, 40, 120_000, started)
+    assert text.startswith("81 steps (40 in this run) in 2.0 min, 120,000 tokens at 1,0") and "served tau 3.100" in text
+    assert "held-out loss" not in train_loop.run_summary(train_loop.TrainResult(run_dir="r"), 3, 3, 0, started)
+
+
 def test_a_held_out_set_too_small_for_mixed_steps_still_evaluates():
     from types import SimpleNamespace
 

@@ -146,6 +146,7 @@ def loop(state: TrainState) -> None:
     timer = {"start": time.perf_counter(), "wait": 0.0}
     losses = []  # every step's loss, on the device until the end
     started = time.perf_counter()  # train.max_minutes counts from here
+    tokens_before = result.tokens_seen  # a resumed run's earlier tokens: not this process's rate
     notice = first_step_notice(ctx, dist)
     if notice:
         bar.set_postfix_str(notice)
@@ -224,8 +225,25 @@ def loop(state: TrainState) -> None:
               f"  export it for serving: dflash export {result.checkpoint} EXPORT_DIR")
     elif dist.is_main:
         skipped = f", {result.skipped_samples} unreadable samples skipped" if result.skipped_samples else ""
-        print(f"done: {step} steps{skipped}; checkpoint {result.checkpoint}\n"
+        print(f"done: {run_summary(result, step, step - state.first_step, tokens_before, started)}{skipped}; "
+              f"checkpoint {result.checkpoint}\n"
               f"  export it for serving: dflash export {result.checkpoint} EXPORT_DIR")
+
+
+def run_summary(result: TrainResult, steps: int, steps_here: int, tokens_before: int, started: float) -> str:
+    """The steps, this process's wall time, context tokens and their rate (a resumed run's steps and tokens
+    before it left out), and the last held-out numbers: what a finished run's last line says."""
+    seconds = time.perf_counter() - started
+    tokens = result.tokens_seen - tokens_before
+    resumed = f" ({steps_here} in this run)" if steps_here != steps else ""
+    rate = tokens / max(seconds, 1e-9)
+    text = (f"{steps} steps{resumed} in {seconds / 60:.1f} min, {tokens:,} tokens at {rate:,.0f} tokens/s "
+            f"(compiling and held-out passes included)")
+    held_out = result.eval_metrics
+    if held_out:
+        served = f", served tau {held_out['served_tau']:.3f}" if "served_tau" in held_out else ""
+        text += f"; held-out loss {held_out['loss']:.4f}, tau {held_out['tau']:.3f}{served}"
+    return text
 
 
 def out_of_time(state: TrainState, started: float) -> bool:
