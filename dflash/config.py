@@ -209,7 +209,8 @@ class TrainConfig:
                                choices=("auto", *CE_KERNELS))
     warm_kernels: bool = setting(True, "compile dflash's own Triton kernels (blockwise attention, the loss pass, "
                                  "AdamW) in background threads at the start, beside the first step's tracing, so "
-                                 "their first launch finds them compiled (CUDA; dflash/train/warm_kernels.py)")
+                                 "their first launch finds them compiled, and start inductor's compile workers "
+                                 "before the store and model are set up (CUDA; dflash/train/warm_kernels.py)")
     seed: int = setting(0, "seed of the data order, anchors, held-out split and initialisation",
                         minimum=0)
     holdout_fraction: float = setting(0.01, "fraction of the store's samples held out of training (eval batches, "

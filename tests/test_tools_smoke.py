@@ -55,6 +55,30 @@ def test_tool_runs_quick_and_writes_results(tool_runs, tool):
         assert key in results, f"{tool}: no {key!r} in {sorted(results)}"
 
 
+@pytest.mark.slow
+def test_bench_stage2_counts_a_cold_start_from_the_process_start_too(tool_runs):
+    """The first step's seconds and, beside them, the seconds from the process's start to that step's end (setup
+    included, so work moved before the step is not hidden); inductor's workers started early only under compile
+    on CUDA."""
+    output, _, out = tool_runs["bench_stage2"]
+    results = json.loads(out.read_text())
+    first = results["modes"]["default"]
+    assert first["process_start_to_first_step_s"] > first["warmup_seconds"][0] > 0
+    assert results["compile_workers_started_early"] is False  # --quick: the CPU, no compile
+    assert "s from the process's start)" in output
+
+
+def test_stage_two_starts_inductors_compile_workers_through_inductors_own_call(monkeypatch):
+    import torch._inductor.async_compile as async_compile
+
+    from dflash.train import warm_kernels
+
+    calls = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append("warm"))
+    warm_kernels.start_compile_workers()
+    assert calls == ["warm"]
+
+
 def test_stage2_flop_formula_matches_issue_5():
     """The peers' step (8,192 tokens, 512 anchors) is 129.3 TFLOP at the qwen3.6-27b size."""
     sys.path.insert(0, str(REPO / "tools"))

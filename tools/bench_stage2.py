@@ -28,6 +28,10 @@ busies the main thread as long as a trainer at R tokens/s would (R from a GPU ru
         --accum-steps 2 --out bench/small.json      # the SmolLM2-sized auto drafter (issue 24)
 """
 
+import time
+
+PROCESS_START = time.perf_counter()  # a cold start counted from here too: setup before the first step included
+
 import argparse
 import atexit
 import json
@@ -35,7 +39,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -376,6 +379,7 @@ def time_steps(wrapped, ctx, optimizer, steps, config, num_steps: int) -> list[f
 # Host milliseconds each timed step took to enqueue (no sync inside a step: when this is close to
 # the step's GPU time, the step is bound by the host's Python and launches, not by the GPU).
 HOST_MS: list[float] = []
+FIRST_STEP_END: dict = {}  # seconds from the process's start to the end of its first optimizer step
 
 
 class KernelCompileTimes:
@@ -457,6 +461,8 @@ def warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s: list) -> Non
         run_step(wrapped, ctx, optimizer, step, config)
         synchronize(ctx.device)
         warmup_s.append(time.perf_counter() - start)
+        if len(warmup_s) == 1 and FIRST_STEP_END.get("s") is None:  # the process's first optimizer step
+            FIRST_STEP_END["s"] = time.perf_counter() - PROCESS_START
         print(f"{name}: warm-up step {len(warmup_s)} of {len(steps)} took {warmup_s[-1]:.1f} s", flush=True)
 
 
@@ -763,6 +769,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="do not compile dflash's own Triton kernels in the background before the first step "
                              "(dflash/train/warm_kernels.py, as stage two does): each compiles at its first launch "
                              "(the cold start's baseline)")
+    parser.add_argument("--no-warm-compile-workers", action="store_true",
+                        help="do not start inductor's compile workers before the model is built (dflash/train/"
+                             "warm_kernels.start_compile_workers, as stage two does): inductor starts them at its "
+                             "first graph, and compiles in this process until they answer (the cold start's baseline)")
     parser.add_argument("--clip", choices=("folded", "in-place"), default="folded",
                         help="gradient clipping folded into AdamW's step as its grad_scale (dflash.train.step."
                              "clip_into_step, as stage two trains) or, the baseline, every gradient scaled in place "
@@ -842,6 +852,9 @@ def run(args, argv, dist) -> int:
     config = bench_config(args)
     if args.loader_only:
         return run_loader_only(args, argv, config, device)
+    workers_early = args.compile and device.type == "cuda" and not args.no_warm_compile_workers
+    if workers_early:  # as stage two: inductor's compile workers come up while the trainer is built
+        warm_kernels.start_compile_workers()
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
         from dflash.train.compile_cache import load_compile_artifacts, own_or_first
 
@@ -885,7 +898,7 @@ def run(args, argv, dist) -> int:
     results = {"meta": run_metadata(["tools/bench_stage2.py", *argv]), "quick": args.quick,
                "block_masks": "rule" if args.mask_rule else "tiles", "gathered_keys": args.gather_keys,
                "flex_options": flex_options, "optimizer": type(optimizer).__name__, "clip": args.clip,
-               "loss_kernel": ctx.loss_kernel,
+               "loss_kernel": ctx.loss_kernel, "compile_workers_started_early": workers_early,
                **({"ce_row_resident": args.ce_row_resident} if args.ce_row_resident >= 0 else {}),
                "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}
@@ -907,7 +920,10 @@ def run(args, argv, dist) -> int:
             raise SystemExit(f"--modes: unknown mode {mode!r} (expected peer or default)")
         if warming is None and not args.no_warm_kernels:  # as stage two: started before its first step
             warming = warm_kernels.start(ctx, optimizer) or False
+        first_mode = not results["modes"]
         results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
+        if first_mode:  # the process's cold start, its setup (imports, model, data) included
+            numbers["process_start_to_first_step_s"] = FIRST_STEP_END.get("s")
         if args.compile_artifacts and dist.device.type == "cuda":  # every rank its device's kernels
             from dflash.train.compile_cache import device_file, save_compile_artifacts
 
@@ -1017,7 +1033,9 @@ def report(args, results: dict) -> None:
     for mode, numbers in results["modes"].items():
         compiled = numbers.get("warmup_compile") or {}
         kernels = compiled.get("triton_kernels") or {}
-        print(f"\n{mode}: first optimizer step after {numbers['warmup_seconds'][0]:.1f} s; warm-up steps "
+        from_start = numbers.get("process_start_to_first_step_s")
+        from_start = f" ({from_start:.1f} s from the process's start)" if from_start else ""
+        print(f"\n{mode}: first optimizer step after {numbers['warmup_seconds'][0]:.1f} s{from_start}; warm-up steps "
               + ", ".join(f"{s:.1f}" for s in numbers["warmup_seconds"]) + f" s; {describe_compile(compiled)}")
         if kernels.get("slowest"):
             phases = ", ".join(f"{phase} {seconds:.1f} s" for phase, seconds in kernels["seconds_by_phase"].items())

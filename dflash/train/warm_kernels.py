@@ -10,6 +10,10 @@ Triton's compiler leaves Python's lock while it works), and loads each onto the 
 first step finds them ready. Each is warmed through the code path that launches it (`block_attention.warm_kernels`,
 `ce_kernel.warm`, `TritonAdamW.warm`). A kernel that cannot be warmed is reported and compiles at its first launch,
 as without this.
+
+`start_compile_workers` starts inductor's pool of compile workers as stage two begins, before the store and the model
+are set up: inductor starts it only when its backend receives the first graph, and compiles that graph's kernels in
+the training process, one at a time, until the pool answers.
 """
 
 from __future__ import annotations
@@ -81,6 +85,18 @@ def _loss_pass(ctx) -> list:
     from dflash.model import ce_kernel  # imports Triton: a GPU install's package
 
     return [ce_kernel.warm(ctx.lm_head_VH.shape[0], ctx.lm_head_VH.dtype, ctx.device)]
+
+
+def start_compile_workers() -> None:
+    """Start inductor's pool of compile workers now, before the store, the model and the data are set up, rather
+    than when its backend receives the first graph: until the pool answers (2.7-2.9 s on the project's 2-core
+    CPU; a sidecar process imports torch and starts the workers), inductor compiles each Triton kernel of a graph
+    in this process, one after another (`AsyncCompile.use_process_pool`). Inductor's own call, so nothing else
+    changes; a no-op where inductor would not start one (no Triton, `TORCHINDUCTOR_COMPILE_THREADS=1`,
+    `TORCH_WARM_POOL=0`)."""
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
 
 
 def start(ctx, optimizer) -> Warming | None:
