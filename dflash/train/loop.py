@@ -231,8 +231,9 @@ def loop(state: TrainState) -> None:
 
 
 def run_summary(result: TrainResult, steps: int, steps_here: int, tokens_before: int, started: float) -> str:
-    """The steps, this process's wall time, context tokens and their rate (a resumed run's steps and tokens
-    before it left out), and the last held-out numbers: what a finished run's last line says."""
+    """The steps, the wall time of this process's loop (from its first step's start: setup before it left out),
+    its context tokens and their rate (a resumed run's earlier steps and tokens left out), and the last held-out
+    numbers: what a finished run's last line says."""
     seconds = time.perf_counter() - started
     tokens = result.tokens_seen - tokens_before
     resumed = f" ({steps_here} in this run)" if steps_here != steps else ""
