@@ -212,7 +212,9 @@ def dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, LO, HI, BLO, BHI, ROW_START, RO
     dv = tl.zeros([BN, D], tl.float32)
     row_start = (tl.load(ROW_START + tile) // BM) * BM
     row_end = tl.load(ROW_END + tile)
-    for g in tl.static_range(GROUP):
+    # A runtime loop over the query heads, not one unrolled per head: the same inner loop, a third to a quarter
+    # of the compile (0.4 s against 1.0-1.6 at 64 dims, 0.5 against 1.8-2.1 at 128; tools/kernel_report.py)
+    for g in range(GROUP):
         head = key_head * GROUP + g
         if WHILE:
             m = row_start

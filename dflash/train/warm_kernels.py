@@ -2,14 +2,15 @@
 
 On a machine with empty caches the first step compiles every kernel it launches: inductor's in its pool of workers,
 dflash's own (the blockwise attention's forward, dQ and dK/dV kernels, the loss pass's cross entropy, AdamW's
-update) one after another in the training process at their first launch: 0.1-2.1 s each, 3.5-4 s in all for one head
-shape, compiled for an H100 on the project's CPU machine (`tools/kernel_report.py`; the longest the dK/dV kernel of
-128-dim heads). `start` compiles them in background threads as soon as the trainer knows its kernels (Triton's
-`warmup`: each kernel compiled for the arguments its launch passes, and kept in the process, nothing launched;
-Triton's compiler leaves Python's lock while it works), and loads each onto the device, so their first launch in the
-first step finds them ready. Each is warmed through the code path that launches it (`block_attention.warm_kernels`,
-`ce_kernel.warm`, `TritonAdamW.warm`). A kernel that cannot be warmed is reported and compiles at its first launch,
-as without this.
+update) one after another in the training process at their first launch: 0.2-1.3 s each, about 2.5 s in all for one
+head shape, compiled for an H100 on the project's CPU machine (`tools/kernel_report.py`), and 9-10 s in threads
+beside dynamo's tracing on an H100 host (12-07, before the dK/dV kernel's loop over its query heads was a runtime
+loop). `start` compiles them in background threads as soon as the trainer knows its kernels (Triton's `warmup`: each
+kernel compiled for the arguments its launch passes, and kept in the process, nothing launched; Triton leaves
+Python's lock in its compiler passes, not in its Python front end), and loads each onto the device, so their first
+launch in the first step finds them ready. Each is warmed through the code path that launches it
+(`block_attention.warm_kernels`, `ce_kernel.warm`, `TritonAdamW.warm`). A kernel that cannot be warmed is reported
+and compiles at its first launch, as without this.
 
 `start_compile_workers` starts inductor's pool of compile workers as stage two begins, before the store and the model
 are set up: inductor starts it only when its backend receives the first graph, and compiles that graph's kernels in
