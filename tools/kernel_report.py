@@ -43,6 +43,7 @@ _ADDRESS = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
 _PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+MMA_OPS = ("HGMMA", "HMMA")  # tensor-core instructions: sm_90's warpgroup ones, and those before it
 
 
 def opcode(instruction: str) -> str:
@@ -83,7 +84,7 @@ def loops(text: str) -> list[dict]:
         holds_another = any(start <= first and last <= end and (first, last) != (start, end) for first, last in spans)
         found.append({"start": hex(start), "end": hex(end), "instructions": len(body),
                       "spill_ops": sum(op in ("LDL", "STL") for op in body),
-                      "mma_ops": sum(op in ("HGMMA", "HMMA", "UTCMMA", "UTCHMMA") for op in body),
+                      "mma_ops": sum(op in MMA_OPS for op in body),
                       "inner": not holds_another})
     return found
 
@@ -122,7 +123,7 @@ def describe(kernel, seconds: float) -> dict:
     return {"kernel": kernel.name, "compile_s": round(seconds, 3), "num_warps": metadata.num_warps,
             "num_stages": metadata.num_stages, "registers": resource("REG"), "spill_stack_bytes": resource("STACK"),
             "local_bytes": resource("LOCAL"), "shared_bytes": metadata.shared, "instructions": len(instructions),
-            "spill_ops": ops["LDL"] + ops["STL"], "mma_ops": ops["HGMMA"] + ops["HMMA"],
+            "spill_ops": ops["LDL"] + ops["STL"], "mma_ops": sum(ops[op] for op in MMA_OPS),
             "constants": constants, "loops": loops(listing)}
 
 
