@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 TOOLS = {
     "bench_stage1": (["--quick"], "## stage one", ("bare", "capture_only", "full")),
-    "bench_stage2": (["--quick", "--cold", "--loader", "--fed-epochs", "3", "--profile", "{tmp}/trace"],
+    "bench_stage2": (["--quick", "--cold", "--sample-first-step", "--loader", "--fed-epochs", "3", "--profile",
+                      "{tmp}/trace"],
                      "## stage two training step", ("modes", "loader", "fed", "profile")),
     "bench_codecs": (["--quick", "--sources", "random-target"], "## codecs", ("sources",)),
     "bench_handoff": (["--quick"], "## hand-off", ("fresh", "slots")),
@@ -66,6 +68,9 @@ def test_bench_stage2_counts_a_cold_start_from_the_process_start_too(tool_runs):
     assert first["process_start_to_first_step_s"] > first["warmup_seconds"][0] > 0
     assert results["compile_workers_started_early"] is False  # --quick: the CPU, no compile
     assert "s from the process's start)" in output
+    sampled = first["first_step_sampled"]  # --sample-first-step: where the first step's seconds went
+    assert "the first step's main thread, sampled" in output
+    assert sampled["samples"] > 0 and any("train_step" in line for line in sampled["tree"])
 
 
 def test_stage_two_starts_inductors_compile_workers_through_inductors_own_call(monkeypatch):
@@ -276,6 +281,28 @@ def test_bench_block_attention_batches_are_the_collates_layout_and_count_the_den
     ranges = build_masks(meta, ["full_attention"], 0, block_size=block, backend="blockwise",
                          device="cpu")["full_attention"]
     assert visible_pairs(ranges) == int(dense.sum())
+
+
+def test_stack_sampler_weighs_each_sample_by_its_time_and_folds_single_callers():
+    """The sampler's report from hand-made samples: each stack weighs the seconds since the sample before it, a
+    frame whose one callee holds all its time is folded into it, shares below the threshold are left out."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from benchlib import StackSampler
+
+    sampler = StackSampler()
+    sampler.seconds = 1.0
+    sampler.stacks = [(0.5, ("main", "step", "trace", "guard")), (0.3, ("main", "step", "trace", "guard")),
+                      (0.18, ("main", "step", "launch")), (0.02, ("main", "log"))]
+    assert sampler.tree(threshold=0.05) == ["   1.00 s 100.0% main",
+                                            "   0.98 s  98.0%   step",
+                                            "   0.80 s  80.0%     guard",  # trace's only callee: folded
+                                            "   0.18 s  18.0%     launch"]
+    report = sampler.report(top=2)
+    assert report["exclusive"] == [["guard", 0.8], ["launch", 0.18]]
+    assert report["inclusive"][0] == ["main", 1.0] and report["samples"] == 4
+    with StackSampler(interval=0.001) as live:  # a live thread: its own frames, named from the package root
+        time.sleep(0.05)
+    assert live.stacks and all("tests/test_tools_smoke.py:" in "".join(stack) for _, stack in live.stacks)
 
 
 def test_gpu_gaps_splits_a_steps_idle_time_by_gap_size():

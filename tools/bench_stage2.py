@@ -34,6 +34,7 @@ PROCESS_START = time.perf_counter()  # a cold start counted from here too: setup
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -59,7 +60,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchlib import gpu_gaps, log_uniform_lengths, print_table, run_metadata, synchronize, write_results  # noqa: E402
+from benchlib import (StackSampler, gpu_gaps, log_uniform_lengths, print_table, run_metadata,  # noqa: E402
+                      synchronize, write_results)
 
 from dflash.train.compile_cache import CompileProgress, compile_summary, describe_compile  # noqa: E402
 from dflash.model import block_attention  # noqa: E402
@@ -438,10 +440,11 @@ def compile_monitor(name: str, every: float = 30.0):
     return CompileProgress(lambda text: print(text, flush=True), every=every, prefix=f"{name}: {rank}warm-up")
 
 
-def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -> dict:
+def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int, sample_first: bool = False) -> dict:
     warmup_s = []
+    sampled = {}
     with compile_monitor(name), KernelCompileTimes() as kernels:
-        warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s)
+        warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s, sampled if sample_first else None)
     compiled = compile_summary()
     compiled["triton_kernels"] = kernels.summary()
     if compiled and os.environ.get("RANK", "0") == "0":
@@ -452,15 +455,23 @@ def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int) -
     times_ms = time_steps(wrapped, ctx, optimizer, steps, config, num_steps)
     numbers = summarize_mode(name, ctx, steps, times_ms, num_steps, warmup_s, compiled)
     numbers["host_ms_per_step_median"] = float(np.median(HOST_MS)) if HOST_MS else None
+    if sampled:
+        numbers["first_step_sampled"] = sampled
     return numbers
 
 
-def warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s: list) -> None:
+def warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s: list, sampled: dict | None = None) -> None:
+    """Runs each distinct step once; with `sampled` (a dict) the first one's main thread is sampled
+    (benchlib.StackSampler) and its report printed and kept there."""
     for step in steps:  # warm-up: every distinct shape compiles and autotunes once
         start = time.perf_counter()
-        run_step(wrapped, ctx, optimizer, step, config)
-        synchronize(ctx.device)
+        sampler = StackSampler() if sampled is not None and not warmup_s else None
+        with sampler or contextlib.nullcontext():
+            run_step(wrapped, ctx, optimizer, step, config)
+            synchronize(ctx.device)
         warmup_s.append(time.perf_counter() - start)
+        if sampler is not None:
+            sampled.update(sampler.print_report(f"{name}: the first step's main thread, sampled"))
         if len(warmup_s) == 1 and FIRST_STEP_END.get("s") is None:  # the process's first optimizer step
             FIRST_STEP_END["s"] = time.perf_counter() - PROCESS_START
         print(f"{name}: warm-up step {len(warmup_s)} of {len(steps)} took {warmup_s[-1]:.1f} s", flush=True)
@@ -818,6 +829,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "does: the first warm-up step is the cold start; the JSON's warmup_compile has the "
                              "compile phases and the slowest Triton kernels, and the log says why each recompiled "
                              "graph recompiled (TORCH_LOGS=recompiles unless TORCH_LOGS is set)")
+    parser.add_argument("--sample-first-step", action="store_true",
+                        help="sample the main thread's Python stack through the process's first step "
+                             "(benchlib.StackSampler, every 2 ms) and print where its time went as a call tree: "
+                             "a cold start's or a restart's seconds by function; the JSON keeps it")
     parser.add_argument("--cold-serial", action="store_true",
                         help="with --cold: compile kernels in this process one at a time, so each kernel's own "
                              "compile seconds are measured (a slower start than the default parallel compile)")
@@ -921,7 +936,8 @@ def run(args, argv, dist) -> int:
         if warming is None and not args.no_warm_kernels:  # as stage two: started before its first step
             warming = warm_kernels.start(ctx, optimizer) or False
         first_mode = not results["modes"]
-        results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps)
+        results["modes"][mode] = numbers = measure_mode(mode, wrapped, ctx, optimizer, steps, config, args.steps,
+                                                        sample_first=args.sample_first_step and first_mode)
         if first_mode:  # the process's cold start, its setup (imports, model, data) included
             numbers["process_start_to_first_step_s"] = FIRST_STEP_END.get("s")
         if args.compile_artifacts and dist.device.type == "cuda":  # every rank its device's kernels

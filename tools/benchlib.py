@@ -148,3 +148,113 @@ def gpu_gaps(trace: dict, num_steps: int) -> dict:
     return {"span_ms_per_step": span / 1e3 / num_steps, "busy_ms_per_step": busy / 1e3 / num_steps,
             "idle_ms_per_step": (span - busy) / 1e3 / num_steps,
             "idle_by_gap_size": {k: v for k, v in by_size.items() if v["count"]}, "longest_gaps": longest}
+
+
+class StackSampler:
+    """Where one thread's wall time goes, sampled: a daemon thread reads the thread's Python stack every
+    `interval` seconds (`sys._current_frames`) while the `with` block runs. Unlike cProfile it adds no
+    cost per call, and it counts time the thread spends waiting (on Python's lock, the GPU, a file) where
+    the wait happens. `report()` ranks functions by their share of the sampled time: where the stack holds them
+    (inclusive) and where they are its innermost frame (exclusive); `tree()` draws the call tree."""
+
+    def __init__(self, interval: float = 0.002, thread_id: int | None = None):
+        import threading
+
+        self.interval = interval
+        self.thread_id = threading.get_ident() if thread_id is None else thread_id
+        self.stacks: list[tuple[float, tuple[str, ...]]] = []  # (seconds since the sample before, the stack)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
+        self.seconds = 0.0
+        self._start = time.perf_counter()
+
+    @staticmethod
+    def frame_name(frame) -> str:
+        code = frame.f_code
+        parts = Path(code.co_filename).parts
+        for root in ("site-packages", "dflash", "tools", "stages"):  # a short path from the package root
+            if root in parts:
+                parts = parts[parts.index(root) + (root == "site-packages"):]
+                break
+        return f"{'/'.join(parts[-3:])}:{code.co_name}"
+
+    def _run(self) -> None:
+        last = self._start
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self.thread_id)  # waits for Python's lock: a busy thread is
+            now = time.perf_counter()  # sampled less often, so each sample weighs the time since the last
+            stack = []
+            while frame is not None:
+                stack.append(self.frame_name(frame))
+                frame = frame.f_back
+            self.stacks.append((now - last, tuple(reversed(stack))))
+            last = now
+
+    def __enter__(self):
+        self._start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.seconds = time.perf_counter() - self._start
+
+    def report(self, top: int = 25) -> dict:
+        """`{"seconds", "samples", "inclusive": [[function, share], ...], "exclusive": [...]}`, the `top` largest."""
+        from collections import Counter
+
+        inclusive, exclusive = Counter(), Counter()
+        for weight, stack in self.stacks:
+            for name in set(stack):
+                inclusive[name] += weight
+            if stack:
+                exclusive[stack[-1]] += weight
+        total = sum(weight for weight, _ in self.stacks) or 1.0
+
+        def ranked(counter):
+            return [[name, round(count / total, 4)] for name, count in counter.most_common(top)]
+
+        return {"seconds": self.seconds, "samples": len(self.stacks), "inclusive": ranked(inclusive),
+                "exclusive": ranked(exclusive)}
+
+    def tree(self, threshold: float = 0.03, max_lines: int = 60) -> list[str]:
+        """The sampled call tree, one line per function holding at least `threshold` of the samples: seconds,
+        share, indented by depth; a frame whose only child holds all its samples is folded into that child."""
+        root: dict = {"count": 0.0, "children": {}}
+        for weight, stack in self.stacks:
+            node = root
+            node["count"] += weight
+            for name in stack:
+                node = node["children"].setdefault(name, {"count": 0.0, "children": {}})
+                node["count"] += weight
+        total = root["count"] or 1.0
+        lines: list[str] = []
+
+        def walk(node, depth):
+            for name, child in sorted(node["children"].items(), key=lambda item: -item[1]["count"]):
+                if child["count"] / total < threshold or len(lines) >= max_lines:
+                    continue
+                folded = child
+                while len(folded["children"]) == 1:  # a chain of one caller each: its innermost frame speaks
+                    (inner_name, inner), = folded["children"].items()
+                    if inner["count"] != folded["count"]:
+                        break
+                    name, folded = inner_name, inner
+                share = folded["count"] / total
+                lines.append(f"{share * self.seconds:7.2f} s {share:6.1%} {'  ' * depth}{name}")
+                walk(folded, depth + 1)
+
+        walk(root, 0)
+        return lines
+
+    def print_report(self, title: str, top: int = 20, threshold: float = 0.03) -> dict:
+        """Prints the call tree and the innermost frames; returns `report(top)` with the tree's lines."""
+        report = self.report(top)
+        report["tree"] = self.tree(threshold)
+        print(f"\n{title}: {report['seconds']:.2f} s, {report['samples']} samples; the call tree:", flush=True)
+        print("\n".join(report["tree"]))
+        print("innermost frames:")
+        for name, share in report["exclusive"]:
+            print(f"{share * report['seconds']:7.2f} s {share:6.1%} {name}")
+        return report
