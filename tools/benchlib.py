@@ -163,14 +163,14 @@ class StackSampler:
         self.interval = interval
         self.thread_id = threading.get_ident() if thread_id is None else thread_id
         self.stacks: list[tuple[float, tuple[str, ...]]] = []  # (seconds since the sample before, the stack)
+        self._raw: list = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
         self.seconds = 0.0
         self._start = time.perf_counter()
 
     @staticmethod
-    def frame_name(frame) -> str:
-        code = frame.f_code
+    def frame_name(code) -> str:
         parts = Path(code.co_filename).parts
         for root in ("site-packages", "dflash", "tools", "stages"):  # a short path from the package root
             if root in parts:
@@ -183,11 +183,11 @@ class StackSampler:
         while not self._stop.wait(self.interval):
             frame = sys._current_frames().get(self.thread_id)  # waits for Python's lock: a busy thread is
             now = time.perf_counter()  # sampled less often, so each sample weighs the time since the last
-            stack = []
+            codes = []  # the code objects only (named in the report): a sample holds the lock briefly
             while frame is not None:
-                stack.append(self.frame_name(frame))
+                codes.append(frame.f_code)
                 frame = frame.f_back
-            self.stacks.append((now - last, tuple(reversed(stack))))
+            self._raw.append((now - last, codes))
             last = now
 
     def __enter__(self):
@@ -199,6 +199,10 @@ class StackSampler:
         self._stop.set()
         self._thread.join()
         self.seconds = time.perf_counter() - self._start
+        names: dict = {}
+        self.stacks = [(weight, tuple(names.setdefault(code, self.frame_name(code)) for code in reversed(codes)))
+                       for weight, codes in self._raw]
+        self._raw = []
 
     def report(self, top: int = 25) -> dict:
         """`{"seconds", "samples", "inclusive": [[function, share], ...], "exclusive": [...]}`, the `top` largest."""
