@@ -39,7 +39,7 @@ def run(config: Config, resume: str | None = None) -> TrainResult:
 
 def train(config: Config, dist: DistState, resume: str | None) -> TrainResult:
     if config.train.warm_kernels and config.train.compile and dist.device.type == "cuda":
-        warm_kernels.start_compile_workers(dist.device)  # inductor's workers come up while the store and model are set up
+        warm_kernels.start_compile_workers()  # inductor's workers come up while the store and model are set up
     torch.manual_seed(config.train.seed)
     checkpoint_path = resolve_resume(config, resume)
     follow_state = read_state(checkpoint_path)["scheduler"].get("follow") if checkpoint_path else None

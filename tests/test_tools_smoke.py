@@ -80,31 +80,8 @@ def test_stage_two_starts_inductors_compile_workers_through_inductors_own_call(m
 
     calls = []
     monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: calls.append("warm"))
-    monkeypatch.setattr(warm_kernels, "compile_keys", lambda device: calls.append(("keys", device)))
-    warm_kernels.start_compile_workers(keys=False)
+    warm_kernels.start_compile_workers()
     assert calls == ["warm"]
-    warm_kernels.start_compile_workers(torch.device("cpu")).join()
-    assert calls == ["warm", "warm", ("keys", torch.device("cpu"))]
-
-
-def test_compile_keys_computes_what_inductors_first_lookup_needs(monkeypatch):
-    """warm_kernels.compile_keys calls torch's source hash and Triton's hash with its backend (the cached functions
-    inductor's first cache lookup calls), the latter only where Triton imports; a failure in them never raises."""
-    import torch._inductor.codecache as codecache
-    import torch.utils._triton as torch_triton
-
-    from dflash.train import warm_kernels
-
-    calls = []
-    monkeypatch.setattr(codecache, "torch_key", lambda: calls.append("torch"))
-    monkeypatch.setattr(torch_triton, "triton_hash_with_backend", lambda: calls.append("triton"))
-    for triton_there, expected in ((True, ["torch", "triton"]), (False, ["torch"])):
-        calls.clear()
-        monkeypatch.setattr(torch_triton, "has_triton", lambda: triton_there)
-        warm_kernels.compile_keys(torch.device("cpu"))
-        assert calls == expected
-    monkeypatch.setattr(codecache, "torch_key", lambda: 1 / 0)
-    warm_kernels.compile_keys(None)
 
 
 def test_stage2_flop_formula_matches_issue_5():

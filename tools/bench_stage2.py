@@ -784,10 +784,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="do not start inductor's compile workers before the model is built (dflash/train/"
                              "warm_kernels.start_compile_workers, as stage two does): inductor starts them at its "
                              "first graph, and compiles in this process until they answer (the cold start's baseline)")
-    parser.add_argument("--no-warm-compile-keys", action="store_true",
-                        help="with the compile workers started early: do not compute the first compile's cache "
-                             "hashes in a thread beside them (warm_kernels.compile_keys, as stage two does): the first "
-                             "step computes them (the restart's baseline)")
     parser.add_argument("--clip", choices=("folded", "in-place"), default="folded",
                         help="gradient clipping folded into AdamW's step as its grad_scale (dflash.train.step."
                              "clip_into_step, as stage two trains) or, the baseline, every gradient scaled in place "
@@ -873,7 +869,7 @@ def run(args, argv, dist) -> int:
         return run_loader_only(args, argv, config, device)
     workers_early = args.compile and device.type == "cuda" and not args.no_warm_compile_workers
     if workers_early:  # as stage two: inductor's compile workers come up while the trainer is built
-        warm_kernels.start_compile_workers(device, keys=not args.no_warm_compile_keys)
+        warm_kernels.start_compile_workers()
     if args.compile_artifacts:  # before anything compiles: a second process starts from the first's kernels
         from dflash.train.compile_cache import load_compile_artifacts, own_or_first
 
@@ -918,7 +914,6 @@ def run(args, argv, dist) -> int:
                "block_masks": "rule" if args.mask_rule else "tiles", "gathered_keys": args.gather_keys,
                "flex_options": flex_options, "optimizer": type(optimizer).__name__, "clip": args.clip,
                "loss_kernel": ctx.loss_kernel, "compile_workers_started_early": workers_early,
-               "compile_keys_early": workers_early and not args.no_warm_compile_keys,
                **({"ce_row_resident": args.ce_row_resident} if args.ce_row_resident >= 0 else {}),
                "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}

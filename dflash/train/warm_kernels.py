@@ -14,9 +14,7 @@ and compiles at its first launch, as without this.
 
 `start_compile_workers` starts inductor's pool of compile workers as stage two begins, before the store and the model
 are set up: inductor starts it only when its backend receives the first graph, and compiles that graph's kernels in
-the training process, one at a time, until the pool answers. Beside it a thread computes the hashes the first
-graph's cache lookups need (`compile_keys`), which a restart from compile artifacts otherwise computed in its first
-step.
+the training process, one at a time, until the pool answers.
 """
 
 from __future__ import annotations
@@ -90,43 +88,16 @@ def _loss_pass(ctx) -> list:
     return [ce_kernel.warm(ctx.lm_head_VH.shape[0], ctx.lm_head_VH.dtype, ctx.device)]
 
 
-def start_compile_workers(device: torch.device | None = None, keys: bool = True) -> threading.Thread | None:
+def start_compile_workers() -> None:
     """Start inductor's pool of compile workers now, before the store, the model and the data are set up, rather
     than when its backend receives the first graph: until the pool answers (2.7-2.9 s on the project's 2-core
     CPU; a sidecar process imports torch and starts the workers), inductor compiles each Triton kernel of a graph
     in this process, one after another (`AsyncCompile.use_process_pool`). Inductor's own call, so nothing else
     changes; a no-op where inductor would not start one (no Triton, `TORCHINDUCTOR_COMPILE_THREADS=1`,
-    `TORCH_WARM_POOL=0`).
-
-    With `keys`, a thread also computes what the first compile's cache lookups compute once per process
-    (`compile_keys`); returns that thread."""
+    `TORCH_WARM_POOL=0`)."""
     from torch._inductor.async_compile import maybe_warm_pool
 
     maybe_warm_pool()
-    if not keys:
-        return None
-    thread = threading.Thread(target=compile_keys, args=(device,), name="dflash-compile-keys", daemon=True)
-    thread.start()
-    return thread
-
-
-def compile_keys(device: torch.device | None = None) -> None:
-    """What the first graph's cache lookups compute once per process, computed ahead: the hash of Triton's own
-    files (`triton_key`, a sha256 of its compiler and its 300-MB library), Triton's driver for the device (on a
-    machine whose Triton cache is empty it builds its C helpers: a compiler run) and the hash of torch's sources
-    (`torch_key`). A restart from compile artifacts paid them inside its first step: 0.55 s and 0.33 s of 5.7
-    (H100, 12-07). File reads and hashing leave Python's lock. Any failure only leaves them to that lookup."""
-    try:
-        if device is not None and device.type == "cuda":
-            torch.cuda.set_device(device)  # this thread's device: the driver's target is read from it
-        from torch._inductor.codecache import torch_key
-        from torch.utils._triton import has_triton, triton_hash_with_backend
-
-        torch_key()
-        if has_triton():
-            triton_hash_with_backend()
-    except Exception:  # noqa: BLE001 - an optimization only: the first compile computes them as it would have
-        pass
 
 
 def start(ctx, optimizer) -> Warming | None:
