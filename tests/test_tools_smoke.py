@@ -305,6 +305,30 @@ def test_stack_sampler_weighs_each_sample_by_its_time_and_folds_single_callers()
     assert live.stacks and all("tests/test_tools_smoke.py:" in "".join(stack) for _, stack in live.stacks)
 
 
+def test_kernel_time_sums_kernels_by_class_and_names_each_classs_longest():
+    """bench_stage2's kernel table from profiler events: GPU events only, record_function spans left out, per step,
+    each class's longest kernels listed apart (the matmuls' never crowd out the rest)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_stage2 import STEP_LABEL, kernel_time
+
+    def event(name, us, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device,
+                               time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    events = ([event(f"nvjet_gemm_{i}", 1000.0 * (i + 2)) for i in range(8)]
+              + [event("void at::native::vectorized_elementwise_kernel<4>", 600.0), event("triton_poi_fused_0", 400.0),
+                 event(f"{STEP_LABEL} 0", 9e6), event("aten::mm", 5e5, torch.autograd.DeviceType.CPU)])
+    times = kernel_time(events, num_steps=2)
+    assert times["ms_per_step_by_class"]["matmul (cuBLAS / CUTLASS)"] == pytest.approx(sum(range(2, 10)) / 2)
+    assert times["total_ms_per_step"] == pytest.approx((sum(range(2, 10)) + 1.0) / 2)
+    by_class = times["longest_kernels_by_class"]
+    assert list(by_class["matmul (cuBLAS / CUTLASS)"]) == [f"nvjet_gemm_{i}" for i in range(7, 1, -1)]  # 6 longest
+    assert by_class["ATen elementwise / reduce"] == {"void at::native::vectorized_elementwise_kernel<4>": 0.3}
+    assert by_class["compiled fused (Triton)"] == {"triton_poi_fused_0": 0.2}
+
+
 def test_gpu_gaps_splits_a_steps_idle_time_by_gap_size():
     """bench_stage2's reading of its trace: device events merged, the idle time between the first and the last
     one per step by gap size, the longest gaps named by the events on either side."""

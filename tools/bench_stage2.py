@@ -550,8 +550,9 @@ KERNEL_CLASSES = (  # (class, substrings of the kernel name), first match wins
 
 
 def kernel_time(events, num_steps: int) -> dict:
-    """GPU kernel milliseconds per profiled step by kernel class, and the 12 longest kernels."""
-    by_class, by_name = Counter(), Counter()
+    """GPU kernel milliseconds per profiled step by kernel class, the 12 longest kernels, and each class's 6
+    longest (so the classes outside the matmuls name what they are)."""
+    by_class, by_name, class_of = Counter(), Counter(), {}
     for event in events:
         if getattr(event, "device_type", None) != torch.autograd.DeviceType.CUDA:
             continue
@@ -563,8 +564,14 @@ def kernel_time(events, num_steps: int) -> dict:
         kind = next((label for label, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
         by_class[kind] += ms
         by_name[name[:90]] += ms
+        class_of[name[:90]] = kind
+    longest_by_class = defaultdict(dict)
+    for name, ms in by_name.most_common():
+        if len(longest_by_class[class_of[name]]) < 6:
+            longest_by_class[class_of[name]][name] = ms
     return {"ms_per_step_by_class": dict(by_class.most_common()), "total_ms_per_step": sum(by_class.values()),
-            "longest_kernels_ms_per_step": dict(by_name.most_common(12))}
+            "longest_kernels_ms_per_step": dict(by_name.most_common(12)),
+            "longest_kernels_by_class": dict(longest_by_class)}
 
 
 def count_sync_events(events, step_ranges) -> Counter:
@@ -1068,6 +1075,9 @@ def report(args, results: dict) -> None:
                     [[kind, ms, ms / max(kernels["total_ms_per_step"], 1e-9)]
                      for kind, ms in kernels["ms_per_step_by_class"].items()])
         print_table("longest kernels", ["kernel", "ms/step"], list(kernels["longest_kernels_ms_per_step"].items()))
+        print_table("longest kernels of each class but the matmuls", ["class", "kernel", "ms/step"],
+                    [[kind, name, ms] for kind, names in kernels.get("longest_kernels_by_class", {}).items()
+                     if not kind.startswith("matmul") for name, ms in names.items()])
         gaps = profile.get("gpu_gaps") or {}
         if gaps:
             print_table(f"GPU idle per step: {gaps['idle_ms_per_step']:.1f} of {gaps['span_ms_per_step']:.1f} ms "
