@@ -1,5 +1,7 @@
 """The drafter module: export parameter names, shapes, parameter count, init, args."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -170,3 +172,51 @@ def test_held_out_passes_reuse_the_compiled_training_graphs():
     with torch.no_grad():
         torch.testing.assert_close(model(*inputs), held_out.detach())
     assert len(graphs) > trained  # what evaluation_mode avoids
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_each_use(seed):
+    """`weights_cast_once`: the layers' matmul weights cast to bf16 once and that cast used by three micro-batches,
+    under autocast to bf16 (as the CUDA step runs), give the same loss and the same fp32 gradients, bit for bit,
+    as autocast's own cast at every use; each weight is cast once; nothing is kept after the span, and the next
+    span casts the weights as they are then (after an update)."""
+    from dflash.model.drafter import weights_cast_once
+
+    torch.manual_seed(seed)
+    args = drafter_args("tiny", vocab_size=300, mask_token_id=299)
+    model = DFlashDrafter(args)
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for num_context in (20, 33, 47):
+        anchor_pos = torch.sort(torch.randperm(num_context - 2, generator=generator)[:3]).values
+        meta = {"doc_ids": torch.zeros(num_context, dtype=torch.long), "position_ids": torch.arange(num_context),
+                "anchor_doc": torch.zeros(3, dtype=torch.long), "anchor_pos": anchor_pos}
+        masks = build_masks(meta, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
+        batches.append((torch.randn(num_context, args.context_feature_size, generator=generator),
+                        torch.randn(3 * args.block_size, args.hidden_size, generator=generator),
+                        meta["position_ids"], block_positions(anchor_pos, args.block_size), masks))
+
+    def step(cast_once: bool):
+        model.zero_grad(set_to_none=True)
+        losses = []
+        with weights_cast_once(model, torch.bfloat16) if cast_once else contextlib.nullcontext() as cast:
+            for inputs in batches:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = model(*inputs).float().square().mean()
+                loss.backward()
+                losses.append(loss.detach())
+        return losses, [p.grad.clone() for p in model.parameters()], cast
+
+    plain_losses, plain_grads, _ = step(False)
+    once_losses, once_grads, cast = step(True)
+    assert once_losses == plain_losses
+    for once, plain in zip(once_grads, plain_grads):
+        assert once.dtype == torch.float32 and torch.equal(once, plain)
+    assert len(cast.casts) == 7 * len(model.layers)  # q, k, v, o, gate, up, down: each cast once for 3 micro-batches
+    assert all(layer.weight_cast is None for layer in model.layers)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    updated_once, updated_plain = step(True)[1], step(False)[1]  # after an update: the new weights' gradients
+    assert all(torch.equal(a, b) for a, b in zip(updated_once, updated_plain))
+    assert not all(torch.equal(a, b) for a, b in zip(updated_once, once_grads))

@@ -22,8 +22,8 @@ from dflash.model.loss import gamma_weights
 from dflash.model.masks import layer_windows
 from dflash.model.tiles import TILE
 from dflash.train.batch import StoreDataset, collate_packed
-from dflash.train.step import (TrainContext, checkpointed_forward, evaluation_mode, forward_loss, to_device,
-                               train_step)
+from dflash.train.step import (TrainContext, checkpointed_forward, evaluation_mode, forward_loss, step_weights,
+                               to_device, train_step)
 from support import PlainDescent
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -248,6 +248,39 @@ def test_a_fused_step_equals_its_micro_batches_one_at_a_time_compiled():
     for index, (fused_update, apart_update) in enumerate(zip(after["fused"][1], after["apart"][1])):
         gap = (fused_update - apart_update).norm() / apart_update.norm().clamp_min(1e-12)
         assert gap < 2e-2, f"parameter {index}: the fused update differs from the two micro-batches' by {gap:.2e}"
+
+
+def test_weights_cast_once_train_as_casting_at_each_use_compiled():
+    """`TrainContext.cast_weights_once` (each step's micro-batches share one bf16 cast of each weight) on the
+    compiled GPU step: the loss and the update of casting inside the compiled halves at every micro-batch; a
+    held-out pass after it reuses its graphs."""
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cuda")
+    batches = [micro_batch(30, device), micro_batch(31, device), micro_batch(32, device)]
+    after = {}
+    for once in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        ctx = context("flex", device)
+        ctx.cast_weights_once = once
+        model = fresh_drafter(ctx.args, device)
+        before = [p.detach().float().clone() for p in model.parameters()]
+        compile_layers(model)
+        stats = train_step(model, ctx, batches, PlainDescent(model.parameters()), lr=1.0, clip=1.0, step=1)
+        updates = [p.detach().float() - start for p, start in zip(model.parameters(), before)]
+        after[once] = (float(stats.values[0]) / stats.micro_batches, updates)
+        torch.cuda.synchronize()
+        trained = counters["stats"]["unique_graphs"]
+        held_out, grad_mode = evaluation_mode(model)
+        with grad_mode, step_weights(held_out, ctx):
+            forward_loss(held_out, ctx, batches[0])
+        torch.cuda.synchronize()
+        assert counters["stats"]["unique_graphs"] == trained, f"cast once {once}: the held-out pass compiled more"
+    assert after[True][0] == pytest.approx(after[False][0], rel=1e-3)
+    for index, (once_update, plain_update) in enumerate(zip(after[True][1], after[False][1])):
+        gap = (once_update - plain_update).norm() / plain_update.norm().clamp_min(1e-12)
+        assert gap < 1e-3, f"parameter {index}: the update with the weights cast once differs by {gap:.2e}"
 
 
 def test_the_compiled_step_compiles_nothing_more_for_micro_batches_of_other_shapes():

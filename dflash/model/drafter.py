@@ -21,6 +21,7 @@ Shape suffixes (a tensor named `x_QH` is `(Q, H)`):
   V  vocabulary                                     R  rows of one LM-head chunk
 """
 
+from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -265,15 +266,55 @@ class DrafterLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         # Replaced by compiled versions (shared by all layers) in dflash/train_step.apply_parallelism.
         self.halves = (attention_inputs, layer_output)
+        self.weight_cast: WeightCast | None = None  # set inside `weights_cast_once`
 
     def forward(self, block_QH, context_TH, rope_q, rope_k, mask) -> torch.Tensor:
         attn, mlp, eps = self.self_attn, self.mlp, self.input_layernorm.eps
+        w = self.weight_cast or (lambda weight: weight)
         q, k, v = self.halves[0](block_QH, context_TH, *rope_q, *rope_k, self.input_layernorm.weight,
-                                 attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight,
-                                 attn.k_norm.weight, eps, attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        return self.halves[1](block_QH, attend(q, k, v, mask), attn.o_proj.weight,
-                              self.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
-                              mlp.down_proj.weight, eps)
+                                 w(attn.q_proj.weight), w(attn.k_proj.weight), w(attn.v_proj.weight),
+                                 attn.q_norm.weight, attn.k_norm.weight, eps, attn.num_heads, attn.num_kv_heads,
+                                 attn.head_dim)
+        return self.halves[1](block_QH, attend(q, k, v, mask), w(attn.o_proj.weight),
+                              self.post_attention_layernorm.weight, w(mlp.gate_proj.weight), w(mlp.up_proj.weight),
+                              w(mlp.down_proj.weight), eps)
+
+
+class WeightCast:
+    """fp32 master weights cast to the compute dtype once and the cast reused (`weights_cast_once`)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.casts: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        kept = self.casts.get(id(weight))
+        grad = torch.is_grad_enabled()
+        if kept is not None and kept[0] is weight and kept[2] == grad:
+            return kept[1]
+        cast = weight.to(self.dtype)
+        self.casts[id(weight)] = (weight, cast, grad)
+        return cast
+
+
+@contextmanager
+def weights_cast_once(model: nn.Module, dtype: torch.dtype):
+    """Inside it, each layer's matmul weights (fp32 masters) are cast to `dtype` at their first use and that
+    cast serves every later micro-batch: an optimizer step's micro-batches read each weight's fp32 copy once
+    instead of once each (and the compiled halves take bf16 weights: no cast in their forward or backward).
+    Autograd carries every micro-batch's weight gradient back through the one cast, to the same fp32 `.grad` as
+    before, with the same values. Only for a span in which the weights do not change (one step's forward and
+    backward passes, not its optimizer update: the casts are dropped on leaving) and under autocast to `dtype`
+    (the halves' matmuls cast to it anyway). `model` may be wrapped (DDP)."""
+    layers = getattr(model, "module", model).layers
+    cast = WeightCast(dtype)
+    for layer in layers:
+        layer.weight_cast = cast
+    try:
+        yield cast
+    finally:
+        for layer in layers:
+            layer.weight_cast = None
 
 
 # The row axes of the halves' inputs (argument index, dimension): block rows Q, context rows T, keys

@@ -18,7 +18,7 @@ import torch.distributed as torch_dist
 from dflash.config import Config, ConfigError
 from dflash.dist import DistState
 from dflash.model.drafter import (DFlashDrafter, DrafterArgs, block_embeddings, block_positions, compile_layers,
-                                  is_compiled)
+                                  is_compiled, weights_cast_once)
 from dflash.model.block_attention import triton_refusal
 from dflash.model.export import load_exported
 from dflash.model.loss import block_labels, block_soft_targets, default_gamma, dflash_loss, gamma_weights
@@ -44,6 +44,7 @@ class TrainContext:
     distill: str = "kl"
     fold_clip: bool = True  # clip through the optimizer's grad_scale (clip_into_step); False: in place first
     loss_kernel: str = "compiled"  # train.loss_kernel: the cross entropy's pass on CUDA (dflash.model.loss)
+    cast_weights_once: bool = False  # each step's micro-batches share one bf16 cast of each weight (CUDA)
 
     @property
     def autocast(self):
@@ -220,13 +221,14 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
     if not micro_batches:
         stats.record_step(torch.zeros(1, device=ctx.device), step)
         return stats
-    for index, batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        sync_context = wrapped.no_sync() if hasattr(wrapped, "no_sync") and not last else nullcontext()
-        with sync_context:
-            out, valid_AB = forward_loss(wrapped, ctx, batch)
-            (out.objective / len(micro_batches)).backward()
-        stats.add(out, valid_AB, batch)
+    with step_weights(wrapped, ctx):
+        for index, batch in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            sync_context = wrapped.no_sync() if hasattr(wrapped, "no_sync") and not last else nullcontext()
+            with sync_context:
+                out, valid_AB = forward_loss(wrapped, ctx, batch)
+                (out.objective / len(micro_batches)).backward()
+            stats.add(out, valid_AB, batch)
     grad_norm = clip_into_step(optimizer, [p.grad for p in wrapped.parameters() if p.grad is not None], clip,
                                fold=ctx.fold_clip)
     finite = torch.isfinite(grad_norm) & ~stats.loss_flags().any()
@@ -238,6 +240,15 @@ def train_step(wrapped, ctx: TrainContext, micro_batches: list[dict], optimizer,
     stats.grad_norm = grad_norm.detach()
     stats.record_step(torch.cat([stats.loss_flags(), (~finite).reshape(1)]).float(), step)
     return stats
+
+
+def step_weights(wrapped, ctx: TrainContext):
+    """The span of one step's (or one evaluation's) forward passes: with `ctx.cast_weights_once` on CUDA each
+    weight's bf16 cast made once for all of them (`drafter.weights_cast_once`; autocast's dtype there), else
+    nothing."""
+    if ctx.cast_weights_once and ctx.device.type == "cuda":
+        return weights_cast_once(wrapped, torch.bfloat16)
+    return nullcontext()
 
 
 def evaluation_mode(wrapped):
@@ -265,7 +276,7 @@ def evaluate_served(dist: DistState, wrapped, ctx: TrainContext, dataset, collat
         if not items:
             continue
         host = collate(items)
-        with grad_mode:
+        with grad_mode, step_weights(model, ctx):  # the training graphs' inputs: bf16 weights when cast once
             out, valid_AB = forward_loss(model, ctx, to_device(host, ctx.device))
         lengths_A = served.accepted_lengths(out.correct, valid_AB).cpu().numpy()
         del out  # its graph (compiled layers) before the next batch's
@@ -296,7 +307,7 @@ def evaluate(dist: DistState, wrapped, ctx: TrainContext, dataset, collate, micr
         batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
         if batch.get("empty"):
             continue
-        with grad_mode:
+        with grad_mode, step_weights(model, ctx):  # the training graphs' inputs: bf16 weights when cast once
             out, valid_AB = forward_loss(model, ctx, batch)
         stats.add(out, valid_AB, batch)  # detached
         del out
