@@ -174,12 +174,14 @@ def test_held_out_passes_reuse_the_compiled_training_graphs():
     assert len(graphs) > trained  # what evaluation_mode avoids
 
 
+@pytest.mark.parametrize("accumulate", [True, False])
 @pytest.mark.parametrize("seed", range(3))
-def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_each_use(seed):
+def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_each_use(seed, accumulate):
     """`weights_cast_once`: the layers' matmul weights cast to bf16 once and that cast used by three micro-batches,
-    under autocast to bf16 (as the CUDA step runs), give the same loss and the same fp32 gradients, bit for bit,
-    as autocast's own cast at every use; each weight is cast once; nothing is kept after the span, and the next
-    span casts the weights as they are then (after an update)."""
+    under autocast to bf16 (as the CUDA step runs), give the same loss and the same fp32 gradients, bit for bit and
+    laid out as the weights, as autocast's own cast at every use, whether the casts add the gradients into `.grad`
+    themselves (`accumulate`) or autograd does; each weight is cast once; nothing is kept after the span, and the
+    next span casts the weights as they are then (after an update)."""
     from dflash.model.drafter import weights_cast_once
 
     torch.manual_seed(seed)
@@ -199,7 +201,8 @@ def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_ea
     def step(cast_once: bool):
         model.zero_grad(set_to_none=True)
         losses = []
-        with weights_cast_once(model, torch.bfloat16) if cast_once else contextlib.nullcontext() as cast:
+        with (weights_cast_once(model, torch.bfloat16, accumulate=accumulate) if cast_once
+              else contextlib.nullcontext()) as cast:
             for inputs in batches:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     loss = model(*inputs).float().square().mean()
@@ -210,8 +213,8 @@ def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_ea
     plain_losses, plain_grads, _ = step(False)
     once_losses, once_grads, cast = step(True)
     assert once_losses == plain_losses
-    for once, plain in zip(once_grads, plain_grads):
-        assert once.dtype == torch.float32 and torch.equal(once, plain)
+    for once, plain, weight in zip(once_grads, plain_grads, model.parameters()):
+        assert once.dtype == torch.float32 and torch.equal(once, plain) and once.stride() == weight.stride()
     assert len(cast.casts) == 7 * len(model.layers)  # q, k, v, o, gate, up, down: each cast once for 3 micro-batches
     assert all(layer.weight_cast is None for layer in model.layers)
     with torch.no_grad():

@@ -281,10 +281,11 @@ class DrafterLayer(nn.Module):
 
 
 class WeightCast:
-    """fp32 master weights cast to the compute dtype once and the cast reused (`weights_cast_once`)."""
+    """fp32 master weights cast to the compute dtype once and the cast reused (`weights_cast_once`); with
+    `accumulate`, each gradient reaching a cast is added into its weight's fp32 `.grad` by the cast itself."""
 
-    def __init__(self, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, dtype: torch.dtype, accumulate: bool = False):
+        self.dtype, self.accumulate = dtype, accumulate
         self.casts: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
@@ -292,22 +293,51 @@ class WeightCast:
         grad = torch.is_grad_enabled()
         if kept is not None and kept[0] is weight and kept[2] == grad:
             return kept[1]
-        cast = weight.to(self.dtype)
+        if self.accumulate and grad and weight.requires_grad:
+            cast = _CastAccumulating.apply(weight, self.dtype)
+        else:
+            cast = weight.to(self.dtype)
         self.casts[id(weight)] = (weight, cast, grad)
         return cast
 
 
+class _CastAccumulating(torch.autograd.Function):
+    """`weight.to(dtype)` whose backward adds the gradient into `weight.grad` (fp32) itself, in one pass (a
+    mixed-dtype add: the bf16 gradient read, the fp32 sum read and written), and passes nothing on: autograd's
+    own path casts the gradient to fp32 (a write) and then adds it (a second read of it). Every backward through
+    the one cast (one per micro-batch) adds its part; the sums are autograd's, bit for bit. Not under DDP, whose
+    reducer waits for the weights' own gradient accumulation."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.weight = weight
+        return weight.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = ctx.weight
+        if weight.grad is None:  # laid out as the weight, as autograd's accumulation lays it (the optimizer's kernel)
+            weight.grad = torch.empty_like(weight).copy_(grad)
+        else:
+            weight.grad.add_(grad)
+        return None, None
+
+
 @contextmanager
-def weights_cast_once(model: nn.Module, dtype: torch.dtype):
+def weights_cast_once(model: nn.Module, dtype: torch.dtype, accumulate: bool | None = None):
     """Inside it, each layer's matmul weights (fp32 masters) are cast to `dtype` at their first use and that
     cast serves every later micro-batch: an optimizer step's micro-batches read each weight's fp32 copy once
     instead of once each (and the compiled halves take bf16 weights: no cast in their forward or backward).
     Autograd carries every micro-batch's weight gradient back through the one cast, to the same fp32 `.grad` as
     before, with the same values. Only for a span in which the weights do not change (one step's forward and
     backward passes, not its optimizer update: the casts are dropped on leaving) and under autocast to `dtype`
-    (the halves' matmuls cast to it anyway). `model` may be wrapped (DDP)."""
+    (the halves' matmuls cast to it anyway). `model` may be wrapped (DDP).
+
+    `accumulate` (default: unless `model` is DDP-wrapped) has each cast add the gradients reaching it into its
+    weight's `.grad` itself (`_CastAccumulating`): one pass a micro-batch where autograd makes two."""
+    wrapped_by_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
     layers = getattr(model, "module", model).layers
-    cast = WeightCast(dtype)
+    cast = WeightCast(dtype, accumulate=not wrapped_by_ddp if accumulate is None else accumulate)
     for layer in layers:
         layer.weight_cast = cast
     try:
