@@ -325,26 +325,27 @@ class _CastAccumulating(torch.autograd.Function):
 
 @contextmanager
 def weights_cast_once(model: nn.Module, dtype: torch.dtype, accumulate: bool | None = None):
-    """Inside it, each layer's matmul weights (fp32 masters) are cast to `dtype` at their first use and that
-    cast serves every later micro-batch: an optimizer step's micro-batches read each weight's fp32 copy once
-    instead of once each (and the compiled halves take bf16 weights: no cast in their forward or backward).
-    Autograd carries every micro-batch's weight gradient back through the one cast, to the same fp32 `.grad` as
-    before, with the same values. Only for a span in which the weights do not change (one step's forward and
-    backward passes, not its optimizer update: the casts are dropped on leaving) and under autocast to `dtype`
-    (the halves' matmuls cast to it anyway). `model` may be wrapped (DDP).
+    """Inside it, each layer's matmul weights and the feature projection's (fp32 masters) are cast to `dtype` at
+    their first use and that cast serves every later micro-batch: an optimizer step's micro-batches read each
+    weight's fp32 copy once instead of once each, the compiled halves take bf16 weights (no cast in their forward
+    or backward), and the context features, already in `dtype`, enter the projection as they are (not through a
+    float32 copy that autocast casts back). Every micro-batch's weight gradient comes back through the one cast
+    to the same fp32 `.grad` as before, with the same values. Only for a span in which the weights do not change
+    (one step's forward and backward passes, not its optimizer update: the casts are dropped on leaving) and
+    under autocast to `dtype` (the matmuls cast to it anyway). `model` may be wrapped (DDP).
 
     `accumulate` (default: unless `model` is DDP-wrapped) has each cast add the gradients reaching it into its
     weight's `.grad` itself (`_CastAccumulating`): one pass a micro-batch where autograd makes two."""
     wrapped_by_ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-    layers = getattr(model, "module", model).layers
+    drafter = getattr(model, "module", model)
     cast = WeightCast(dtype, accumulate=not wrapped_by_ddp if accumulate is None else accumulate)
-    for layer in layers:
-        layer.weight_cast = cast
+    for module in (drafter, *drafter.layers):
+        module.weight_cast = cast
     try:
         yield cast
     finally:
-        for layer in layers:
-            layer.weight_cast = None
+        for module in (drafter, *drafter.layers):
+            module.weight_cast = None
 
 
 # The row axes of the halves' inputs (argument index, dimension): block rows Q, context rows T, keys
@@ -394,6 +395,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.fc = nn.Linear(args.context_feature_size, args.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.weight_cast: WeightCast | None = None  # set inside `weights_cast_once`, as the layers' is
         self.init_weights()
 
     @torch.no_grad()
@@ -420,7 +422,10 @@ class DFlashDrafter(nn.Module):
         """
         args = self.args
         dtype = block_embeds_QH.dtype
-        context_TH = self.hidden_norm(self.fc(context_feature_TF.to(self.fc.weight.dtype)))
+        if self.weight_cast is not None:  # the features (bf16) meet the fc's bf16 cast: no fp32 copy of them
+            context_TH = self.hidden_norm(F.linear(context_feature_TF, self.weight_cast(self.fc.weight)))
+        else:
+            context_TH = self.hidden_norm(self.fc(context_feature_TF.to(self.fc.weight.dtype)))
         rope_q = rope_tables(block_positions_Q, args.head_dim, args.rope_theta, dtype)
         key_positions = torch.cat([context_positions_T, block_positions_Q])
         rope_k = rope_tables(key_positions, args.head_dim, args.rope_theta, dtype)
