@@ -207,6 +207,11 @@ class TrainConfig:
                                "(inductor's), triton (dflash's kernel: dflash/model/ce_kernel.py) or auto (triton "
                                "where Triton runs, else compiled); the CPU runs it eagerly whatever the setting",
                                choices=("auto", *CE_KERNELS))
+    cast_weights_once: bool = setting(False, "cast the fp32 master weights to bf16 once per optimizer step for all "
+                                      "its micro-batches, and add each micro-batch's weight gradients into the fp32 "
+                                      "gradients in one pass (CUDA; dflash.model.drafter.weights_cast_once): the "
+                                      "same gradients, less memory traffic when train.accum_steps > 1; not yet "
+                                      "timed, so off")
     warm_kernels: bool = setting(True, "compile dflash's own Triton kernels (blockwise attention, the loss pass, "
                                  "AdamW) in background threads at the start, beside the first step's tracing, so "
                                  "their first launch finds them compiled, and start inductor's compile workers "

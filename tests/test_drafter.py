@@ -174,19 +174,27 @@ def test_held_out_passes_reuse_the_compiled_training_graphs():
     assert len(graphs) > trained  # what evaluation_mode avoids
 
 
-@pytest.mark.parametrize("accumulate", [True, False])
+@pytest.mark.parametrize("accumulate, checkpointing", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("seed", range(3))
-def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_each_use(seed, accumulate):
+def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_each_use(seed, accumulate,
+                                                                                          checkpointing):
     """`weights_cast_once`: the layers' matmul weights cast to bf16 once and that cast used by three micro-batches,
     under autocast to bf16 (as the CUDA step runs), give the same loss and the same fp32 gradients, bit for bit and
     laid out as the weights, as autocast's own cast at every use, whether the casts add the gradients into `.grad`
     themselves (`accumulate`) or autograd does; each weight is cast once; nothing is kept after the span, and the
-    next span casts the weights as they are then (after an update)."""
+    next span casts the weights as they are then (after an update); under activation checkpointing too (the
+    recomputed layers take the same casts)."""
+    import functools
+
     from dflash.model.drafter import weights_cast_once
+    from dflash.train.step import checkpointed_forward
 
     torch.manual_seed(seed)
     args = drafter_args("tiny", vocab_size=300, mask_token_id=299)
     model = DFlashDrafter(args)
+    if checkpointing:  # as train.activation_checkpointing wraps them
+        for layer in model.layers:
+            layer.forward = functools.partial(checkpointed_forward, layer.forward)
     generator = torch.Generator().manual_seed(seed)
     batches = []
     for num_context in (20, 33, 47):

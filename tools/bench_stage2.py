@@ -788,9 +788,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(dflash/train/warm_kernels.py, as stage two does): each compiles at its first launch "
                              "(the cold start's baseline)")
     parser.add_argument("--cast-weights-once", action="store_true",
-                        help="each step's micro-batches share one bf16 cast of each layer weight "
-                             "(TrainContext.cast_weights_once, dflash.model.drafter.weights_cast_once) instead of "
-                             "the compiled halves casting the fp32 masters at every micro-batch: the same gradients")
+                        help="train.cast_weights_once: each step's micro-batches share one bf16 cast of each "
+                             "weight and their weight gradients are added into the fp32 ones in one pass "
+                             "(dflash.model.drafter.weights_cast_once) instead of the compiled halves casting the "
+                             "fp32 masters at every micro-batch and autograd casting and adding each gradient: the "
+                             "same gradients")
     parser.add_argument("--no-warm-compile-workers", action="store_true",
                         help="do not start inductor's compile workers before the model is built (dflash/train/"
                              "warm_kernels.start_compile_workers, as stage two does): inductor starts them at its "
@@ -904,7 +906,7 @@ def run(args, argv, dist) -> int:
         ce_kernel.ROW_RESIDENT = args.ce_row_resident
     model, optimizer, wrapped, ctx = build_trainer(config, dist, args.target, args.attention)
     ctx.fold_clip = args.clip == "folded"
-    ctx.cast_weights_once = args.cast_weights_once
+    ctx.cast_weights_once = args.cast_weights_once or config.train.cast_weights_once
     flex_options = flex_kernel_options(ctx.args.head_dim) if device.type == "cuda" else {}  # as masks.attend uses them
     from dflash.model.drafter import count_parameters
 
@@ -914,7 +916,7 @@ def run(args, argv, dist) -> int:
         f"token_budget {config.train.token_budget}, anchor_budget {config.train.anchor_budget}, accum_steps "
         f"{config.train.accum_steps}{' fused' if config.train.fuse_accum else ''}, loss_chunk {config.train.loss_chunk}, "
         f"compile {config.train.compile}, optimizer {type(optimizer).__name__} (clip {args.clip}), "
-        f"{'weights cast once a step, ' if args.cast_weights_once else ''}"
+        f"{'weights cast once a step, ' if ctx.cast_weights_once else ''}"
         f"loss kernel {ctx.loss_kernel}, "
         f"attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
@@ -927,7 +929,7 @@ def run(args, argv, dist) -> int:
                "block_masks": "rule" if args.mask_rule else "tiles", "gathered_keys": args.gather_keys,
                "flex_options": flex_options, "optimizer": type(optimizer).__name__, "clip": args.clip,
                "loss_kernel": ctx.loss_kernel, "compile_workers_started_early": workers_early,
-               "cast_weights_once": args.cast_weights_once,
+               "cast_weights_once": ctx.cast_weights_once,
                **({"ce_row_resident": args.ce_row_resident} if args.ce_row_resident >= 0 else {}),
                "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}

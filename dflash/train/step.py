@@ -44,7 +44,7 @@ class TrainContext:
     distill: str = "kl"
     fold_clip: bool = True  # clip through the optimizer's grad_scale (clip_into_step); False: in place first
     loss_kernel: str = "compiled"  # train.loss_kernel: the cross entropy's pass on CUDA (dflash.model.loss)
-    cast_weights_once: bool = False  # each step's micro-batches share one bf16 cast of each weight (CUDA)
+    cast_weights_once: bool = False  # train.cast_weights_once: one bf16 cast of each weight a step (CUDA)
 
     @property
     def autocast(self):
@@ -116,7 +116,7 @@ def build_context(config: Config, args: DrafterArgs, reader, dist: DistState) ->
                         weights_B=gamma_weights(args.block_size, gamma, device=dist.device),
                         backend=backend, loss_chunk=config.train.loss_chunk, device=dist.device,
                         distill_weight=config.train.distill_weight, distill=config.train.distill,
-                        loss_kernel=loss_kernel)
+                        loss_kernel=loss_kernel, cast_weights_once=config.train.cast_weights_once)
 
 
 def apply_parallelism(model: DFlashDrafter, config: Config, dist: DistState) -> torch.nn.Module:
