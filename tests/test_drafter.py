@@ -136,6 +136,15 @@ def test_compiled_layers_share_one_graph_per_half_and_match_eager():
 
 
 
+def test_compiled_norms_are_one_more_graph_for_both_norms_and_match_eager(monkeypatch):
+    """`drafter.COMPILE_NORMS` (bench_stage2 --compile-norms): the context's norm and the final norm run one compiled
+    `rms_norm`, one graph more for the two (rows dynamic: none for the second shape), equal to eager."""
+    from dflash.model import drafter as drafter_module
+
+    monkeypatch.setattr(drafter_module, "COMPILE_NORMS", True)
+    assert compiled_graph_count(2) == 3
+
+
 def test_held_out_passes_reuse_the_compiled_training_graphs():
     """Compiled graphs are guarded on the grad mode: a held-out pass under no_grad compiled the halves
     again (and flex attention, on the GPU). `evaluation_mode` runs it with gradients on, so it reuses

@@ -205,10 +205,15 @@ def test_small_heads_over_64_key_mask_tiles_equal_dense_sdpa(seed):
     assert_flex_step_equals_dense(batch, device, head_dim=64)
 
 
-def test_compiled_layers_equal_eager_over_one_optimizer_step():
+@pytest.mark.parametrize("norms", [False, True])
+def test_compiled_layers_equal_eager_over_one_optimizer_step(norms, monkeypatch):
     """One `train_step` (two micro-batches, clip, update) each way. Gradient descent at lr 1 makes each
     parameter's update its clipped gradient, so the updates compare the gradients themselves; Adam's
-    first step would turn every near-zero gradient into a +-lr step whose sign is rounding noise."""
+    first step would turn every near-zero gradient into a +-lr step whose sign is rounding noise. With `norms`
+    the model's two norms are compiled too (`drafter.COMPILE_NORMS`)."""
+    from dflash.model import drafter as drafter_module
+
+    monkeypatch.setattr(drafter_module, "COMPILE_NORMS", norms)
     device = torch.device("cuda")
     batches = [micro_batch(10, device), micro_batch(11, device)]
     after = {}

@@ -793,6 +793,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "(dflash.model.drafter.weights_cast_once) instead of the compiled halves casting the "
                              "fp32 masters at every micro-batch and autograd casting and adding each gradient: the "
                              "same gradients")
+    parser.add_argument("--compile-norms", action="store_true",
+                        help="with --compile: the context's norm and the final norm compiled too, one graph for both "
+                             "(dflash.model.drafter.COMPILE_NORMS; eager, each is six passes over its rows)")
     parser.add_argument("--no-warm-compile-workers", action="store_true",
                         help="do not start inductor's compile workers before the model is built (dflash/train/"
                              "warm_kernels.start_compile_workers, as stage two does): inductor starts them at its "
@@ -891,6 +894,9 @@ def run(args, argv, dist) -> int:
     from dflash.model import masks
 
     masks.FLEX_OPTIONS_OVERRIDE.update(args.flex_options)  # before anything compiles flex
+    from dflash.model import drafter as drafter_module
+
+    drafter_module.COMPILE_NORMS = args.compile_norms  # read by compile_layers as the trainer is built
     masks.MASK_TILE_OVERRIDE = args.mask_tile  # the collate options below read it
     if args.blockwise_configs:
         swept = json.loads(Path(args.blockwise_configs).read_text())["best"]
@@ -917,6 +923,7 @@ def run(args, argv, dist) -> int:
         f"{config.train.accum_steps}{' fused' if config.train.fuse_accum else ''}, loss_chunk {config.train.loss_chunk}, "
         f"compile {config.train.compile}, optimizer {type(optimizer).__name__} (clip {args.clip}), "
         f"{'weights cast once a step, ' if ctx.cast_weights_once else ''}"
+        f"{'norms compiled, ' if args.compile_norms else ''}"
         f"loss kernel {ctx.loss_kernel}, "
         f"attention {ctx.backend}, block masks "
         f"{'rule' if args.mask_rule else 'tiles'}{', gathered keys' if args.gather_keys else ''}"
@@ -929,7 +936,7 @@ def run(args, argv, dist) -> int:
                "block_masks": "rule" if args.mask_rule else "tiles", "gathered_keys": args.gather_keys,
                "flex_options": flex_options, "optimizer": type(optimizer).__name__, "clip": args.clip,
                "loss_kernel": ctx.loss_kernel, "compile_workers_started_early": workers_early,
-               "cast_weights_once": ctx.cast_weights_once,
+               "cast_weights_once": ctx.cast_weights_once, "compile_norms": args.compile_norms,
                **({"ce_row_resident": args.ce_row_resident} if args.ce_row_resident >= 0 else {}),
                "drafter": drafter_name, "trainable_params": count_parameters(ctx.args),
                "world_size": dist.world_size, "modes": {}}

@@ -353,8 +353,14 @@ def weights_cast_once(model: nn.Module, dtype: torch.dtype, accumulate: bool | N
 ROW_AXES = {attention_inputs: ((0, 0), (1, 0), (2, 0), (3, 0), (4, 0), (5, 0)), layer_output: ((0, 0), (1, 2))}
 
 
+# The two norms outside the layers (the context's after the feature projection, the final one) compiled too, as one
+# graph (tools/bench_stage2.py --compile-norms; not yet timed, so off): eager, each is six passes over its rows.
+COMPILE_NORMS = False
+
+
 def compile_layers(model: "DFlashDrafter", **compile_options) -> None:
-    """torch.compile the two halves once and give the compiled pair to every layer.
+    """torch.compile the two halves once and give the compiled pair to every layer (and, with `COMPILE_NORMS`,
+    the model's two norms one compiled `rms_norm`).
 
     Their row axes are marked dynamic at every call, so the first micro-batch already compiles the
     shape-generic graph; unmarked, the first shape compiles a static graph and the second a generic one
@@ -371,6 +377,8 @@ def compile_layers(model: "DFlashDrafter", **compile_options) -> None:
                    for fn in (attention_inputs, layer_output))
     for layer in model.layers:
         layer.halves = halves
+    if COMPILE_NORMS:
+        model.norm_fn = rows_dynamic(torch.compile(rms_norm, **compile_options), ((0, 0),))
 
 
 def is_compiled(model: "DFlashDrafter") -> bool:
@@ -396,6 +404,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(args.context_feature_size, args.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.weight_cast: WeightCast | None = None  # set inside `weights_cast_once`, as the layers' is
+        self.norm_fn = rms_norm  # compiled by `compile_layers` under COMPILE_NORMS
         self.init_weights()
 
     @torch.no_grad()
@@ -423,9 +432,10 @@ class DFlashDrafter(nn.Module):
         args = self.args
         dtype = block_embeds_QH.dtype
         if self.weight_cast is not None:  # the features (bf16) meet the fc's bf16 cast: no fp32 copy of them
-            context_TH = self.hidden_norm(F.linear(context_feature_TF, self.weight_cast(self.fc.weight)))
+            projected_TH = F.linear(context_feature_TF, self.weight_cast(self.fc.weight))
         else:
-            context_TH = self.hidden_norm(self.fc(context_feature_TF.to(self.fc.weight.dtype)))
+            projected_TH = self.fc(context_feature_TF.to(self.fc.weight.dtype))
+        context_TH = self.norm_fn(projected_TH, self.hidden_norm.weight, self.hidden_norm.eps)
         rope_q = rope_tables(block_positions_Q, args.head_dim, args.rope_theta, dtype)
         key_positions = torch.cat([context_positions_T, block_positions_Q])
         rope_k = rope_tables(key_positions, args.head_dim, args.rope_theta, dtype)
@@ -438,7 +448,7 @@ class DFlashDrafter(nn.Module):
             hidden_QH = hidden_QH.detach().requires_grad_()
         for layer in self.layers:
             hidden_QH = layer(hidden_QH, context_TH, rope_q, rope_k, masks[layer.layer_type])
-        return self.norm(hidden_QH)
+        return self.norm_fn(hidden_QH, self.norm.weight, self.norm.eps)
 
 
 def block_positions(anchor_pos_A: torch.Tensor, block_size: int) -> torch.Tensor:
