@@ -234,21 +234,25 @@ def test_compiled_layers_equal_eager_over_one_optimizer_step(norms, monkeypatch)
         assert gap < 2e-2, f"parameter {index}: the compiled update differs from eager by {gap:.2e} of its norm"
 
 
+def compiled_step(ctx: TrainContext, batches: list[dict]) -> tuple:
+    """A fresh drafter with compiled layers after one `train_step` over `batches` at lr 1 (plain descent, so each
+    update is the clipped gradient): `(model, mean micro-batch loss, each parameter's update)`."""
+    model = fresh_drafter(ctx.args, ctx.device)
+    before = [p.detach().float().clone() for p in model.parameters()]
+    compile_layers(model)
+    stats = train_step(model, ctx, batches, PlainDescent(model.parameters()), lr=1.0, clip=1.0, step=1)
+    updates = [p.detach().float() - start for p, start in zip(model.parameters(), before)]
+    return model, float(stats.values[0]) / stats.micro_batches, updates
+
+
 def test_a_fused_step_equals_its_micro_batches_one_at_a_time_compiled():
     """train.fuse_accum on the trainer's GPU path (flex from the collate's tiles, compiled layers): two
     micro-batches packed as one give the loss and the update of the two run one after the other."""
     device = torch.device("cuda")
     apart = [micro_batch(20, device), micro_batch(21, device)]
     fused = [micro_batch(0, device, items=random_items(20, group=0) + random_items(21, group=1))]
-    after = {}
-    for name, batches in (("apart", apart), ("fused", fused)):
-        ctx = context("flex", device)
-        model = fresh_drafter(ctx.args, device)
-        before = [p.detach().float().clone() for p in model.parameters()]
-        compile_layers(model)
-        stats = train_step(model, ctx, batches, PlainDescent(model.parameters()), lr=1.0, clip=1.0, step=1)
-        updates = [p.detach().float() - start for p, start in zip(model.parameters(), before)]
-        after[name] = (float(stats.values[0]) / stats.micro_batches, updates)
+    after = {name: compiled_step(context("flex", device), batches)[1:]
+             for name, batches in (("apart", apart), ("fused", fused))}
     assert after["fused"][0] == pytest.approx(after["apart"][0], rel=5e-3)
     for index, (fused_update, apart_update) in enumerate(zip(after["fused"][1], after["apart"][1])):
         gap = (fused_update - apart_update).norm() / apart_update.norm().clamp_min(1e-12)
@@ -269,12 +273,8 @@ def test_weights_cast_once_train_as_casting_at_each_use_compiled():
         counters.clear()
         ctx = context("flex", device)
         ctx.cast_weights_once = once
-        model = fresh_drafter(ctx.args, device)
-        before = [p.detach().float().clone() for p in model.parameters()]
-        compile_layers(model)
-        stats = train_step(model, ctx, batches, PlainDescent(model.parameters()), lr=1.0, clip=1.0, step=1)
-        updates = [p.detach().float() - start for p, start in zip(model.parameters(), before)]
-        after[once] = (float(stats.values[0]) / stats.micro_batches, updates)
+        model, loss, updates = compiled_step(ctx, batches)
+        after[once] = (loss, updates)
         torch.cuda.synchronize()
         trained = counters["stats"]["unique_graphs"]
         held_out, grad_mode = evaluation_mode(model)
