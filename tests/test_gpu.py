@@ -282,10 +282,12 @@ def test_weights_cast_once_train_as_casting_at_each_use_compiled():
             forward_loss(held_out, ctx, batches[0])
         torch.cuda.synchronize()
         assert counters["stats"]["unique_graphs"] == trained, f"cast once {once}: the held-out pass compiled more"
-    assert after[True][0] == pytest.approx(after[False][0], rel=1e-3)
+    # The same bf16 operands; the matmuls may see them in another layout (cuBLAS's order of sums), hence not exact;
+    # one micro-batch's gradients lost or added twice would be a third of the update.
+    assert after[True][0] == pytest.approx(after[False][0], rel=5e-3)
     for index, (once_update, plain_update) in enumerate(zip(after[True][1], after[False][1])):
         gap = (once_update - plain_update).norm() / plain_update.norm().clamp_min(1e-12)
-        assert gap < 1e-3, f"parameter {index}: the update with the weights cast once differs by {gap:.2e}"
+        assert gap < 1e-2, f"parameter {index}: the update with the weights cast once differs by {gap:.2e}"
 
 
 def test_the_compiled_step_compiles_nothing_more_for_micro_batches_of_other_shapes():
