@@ -183,6 +183,21 @@ def test_held_out_passes_reuse_the_compiled_training_graphs():
     assert len(graphs) > trained  # what evaluation_mode avoids
 
 
+def micro_batch_inputs(args, seed: int, dtype=torch.float32) -> list[tuple]:
+    """The drafter's inputs for three random micro-batches (20, 33 and 47 context tokens, 3 anchors each)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for num_context in (20, 33, 47):
+        anchor_pos = torch.sort(torch.randperm(num_context - 2, generator=generator)[:3]).values
+        meta = {"doc_ids": torch.zeros(num_context, dtype=torch.long), "position_ids": torch.arange(num_context),
+                "anchor_doc": torch.zeros(3, dtype=torch.long), "anchor_pos": anchor_pos}
+        masks = build_masks(meta, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
+        batches.append((torch.randn(num_context, args.context_feature_size, generator=generator).to(dtype),
+                        torch.randn(3 * args.block_size, args.hidden_size, generator=generator).to(dtype),
+                        meta["position_ids"], block_positions(anchor_pos, args.block_size), masks))
+    return batches
+
+
 @pytest.mark.parametrize("accumulate, checkpointing", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("seed", range(3))
 def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_each_use(seed, accumulate,
@@ -204,16 +219,7 @@ def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_ea
     if checkpointing:  # as train.activation_checkpointing wraps them
         for layer in model.layers:
             layer.forward = functools.partial(checkpointed_forward, layer.forward)
-    generator = torch.Generator().manual_seed(seed)
-    batches = []
-    for num_context in (20, 33, 47):
-        anchor_pos = torch.sort(torch.randperm(num_context - 2, generator=generator)[:3]).values
-        meta = {"doc_ids": torch.zeros(num_context, dtype=torch.long), "position_ids": torch.arange(num_context),
-                "anchor_doc": torch.zeros(3, dtype=torch.long), "anchor_pos": anchor_pos}
-        masks = build_masks(meta, args.layer_types, args.sliding_window, block_size=args.block_size, backend="dense")
-        batches.append((torch.randn(num_context, args.context_feature_size, generator=generator),
-                        torch.randn(3 * args.block_size, args.hidden_size, generator=generator),
-                        meta["position_ids"], block_positions(anchor_pos, args.block_size), masks))
+    batches = micro_batch_inputs(args, seed)
 
     def step(cast_once: bool):
         model.zero_grad(set_to_none=True)
@@ -240,3 +246,30 @@ def test_weights_cast_once_give_every_micro_batch_the_gradients_of_casting_at_ea
     updated_once, updated_plain = step(True)[1], step(False)[1]  # after an update: the new weights' gradients
     assert all(torch.equal(a, b) for a, b in zip(updated_once, updated_plain))
     assert not all(torch.equal(a, b) for a, b in zip(updated_once, once_grads))
+
+
+def test_weights_cast_once_through_the_compiled_halves_equal_eager_and_compile_nothing_more():
+    """The compiled halves (AOT autograd's joint graph, `aot_eager`) given the once-cast bf16 weights, under autocast
+    as on CUDA: every micro-batch's gradients reach the fp32 weights as eager's do, and the halves stay two graphs."""
+    from torch._dynamo.utils import counters
+
+    from dflash.model.drafter import compile_layers, weights_cast_once
+
+    args = drafter_args("tiny", vocab_size=300, mask_token_id=299)
+    batches = micro_batch_inputs(args, 5, torch.bfloat16)
+    grads = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = DFlashDrafter(args)
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            compile_layers(model, backend="aot_eager")
+        with weights_cast_once(model, torch.bfloat16):
+            for inputs in batches:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    model(*inputs).float().square().mean().backward()
+        grads[compiled] = [p.grad for p in model.parameters()]
+    assert counters["stats"]["unique_graphs"] == 2
+    for compiled_grad, eager_grad in zip(grads[True], grads[False]):
+        torch.testing.assert_close(compiled_grad, eager_grad)
