@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 TOOLS = {
     "bench_stage1": (["--quick"], "## stage one", ("bare", "capture_only", "full")),
-    "bench_stage2": (["--quick", "--cold", "--sample-first-step", "--loader", "--fed-epochs", "3", "--profile",
-                      "{tmp}/trace"],
+    "bench_stage2": (["--quick", "--cold", "--sample-first-step", "--ab", "cast-weights-once", "--ab-rounds", "2",
+                      "--loader", "--fed-epochs", "3", "--profile", "{tmp}/trace"],
                      "## stage two training step", ("modes", "loader", "fed", "profile")),
     "bench_codecs": (["--quick", "--sources", "random-target"], "## codecs", ("sources",)),
     "bench_handoff": (["--quick"], "## hand-off", ("fresh", "slots")),
@@ -68,6 +68,10 @@ def test_bench_stage2_counts_a_cold_start_from_the_process_start_too(tool_runs):
     assert first["process_start_to_first_step_s"] > first["warmup_seconds"][0] > 0
     assert results["compile_workers_started_early"] is False  # --quick: the CPU, no compile
     assert "s from the process's start)" in output
+    ab = first["ab"]  # --ab: base and the variant timed in turn, two rounds each
+    assert list(ab) == ["base", "cast-weights-once"] and ab["base"]["vs_base"] == 1.0
+    assert all(len(row["round_medians_ms"]) == 2 and row["ms_per_step_median"] > 0 for row in ab.values())
+    assert "A/B, alternated in this process" in output
     sampled = first["first_step_sampled"]  # --sample-first-step: where the first step's seconds went
     assert "the first step's main thread, sampled" in output
     assert sampled["samples"] > 0 and any("train_step" in line for line in sampled["tree"])

@@ -460,6 +460,55 @@ def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int, s
     return numbers
 
 
+AB_SWITCHES = ("cast-weights-once", "compile-norms")  # --ab: what a variant may switch on
+
+
+def ab_switches(model, ctx) -> dict:
+    """Each --ab switch: a function that turns it on or off in this process, on the model built once."""
+    from dflash.model.drafter import rms_norm, rows_dynamic
+
+    compiled = []
+
+    def norms(on: bool) -> None:  # as compile_layers does under drafter.COMPILE_NORMS
+        if on and not compiled:
+            compiled.append(rows_dynamic(torch.compile(rms_norm), ((0, 0),)))
+        model.norm_fn = compiled[0] if on else rms_norm
+
+    return {"cast-weights-once": lambda on: setattr(ctx, "cast_weights_once", on), "compile-norms": norms}
+
+
+def measure_ab(name, wrapped, ctx, optimizer, steps, config, num_steps: int, variants: list[str], rounds: int,
+               switches: dict) -> dict:
+    """Variants of the step timed in turn in one process: each (`base`, or switches joined by `+`) warmed on every
+    distinct step, then `rounds` rounds of `num_steps` steps of each in turn, so the machine's state and the data are
+    the same for all and no process is set up twice. Per variant: ms/step (median), tokens/s and MFU over all its
+    rounds, each round's median, and the ratio of its median to base's."""
+    def apply(variant: str) -> None:
+        on = set(variant.split("+"))
+        for switch, turn in switches.items():
+            turn(switch in on)
+
+    for variant in variants:
+        apply(variant)
+        warm_up(f"{name} {variant}", wrapped, ctx, optimizer, steps, config, [])
+    times = {variant: [] for variant in variants}
+    for _ in range(rounds):
+        for variant in variants:
+            apply(variant)
+            times[variant].append(time_steps(wrapped, ctx, optimizer, steps, config, num_steps))
+    apply("base")
+    results = {}
+    for variant, rounds_ms in times.items():
+        summary = summarize_mode(name, ctx, steps, [ms for round_ms in rounds_ms for ms in round_ms],
+                                 num_steps * rounds, [], {})
+        results[variant] = {key: summary[key] for key in ("ms_per_step_median", "ms_per_step_mean", "tokens_per_s",
+                                                          "mfu")}
+        results[variant]["round_medians_ms"] = [float(np.median(round_ms)) for round_ms in rounds_ms]
+    for numbers in results.values():
+        numbers["vs_base"] = numbers["ms_per_step_median"] / results["base"]["ms_per_step_median"]
+    return results
+
+
 def warm_up(name, wrapped, ctx, optimizer, steps, config, warmup_s: list, sampled: dict | None = None) -> None:
     """Runs each distinct step once; with `sampled` (a dict) the first one's main thread is sampled
     (benchlib.StackSampler) and its report printed and kept there."""
@@ -796,6 +845,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--compile-norms", action="store_true",
                         help="with --compile: the context's norm and the final norm compiled too, one graph for both "
                              "(dflash.model.drafter.COMPILE_NORMS; eager, each is six passes over its rows)")
+    parser.add_argument("--ab", type=lambda text: [v.strip() for v in text.split(",") if v.strip()], default=[],
+                        help="after each mode's own timing, time variants of its step in turn in the same process "
+                             "(no second setup, the same machine state): a comma list of variants, each switches "
+                             f"joined by '+' among {', '.join(AB_SWITCHES)}; base (none) is always timed. E.g. "
+                             "--ab cast-weights-once,compile-norms,cast-weights-once+compile-norms")
+    parser.add_argument("--ab-rounds", type=int, default=4,
+                        help="with --ab: rounds of --steps steps per variant, the variants in turn each round")
     parser.add_argument("--no-warm-compile-workers", action="store_true",
                         help="do not start inductor's compile workers before the model is built (dflash/train/"
                              "warm_kernels.start_compile_workers, as stage two does): inductor starts them at its "
@@ -856,6 +912,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.cold_serial and not args.cold:
         parser.error("--cold-serial needs --cold")
+    for variant in args.ab:
+        unknown = set(variant.split("+")) - set(AB_SWITCHES)
+        if unknown:
+            parser.error(f"--ab {variant}: unknown switch {sorted(unknown)[0]!r} (expected {', '.join(AB_SWITCHES)})")
+        if "compile-norms" in variant and not args.compile:
+            parser.error(f"--ab {variant}: compile-norms needs --compile")
+    for switch in ("cast-weights-once", "compile-norms"):  # base must be without them
+        if getattr(args, switch.replace("-", "_")) and any(switch in variant.split("+") for variant in args.ab):
+            parser.error(f"--{switch} with --ab {switch}: the base would have it too")
+    if args.ab and args.steps % args.distinct_steps:
+        parser.error("--ab: --steps must be a multiple of --distinct-steps (each round the same steps)")
     if args.quick:
         args.steps, args.distinct_steps, args.loader_tokens = 1, 1, min(args.loader_tokens, 1_000)
         args.modes = ",".join(m for m in args.modes.split(",") if m != "peer") or "default"
@@ -972,6 +1039,14 @@ def run(args, argv, dist) -> int:
             scale_to_world(numbers, dist)
         say(f"{mode}: {numbers['ms_per_step_median']:,.1f} ms/step, {numbers['tokens_per_s']:,.0f} tokens/s, "
             f"MFU {numbers['mfu']:.3f}, peak {numbers['peak_allocated_gib'] or 0:.1f} GiB allocated", flush=True)
+        if args.ab:
+            numbers["ab"] = measure_ab(mode, wrapped, ctx, optimizer, steps, config, args.steps,
+                                       ["base", *args.ab], args.ab_rounds,
+                                       {switch: turn for switch, turn in ab_switches(model, ctx).items()
+                                        if any(switch in variant.split("+") for variant in args.ab)})
+            say(f"{mode}: A/B, alternated in this process: " + "; ".join(
+                f"{variant} {row['ms_per_step_median']:,.1f} ms ({row['vs_base']:.3f}x base)"
+                for variant, row in numbers["ab"].items()), flush=True)
         profiled_steps = steps  # the profile runs the last mode's steps (already compiled)
         del steps
     if warming:
