@@ -463,15 +463,20 @@ def measure_mode(name, wrapped, ctx, optimizer, steps, config, num_steps: int, s
 AB_SWITCHES = ("cast-weights-once", "compile-norms")  # --ab: what a variant may switch on
 
 
+def ab_switches_used(variants: list[str]) -> set[str]:
+    """The switches some --ab variant turns on (the others stay as the command line set them)."""
+    return {switch for variant in variants for switch in variant.split("+")}
+
+
 def ab_switches(model, ctx) -> dict:
     """Each --ab switch: a function that turns it on or off in this process, on the model built once."""
-    from dflash.model.drafter import rms_norm, rows_dynamic
+    from dflash.model.drafter import compiled_norm, rms_norm
 
     compiled = []
 
     def norms(on: bool) -> None:  # as compile_layers does under drafter.COMPILE_NORMS
         if on and not compiled:
-            compiled.append(rows_dynamic(torch.compile(rms_norm), ((0, 0),)))
+            compiled.append(compiled_norm())
         model.norm_fn = compiled[0] if on else rms_norm
 
     return {"cast-weights-once": lambda on: setattr(ctx, "cast_weights_once", on), "compile-norms": norms}
@@ -916,10 +921,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         unknown = set(variant.split("+")) - set(AB_SWITCHES)
         if unknown:
             parser.error(f"--ab {variant}: unknown switch {sorted(unknown)[0]!r} (expected {', '.join(AB_SWITCHES)})")
-        if "compile-norms" in variant and not args.compile:
+        if "compile-norms" in variant.split("+") and not args.compile:
             parser.error(f"--ab {variant}: compile-norms needs --compile")
-    for switch in ("cast-weights-once", "compile-norms"):  # base must be without them
-        if getattr(args, switch.replace("-", "_")) and any(switch in variant.split("+") for variant in args.ab):
+    for switch in ab_switches_used(args.ab):  # base must be without them
+        if getattr(args, switch.replace("-", "_")):
             parser.error(f"--{switch} with --ab {switch}: the base would have it too")
     if args.ab and args.steps % args.distinct_steps:
         parser.error("--ab: --steps must be a multiple of --distinct-steps (each round the same steps)")
@@ -1043,7 +1048,7 @@ def run(args, argv, dist) -> int:
             numbers["ab"] = measure_ab(mode, wrapped, ctx, optimizer, steps, config, args.steps,
                                        ["base", *args.ab], args.ab_rounds,
                                        {switch: turn for switch, turn in ab_switches(model, ctx).items()
-                                        if any(switch in variant.split("+") for variant in args.ab)})
+                                        if switch in ab_switches_used(args.ab)})
             say(f"{mode}: A/B, alternated in this process: " + "; ".join(
                 f"{variant} {row['ms_per_step_median']:,.1f} ms ({row['vs_base']:.3f}x base)"
                 for variant, row in numbers["ab"].items()), flush=True)

@@ -378,7 +378,12 @@ def compile_layers(model: "DFlashDrafter", **compile_options) -> None:
     for layer in model.layers:
         layer.halves = halves
     if COMPILE_NORMS:
-        model.norm_fn = rows_dynamic(torch.compile(rms_norm, **compile_options), ((0, 0),))
+        model.norm_fn = compiled_norm(**compile_options)
+
+
+def compiled_norm(**compile_options):
+    """`rms_norm` through torch.compile, its rows dynamic from the first call (`COMPILE_NORMS`)."""
+    return rows_dynamic(torch.compile(rms_norm, **compile_options), ((0, 0),))
 
 
 def is_compiled(model: "DFlashDrafter") -> bool:
