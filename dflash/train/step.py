@@ -271,25 +271,26 @@ def evaluate_served(dist: DistState, wrapped, ctx: TrainContext, dataset, collat
     totals = torch.zeros(3, dtype=torch.float64)  # acceptance lengths' sum, verifications, answers
     model, grad_mode = evaluation_mode(wrapped)
     model.eval()
-    for micro_batch in micro_batches:
-        items = [item for item in (dataset[(0, int(i))] for i in micro_batch) if "corrupt" not in item]
-        if not items:
-            continue
-        host = collate(items)
-        with grad_mode, step_weights(model, ctx):  # the training graphs' inputs: bf16 weights when cast once
-            out, valid_AB = forward_loss(model, ctx, to_device(host, ctx.device))
-        lengths_A = served.accepted_lengths(out.correct, valid_AB).cpu().numpy()
-        del out  # its graph (compiled layers) before the next batch's
-        real = int(host["num_real_anchors"])
-        docs, positions = host["anchor_doc"].numpy()[:real], host["anchor_pos"].numpy()[:real]
-        for doc, item in enumerate(items):
-            here = docs == doc
-            walk = served.serve_walk(dict(zip(positions[here].tolist(), lengths_A[:real][here].tolist())),
-                                     served.answer_start(item["loss_mask"]), served.answer_end(item["loss_mask"]),
-                                     tokens)
-            totals += torch.tensor([sum(walk), len(walk), 1], dtype=torch.float64)
-            if walks is not None:
-                walks.append((item["sample_index"], walk))
+    with step_weights(model, ctx):  # the training graphs' inputs (bf16 weights when cast once), cast once for all
+        for micro_batch in micro_batches:
+            items = [item for item in (dataset[(0, int(i))] for i in micro_batch) if "corrupt" not in item]
+            if not items:
+                continue
+            host = collate(items)
+            with grad_mode:
+                out, valid_AB = forward_loss(model, ctx, to_device(host, ctx.device))
+            lengths_A = served.accepted_lengths(out.correct, valid_AB).cpu().numpy()
+            del out  # its graph (compiled layers) before the next batch's
+            real = int(host["num_real_anchors"])
+            docs, positions = host["anchor_doc"].numpy()[:real], host["anchor_pos"].numpy()[:real]
+            for doc, item in enumerate(items):
+                here = docs == doc
+                walk = served.serve_walk(dict(zip(positions[here].tolist(), lengths_A[:real][here].tolist())),
+                                         served.answer_start(item["loss_mask"]),
+                                         served.answer_end(item["loss_mask"]), tokens)
+                totals += torch.tensor([sum(walk), len(walk), 1], dtype=torch.float64)
+                if walks is not None:
+                    walks.append((item["sample_index"], walk))
     model.train()
     if dist.is_distributed:
         totals = totals.to(ctx.device)
@@ -303,13 +304,14 @@ def evaluate(dist: DistState, wrapped, ctx: TrainContext, dataset, collate, micr
     stats = StepStats(ctx.args.block_size, ctx.device)
     model, grad_mode = evaluation_mode(wrapped)
     model.eval()
-    for micro_batch in micro_batches:
-        batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
-        if batch.get("empty"):
-            continue
-        with grad_mode, step_weights(model, ctx):  # the training graphs' inputs: bf16 weights when cast once
-            out, valid_AB = forward_loss(model, ctx, batch)
-        stats.add(out, valid_AB, batch)  # detached
-        del out
+    with step_weights(model, ctx):  # the training graphs' inputs (bf16 weights when cast once), cast once for all
+        for micro_batch in micro_batches:
+            batch = to_device(collate([dataset[(0, int(i))] for i in micro_batch]), ctx.device)
+            if batch.get("empty"):
+                continue
+            with grad_mode:
+                out, valid_AB = forward_loss(model, ctx, batch)
+            stats.add(out, valid_AB, batch)  # detached
+            del out
     model.train()
     return stats.summarize(dist, with_grad_norm=False)
